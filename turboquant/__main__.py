@@ -1,0 +1,5 @@
+import sys
+
+from turboquant.cli import main
+
+sys.exit(main())

@@ -1,0 +1,52 @@
+"""`turboquant` command line: a thin dispatcher that imports a subcommand only when it runs.
+
+Each subcommand is a module with ``main(argv: list[str] | None) -> int``. Listing them here,
+with a one-line summary, keeps ``turboquant --help`` instant: it imports neither MLX model
+code nor Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("turboquant.demo", "run the bundled demo (no network, no server)"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        "usage: turboquant <command> [options]",
+        "",
+        "TurboQuant: data-free LLM compression and a minimal MLX runtime.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "Run `turboquant <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from turboquant import __version__
+
+        print(f"turboquant {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"turboquant: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
