@@ -13,6 +13,9 @@ import sys
 # name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("turboquant.demo", "run the bundled demo (no network, no server)"),
+    "convert": ("turboquant.convert", "convert a Hugging Face checkpoint into a TurboQuant repo"),
+    "verify": ("turboquant.verify", "re-read a TurboQuant repo and check checksums and errors"),
+    "generate": ("turboquant.generate", "generate text from a TurboQuant repo"),
 }
 
 
