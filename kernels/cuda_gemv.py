@@ -1,0 +1,267 @@
+"""CUDA decode GEMV for TurboQuant weights through `mx.fast.cuda_kernel`.
+
+Same algorithm as the reference (sum over groups of scale * sum levels[code] * x_rot),
+arranged so a code costs about two integer instructions:
+
+- the codebook lives in four registers as the low and high bytes of its fp16 levels, and
+  `__byte_perm` looks up four codes at once (a selector nibble is a code: 3 bits index
+  8 bytes; 4-bit codes use two lookups merged by the code's top bit);
+- codes reach the selectors with one mask: 2- and 4-bit codes already sit in nibbles in
+  the stored layout; 3-bit codes are repacked once at load into a 2-bit plane (stored
+  layout) and a 1-bit plane whose bits are pre-placed at nibble bit 2 (`repack_3bit`);
+- products accumulate in half2 over 16 codes, then in fp32 with the group scale;
+- one warp per row pair, each lane one group of 64 codes per step (16-byte code loads).
+
+Rows are padded to a multiple of 64 codes (padding codes meet zero activations).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+GROUP_CODES = 64  # codes a lane handles per step
+ROWS_PER_WARP = 2
+WARPS_PER_BLOCK = 4
+
+_HEADER = r"""
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ void tq_tables(const float* levels, int n, uint32_t t[8]) {
+  // t[0..1]: low bytes of fp16 levels 0..7, t[2..3]: high bytes; t[4..7]: levels 8..15.
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) t[i] = 0;
+  for (int i = 0; i < n; ++i) {
+    unsigned short h = __half_as_ushort(__float2half_rn(levels[i]));
+    int bank = (i / 8) * 4;
+    int j = i % 8;
+    t[bank + j / 4] |= (uint32_t)(h & 0xff) << (8 * (j % 4));
+    t[bank + 2 + j / 4] |= (uint32_t)(h >> 8) << (8 * (j % 4));
+  }
+}
+
+// Four codes (selector nibbles 0..3) -> two half2 of their levels.
+template <int BITS>
+__device__ __forceinline__ void tq_lookup4(const uint32_t t[8], uint32_t sel,
+                                           __half2& a, __half2& b) {
+  uint32_t lo, hi;
+  if (BITS == 4) {
+    uint32_t s = sel & 0x7777u;
+    uint32_t merge = 0x3210u | ((sel & 0x8888u) >> 1);
+    lo = __byte_perm(__byte_perm(t[0], t[1], s), __byte_perm(t[4], t[5], s), merge);
+    hi = __byte_perm(__byte_perm(t[2], t[3], s), __byte_perm(t[6], t[7], s), merge);
+  } else {
+    lo = __byte_perm(t[0], t[1], sel);
+    hi = __byte_perm(t[2], t[3], sel);
+  }
+  uint32_t ua = __byte_perm(lo, hi, 0x5140u);
+  uint32_t ub = __byte_perm(lo, hi, 0x7362u);
+  a = *reinterpret_cast<__half2*>(&ua);
+  b = *reinterpret_cast<__half2*>(&ub);
+}
+
+// Eight codes in selector nibbles 0..7 against eight halves of x.
+template <int BITS>
+__device__ __forceinline__ __half2 tq_dot8(const uint32_t t[8], uint32_t sel, uint4 xv,
+                                           __half2 acc) {
+  __half2 a, b;
+  tq_lookup4<BITS>(t, sel & 0xffffu, a, b);
+  acc = __hfma2(a, *reinterpret_cast<__half2*>(&xv.x), acc);
+  acc = __hfma2(b, *reinterpret_cast<__half2*>(&xv.y), acc);
+  tq_lookup4<BITS>(t, sel >> 16, a, b);
+  acc = __hfma2(a, *reinterpret_cast<__half2*>(&xv.z), acc);
+  acc = __hfma2(b, *reinterpret_cast<__half2*>(&xv.w), acc);
+  return acc;
+}
+
+__device__ __forceinline__ float tq_hsum(__half2 v) {
+  float2 f = __half22float2(v);
+  return f.x + f.y;
+}
+"""
+
+# Inputs: x (pairs' rows of the permuted, padded activations, fp16), codes planes, scales,
+# levels, pair_expert (which expert a pair reads), pair_row (which x row).
+_SOURCE = r"""
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int pair = blockIdx.y;
+  const int row0 = warp * ROWS_PER_WARP;
+  if (row0 >= OUT) return;
+  uint32_t t[8];
+  tq_tables(levels, 1 << BITS, t);
+
+  const int expert = pair_expert[pair];
+  const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)pair_row[pair] * PADDED);
+  constexpr int GROUPS = PADDED / 64;
+  constexpr int NSCALES = PADDED_SCALES;
+  float total[ROWS_PER_WARP];
+  #pragma unroll
+  for (int r = 0; r < ROWS_PER_WARP; ++r) total[r] = 0.f;
+
+  for (int g = lane; g < GROUPS; g += 32) {
+    uint4 xv[8];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) xv[i] = __ldg(xr + g * 8 + i);
+    #pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+      const int row = row0 + r;
+      if (row >= OUT) break;
+      const size_t erow = (size_t)expert * OUT + row;
+      float part[4];
+      if (BITS == 3) {
+        uint4 lo = __ldg(reinterpret_cast<const uint4*>(codes + erow * (PADDED / 16)) + g);
+        uint2 hw = __ldg(reinterpret_cast<const uint2*>(hplane + erow * (PADDED / 32)) + g);
+        uint32_t l4[4] = {lo.x, lo.y, lo.z, lo.w};
+        uint32_t h2[2] = {hw.x, hw.y};
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          uint32_t h = h2[b >> 1];
+          uint32_t he = (b & 1) ? (h << 2) : h;
+          uint32_t ho = (b & 1) ? (h << 1) : (h >> 1);
+          uint32_t se = (l4[b] & 0x33333333u) | (he & 0x44444444u);
+          uint32_t so = ((l4[b] >> 2) & 0x33333333u) | (ho & 0x44444444u);
+          __half2 acc = __float2half2_rn(0.f);
+          acc = tq_dot8<3>(t, se, xv[2 * b], acc);
+          acc = tq_dot8<3>(t, so, xv[2 * b + 1], acc);
+          part[b] = tq_hsum(acc);
+        }
+      } else if (BITS == 2) {
+        uint4 lo = __ldg(reinterpret_cast<const uint4*>(codes + erow * (PADDED / 16)) + g);
+        uint32_t l4[4] = {lo.x, lo.y, lo.z, lo.w};
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          __half2 acc = __float2half2_rn(0.f);
+          acc = tq_dot8<2>(t, l4[b] & 0x33333333u, xv[2 * b], acc);
+          acc = tq_dot8<2>(t, (l4[b] >> 2) & 0x33333333u, xv[2 * b + 1], acc);
+          part[b] = tq_hsum(acc);
+        }
+      } else {
+        const uint4* cr = reinterpret_cast<const uint4*>(codes + erow * (PADDED / 8)) + 2 * g;
+        uint4 c0 = __ldg(cr), c1 = __ldg(cr + 1);
+        uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          __half2 acc = __float2half2_rn(0.f);
+          acc = tq_dot8<4>(t, w8[2 * b], xv[2 * b], acc);
+          acc = tq_dot8<4>(t, w8[2 * b + 1], xv[2 * b + 1], acc);
+          part[b] = tq_hsum(acc);
+        }
+      }
+      const __half* sr = scales + erow * NSCALES;
+      #pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        total[r] += __half2float(sr[(g * 64 + 16 * b) / GS]) * part[b];
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    float v = total[r];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int row = row0 + r;
+    if (lane == 0 && row < OUT) out[(size_t)pair * OUT + row] = (OutT)v;
+  }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="tq_gemv",
+        input_names=["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row"],
+        output_names=["out"],
+        source=_SOURCE,
+        header=_HEADER,
+    )
+
+
+def x_permutation(bits: int, padded: int) -> np.ndarray:
+    """Column order in which the kernel consumes activations for this width."""
+    idx = np.arange(padded)
+    if bits == 4:
+        return idx
+    blocks = idx.reshape(-1, 16)
+    return np.concatenate([blocks[:, 0::2], blocks[:, 1::2]], axis=1).reshape(-1)
+
+
+def _pad_codes(codes: mx.array, padded: int) -> mx.array:
+    """uint8 codes (rows, n) -> (rows, padded), padding with code 0."""
+    n = codes.shape[-1]
+    if n == padded:
+        return codes
+    pad = mx.zeros((*codes.shape[:-1], padded - n), dtype=codes.dtype)
+    return mx.concatenate([codes, pad], axis=-1)
+
+
+def _pack_fields(fields: mx.array, width: int) -> mx.array:
+    """Pack (rows, m, 32 // width) small unsigned fields into uint32 words, field j at width*j."""
+    shifts = mx.arange(fields.shape[-1], dtype=mx.uint32) * width
+    return mx.sum(fields.astype(mx.uint32) << shifts, axis=-1).astype(mx.uint32)
+
+
+def repack(codes_u8: mx.array, bits: int, padded: int) -> tuple[mx.array, mx.array]:
+    """Unpacked codes (rows, n) -> (code plane, 1-bit plane) in the kernel's layout.
+
+    2 and 4 bits: the stored layout (nibble-aligned), 1-bit plane unused.
+    3 bits: low two bits in the 2-bit layout; high bits so that for 16-code block b of a
+    32-code word, nibble k holds [b1 even, b1 odd, b0 even, b0 odd] high bits of code pair k.
+    """
+    c = _pad_codes(codes_u8, padded)
+    rows = c.shape[0]
+    if bits in (2, 4):
+        per = 32 // bits
+        return _pack_fields(c.reshape(rows, -1, per), bits), mx.zeros((1,), mx.uint32)
+    low = _pack_fields((c & 3).reshape(rows, -1, 16), 2)
+    high = (c >> 2).reshape(rows, -1, 2, 8, 2)  # word, block b, pair k, even/odd
+    # bit position inside nibble k: block 0 even -> 2, odd -> 3; block 1 even -> 0, odd -> 1
+    pos = mx.array([[2, 3], [0, 1]], dtype=mx.uint32).reshape(1, 1, 2, 1, 2)
+    k = mx.arange(8, dtype=mx.uint32).reshape(1, 1, 1, 8, 1)
+    bitpos = 4 * k + pos
+    hplane = mx.sum(high.astype(mx.uint32) << bitpos, axis=(2, 3, 4)).astype(mx.uint32)
+    return low, hplane
+
+
+def gemv(
+    x_perm: mx.array,
+    codes: mx.array,
+    hplane: mx.array,
+    scales: mx.array,
+    levels: mx.array,
+    pair_expert: mx.array,
+    pair_row: mx.array,
+    *,
+    bits: int,
+    group_size: int,
+    out_features: int,
+    out_dtype=mx.float16,
+) -> mx.array:
+    """(pairs, out_features): for each pair p, W[pair_expert[p]] @ x[pair_row[p]].
+
+    x_perm: (rows_x, padded) float16, rotated, zero-padded and permuted (`x_permutation`).
+    codes/hplane: from `repack`; scales: (E*out, padded // group_size) float16, padded.
+    """
+    padded = x_perm.shape[-1]
+    pairs = pair_expert.shape[0]
+    warps = -(-out_features // ROWS_PER_WARP)
+    threads = 32 * WARPS_PER_BLOCK
+    grid_x = -(-warps * 32 // threads) * threads
+    return _kernel()(
+        inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row],
+        template=[
+            ("BITS", bits),
+            ("GS", group_size),
+            ("OUT", out_features),
+            ("PADDED", padded),
+            ("PADDED_SCALES", scales.shape[-1]),
+            ("ROWS_PER_WARP", ROWS_PER_WARP),
+            ("OutT", out_dtype),
+        ],
+        grid=(grid_x, pairs, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(pairs, out_features)],
+        output_dtypes=[out_dtype],
+    )[0]
