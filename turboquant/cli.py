@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("turboquant.convert", "convert a Hugging Face checkpoint into a TurboQuant repo"),
     "verify": ("turboquant.verify", "re-read a TurboQuant repo and check checksums and errors"),
     "generate": ("turboquant.generate", "generate text from a TurboQuant repo"),
+    "serve": ("turboquant.serve", "serve a TurboQuant repo over an OpenAI-compatible HTTP API"),
 }
 
 
