@@ -50,12 +50,23 @@ def tq_operands(out_f: int, in_f: int, bits: int, group: int = 64, seed: int = 0
     return codes, low, high, scales
 
 
-def tq_gemv(x_perm, low, high, scales, bits, out_f, group=64):
+def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=cuda_gemv.ROWS_PER_WARP):
     pairs = mx.zeros((1,), dtype=mx.int32)
     return cuda_gemv.gemv(
-        x_perm, low, high, scales, codebook_values(bits), pairs, pairs,
-        bits=bits, group_size=group, out_features=out_f,
+        x, low, high, scales, codebook_values(bits), pairs, pairs,
+        bits=bits, group_size=group, out_features=out_f, rows_per_warp=rows_per_warp,
     )
+
+
+def sweep_rows_per_warp(out_f: int = 28672, in_f: int = 8192) -> None:
+    """Tuning aid: TQ GEMV time against rows handled per warp."""
+    x = mx.random.normal((1, in_f)).astype(mx.float16)
+    for bits in (2, 3, 4):
+        _, low, high, scales = tq_operands(out_f, in_f, bits, seed=bits)
+        for rpw in (2, 4, 8, 16):
+            t = _time(lambda: [tq_gemv(x, low, high, scales, bits, out_f, rows_per_warp=rpw)
+                               for _ in range(PER_EVAL)])
+            print(f"  tq{bits} {out_f}x{in_f} rows/warp {rpw:2d}: {t * 1e6:7.1f} us", flush=True)
 
 
 def check(out_f: int = 512, in_f: int = 1024, group: int = 64) -> dict:
@@ -67,8 +78,7 @@ def check(out_f: int = 512, in_f: int = 1024, group: int = 64) -> dict:
         levels = codebook_values(bits)
         dense = levels[codes.astype(mx.int32)] * mx.repeat(scales.astype(mx.float32), group, axis=1)
         ref = dense @ x.astype(mx.float32)
-        perm = mx.array(cuda_gemv.x_permutation(bits, in_f))
-        got = tq_gemv(x[perm][None], low, high, scales, bits, out_f, group)[0].astype(mx.float32)
+        got = tq_gemv(x[None], low, high, scales, bits, out_f, group)[0].astype(mx.float32)
         errs[bits] = float(mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref)))
     return errs
 
@@ -114,11 +124,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")
     ap.add_argument("--json", help="write results to this file")
+    ap.add_argument("--sweep", action="store_true", help="time rows-per-warp choices first")
     args = ap.parse_args()
     print(f"device: {mx.default_device()}  mlx {mx.__version__}")
     errs = check()
     print("kernel vs reference, max rel. error:", {b: f"{e:.2e}" for b, e in errs.items()})
     results = {"check": errs, "rows": []}
+    if args.sweep:
+        sweep_rows_per_warp()
     if not args.check:
         hdr = f"{'shape':>12} {'bf16':>8} " + " ".join(
             f"{'aff' + str(b):>8} {'tq' + str(b):>8} {'x aff':>6}" for b in (2, 3, 4))

@@ -10,7 +10,9 @@ arranged so a code costs about two integer instructions:
   the stored layout; 3-bit codes are repacked once at load into a 2-bit plane (stored
   layout) and a 1-bit plane whose bits are pre-placed at nibble bit 2 (`repack_3bit`);
 - products accumulate in half2 over 16 codes, then in fp32 with the group scale;
-- one warp per row pair, each lane one group of 64 codes per step (16-byte code loads).
+- one warp per 8 rows (activations loaded once for all), each lane one group of 64 codes
+  per step (16-byte code loads), every load of a step issued before its arithmetic;
+- activations stay in natural order: `repack` permutes the codes instead.
 
 Rows are padded to a multiple of 64 codes (padding codes meet zero activations).
 """
@@ -23,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 GROUP_CODES = 64  # codes a lane handles per step
-ROWS_PER_WARP = 2
+ROWS_PER_WARP = 8
 WARPS_PER_BLOCK = 4
 
 _HEADER = r"""
@@ -96,41 +98,54 @@ _SOURCE = r"""
   const int expert = pair_expert[pair];
   const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)pair_row[pair] * PADDED);
   constexpr int GROUPS = PADDED / 64;
-  constexpr int NSCALES = PADDED_SCALES;
+  
   float total[ROWS_PER_WARP];
   #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) total[r] = 0.f;
 
+  // rows past the end read the last row (always in bounds) and are never stored
+  size_t erow[ROWS_PER_WARP];
+  #pragma unroll
+  for (int r = 0; r < ROWS_PER_WARP; ++r) erow[r] = (size_t)expert * OUT + min(row0 + r, OUT - 1);
+
   for (int g = lane; g < GROUPS; g += 32) {
+    // issue every load of this step before any arithmetic
     uint4 xv[8];
     #pragma unroll
     for (int i = 0; i < 8; ++i) xv[i] = __ldg(xr + g * 8 + i);
+    uint4 cw[ROWS_PER_WARP][BITS == 4 ? 2 : 1];
+    uint2 hw[ROWS_PER_WARP];
     #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
-      const int row = row0 + r;
-      if (row >= OUT) break;
-      const size_t erow = (size_t)expert * OUT + row;
+      if (BITS == 4) {
+        const uint4* cr = reinterpret_cast<const uint4*>(codes + erow[r] * (PADDED / 8)) + 2 * g;
+        cw[r][0] = __ldg(cr);
+        cw[r][BITS == 4 ? 1 : 0] = __ldg(cr + 1);
+      } else {
+        cw[r][0] = __ldg(reinterpret_cast<const uint4*>(codes + erow[r] * (PADDED / 16)) + g);
+      }
+      if (BITS == 3) hw[r] = __ldg(reinterpret_cast<const uint2*>(hplane + erow[r] * (PADDED / 32)) + g);
+    }
+    #pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
       float part[4];
       if (BITS == 3) {
-        uint4 lo = __ldg(reinterpret_cast<const uint4*>(codes + erow * (PADDED / 16)) + g);
-        uint2 hw = __ldg(reinterpret_cast<const uint2*>(hplane + erow * (PADDED / 32)) + g);
-        uint32_t l4[4] = {lo.x, lo.y, lo.z, lo.w};
-        uint32_t h2[2] = {hw.x, hw.y};
+        const uint32_t l4[4] = {cw[r][0].x, cw[r][0].y, cw[r][0].z, cw[r][0].w};
+        const uint32_t h2[2] = {hw[r].x, hw[r].y};
         #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          uint32_t h = h2[b >> 1];
-          uint32_t he = (b & 1) ? (h << 2) : h;
-          uint32_t ho = (b & 1) ? (h << 1) : (h >> 1);
-          uint32_t se = (l4[b] & 0x33333333u) | (he & 0x44444444u);
-          uint32_t so = ((l4[b] >> 2) & 0x33333333u) | (ho & 0x44444444u);
+          const uint32_t h = h2[b >> 1];
+          const uint32_t he = (b & 1) ? (h << 2) : h;
+          const uint32_t ho = (b & 1) ? (h << 1) : (h >> 1);
+          const uint32_t se = (l4[b] & 0x33333333u) | (he & 0x44444444u);
+          const uint32_t so = ((l4[b] >> 2) & 0x33333333u) | (ho & 0x44444444u);
           __half2 acc = __float2half2_rn(0.f);
           acc = tq_dot8<3>(t, se, xv[2 * b], acc);
           acc = tq_dot8<3>(t, so, xv[2 * b + 1], acc);
           part[b] = tq_hsum(acc);
         }
       } else if (BITS == 2) {
-        uint4 lo = __ldg(reinterpret_cast<const uint4*>(codes + erow * (PADDED / 16)) + g);
-        uint32_t l4[4] = {lo.x, lo.y, lo.z, lo.w};
+        const uint32_t l4[4] = {cw[r][0].x, cw[r][0].y, cw[r][0].z, cw[r][0].w};
         #pragma unroll
         for (int b = 0; b < 4; ++b) {
           __half2 acc = __float2half2_rn(0.f);
@@ -139,9 +154,8 @@ _SOURCE = r"""
           part[b] = tq_hsum(acc);
         }
       } else {
-        const uint4* cr = reinterpret_cast<const uint4*>(codes + erow * (PADDED / 8)) + 2 * g;
-        uint4 c0 = __ldg(cr), c1 = __ldg(cr + 1);
-        uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        const uint4 c0 = cw[r][0], c1 = cw[r][BITS == 4 ? 1 : 0];
+        const uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
         #pragma unroll
         for (int b = 0; b < 4; ++b) {
           __half2 acc = __float2half2_rn(0.f);
@@ -150,10 +164,12 @@ _SOURCE = r"""
           part[b] = tq_hsum(acc);
         }
       }
-      const __half* sr = scales + erow * NSCALES;
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        total[r] += __half2float(sr[(g * 64 + 16 * b) / GS]) * part[b];
+      const __half* sr = scales + erow[r] * NSCALES;
+      if (GS == 64) {
+        total[r] += __half2float(sr[g]) * (part[0] + part[1] + part[2] + part[3]);
+      } else {
+        #pragma unroll
+        for (int b = 0; b < 4; ++b) total[r] += __half2float(sr[(g * 64 + 16 * b) / GS]) * part[b];
       }
     }
   }
@@ -212,6 +228,8 @@ def repack(codes_u8: mx.array, bits: int, padded: int) -> tuple[mx.array, mx.arr
     """
     c = _pad_codes(codes_u8, padded)
     rows = c.shape[0]
+    # place the code of activation j where the kernel multiplies activation j
+    c = c[:, mx.array(np.argsort(x_permutation(bits, padded)))]
     if bits in (2, 4):
         per = 32 // bits
         return _pack_fields(c.reshape(rows, -1, per), bits), mx.zeros((1,), mx.uint32)
@@ -238,15 +256,17 @@ def gemv(
     group_size: int,
     out_features: int,
     out_dtype=mx.float16,
+    rows_per_warp: int = ROWS_PER_WARP,
 ) -> mx.array:
     """(pairs, out_features): for each pair p, W[pair_expert[p]] @ x[pair_row[p]].
 
-    x_perm: (rows_x, padded) float16, rotated, zero-padded and permuted (`x_permutation`).
+    x_perm: (rows_x, padded) float16, rotated and zero-padded, in natural order (`repack`
+    already placed each code where the kernel meets its activation).
     codes/hplane: from `repack`; scales: (E*out, padded // group_size) float16, padded.
     """
     padded = x_perm.shape[-1]
     pairs = pair_expert.shape[0]
-    warps = -(-out_features // ROWS_PER_WARP)
+    warps = -(-out_features // rows_per_warp)
     threads = 32 * WARPS_PER_BLOCK
     grid_x = -(-warps * 32 // threads) * threads
     return _kernel()(
@@ -256,8 +276,8 @@ def gemv(
             ("GS", group_size),
             ("OUT", out_features),
             ("PADDED", padded),
-            ("PADDED_SCALES", scales.shape[-1]),
-            ("ROWS_PER_WARP", ROWS_PER_WARP),
+            ("NSCALES", scales.shape[-1]),
+            ("ROWS_PER_WARP", rows_per_warp),
             ("OutT", out_dtype),
         ],
         grid=(grid_x, pairs, 1),
