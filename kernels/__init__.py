@@ -1,1 +1,43 @@
-"""turboquant.kernels"""
+"""turboquant.kernels: TurboQuant decode kernels and their dispatch.
+
+`reference` is pure MLX (the CPU path and the oracle); `dispatch` picks a CUDA or Metal
+kernel when one is registered for the current device, and the reference otherwise.
+"""
+
+from .dispatch import (
+    add_op,
+    backend,
+    describe,
+    get,
+    register,
+    tq_embed,
+    tq_gather,
+    tq_linear,
+)
+from .reference import (
+    dequantize,
+    tq_embedding,
+    tq_gather_matmul,
+    tq_matmul,
+    tq_matvec,
+    unpack,
+    words_per_row,
+)
+
+__all__ = [
+    "add_op",
+    "backend",
+    "dequantize",
+    "describe",
+    "get",
+    "register",
+    "tq_embed",
+    "tq_embedding",
+    "tq_gather",
+    "tq_gather_matmul",
+    "tq_linear",
+    "tq_matmul",
+    "tq_matvec",
+    "unpack",
+    "words_per_row",
+]

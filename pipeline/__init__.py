@@ -1,1 +1,18 @@
-"""turboquant.pipeline"""
+"""turboquant.pipeline: convert Hugging Face checkpoints into TurboQuant repos.
+
+Thin orchestration around `turboquant.stages` (the codec) and `turboquant.manifests`
+(recipes, manifest schema):
+
+    sources.py         local folder / Hub repo: metadata first, shards on demand
+    safetensors_io.py  headers checked against the file; positioned reads; bf16/fp16/fp32
+    plan.py            the metadata-only validation pass: jobs, units, output layout
+    job.py             one job as a plain function: read -> encode -> write (resumable)
+    ledger.py          what is durable: ledgers, partial shards, markers, locks
+    repo.py, card.py   manifest.parquet, index, config.json, tokenizer, README.md
+    convert.py         the conversion without Prefect (validate, run jobs, finish)
+    flow.py            the same as a Prefect 3 flow, one task per job
+    verify.py          re-read a repo: checksums, decoded errors
+    progress.py        tqdm bars driven by the ledgers
+
+Nothing imports this package except the CLI (turboquant.convert, turboquant.verify).
+"""

@@ -1,0 +1,447 @@
+"""KV cache benchmark: TurboQuant against the fp16 cache and mlx-lm's affine QuantizedKVCache.
+
+CPU part (default), on the reference models (reference/models/pystd-dense, pystd-moe):
+
+- quality: reference/heldout.txt cut into context chunks of --ctx tokens, each fed through
+  the cache --step tokens at a time (1 = token-by-token decode). With a small --sink and
+  --window almost every key a query reads is compressed, so the compressed path is what is
+  measured. Per cache: perplexity, its change against the uncompressed cache, mean KL(fp ||
+  cache) of the next-token distributions, and top-1 agreement with the uncompressed cache.
+  mlx-lm's QuantizedKVCache (group 64, kv_bits 8 and 4) runs in the same loop as the peer.
+- retrieval: a constant planted early in a Python file (`FOO_BAR = 1` from two random
+  words, right after the sink tokens, so it is compressed), ~400 tokens of stdlib code,
+  then `print(FOO_` at the end. A hit: the greedy next token is the planted `BAR`'s first
+  token (the tiny reference models copy the first token, rarely the whole name). Compared
+  with the uncompressed cache on the same trials: hit rate, same outcome as fp16, accuracy
+  and log-prob of the value's tokens (teacher forced).
+- bytes of KV per token: fp16, affine 8/4 (group 64, fp16 scale and bias), TurboQuant
+  (packed codes + fp16 norm), for the reference shapes and an 8B shape, and the bytes the
+  benchmark's caches really held at the end of a chunk (sinks and window included).
+
+The models are cast to float32 (MLX's CPU gather_mm needs it for the MoE), so the
+uncompressed baseline cache holds float32; sizes are counted for fp16.
+
+GPU part (--gpu-decode, for the GPU machine): decode tokens/s of an 8B-shaped random
+Llama at 1K-32K context, the fp16 cache against TurboQuant caches. See `gpu_decode`.
+
+Reproduce:
+    .venv/bin/python benchmarks/kv.py                       # CPU, both reference models
+    .venv/bin/python benchmarks/kv.py --models pystd-dense --chunks 2 --trials 10
+    python benchmarks/kv.py --gpu-decode                    # GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {name: ROOT / "reference" / "models" / name for name in ("pystd-dense", "pystd-moe")}
+HELDOUT = ROOT / "reference" / "heldout.txt"
+MAIN_CONFIGS = ("K8V3", "K4V3", "K4V4", "K3V3")
+DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:nc", "K4V3:p2")
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache to measure, parsed from names like "K4V3", "K4V3:nc:p2:w128", "affine4"."""
+
+    name: str
+    kind: str  # "fp16", "affine", "tq"
+    bits_k: int = 16
+    bits_v: int = 16
+    norm_correction: bool = False
+    protect: int = 0
+    window: int | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> "CacheSpec":
+        if name == "fp16":
+            return cls(name, "fp16")
+        if name.startswith("affine"):
+            b = int(name[6:])
+            return cls(name, "affine", b, b)
+        head, *opts = name.split(":")
+        if not (head.startswith("K") and "V" in head):
+            raise ValueError(f"cache spec {name!r}: use fp16, affine8, affine4 or K<b>V<b>[:nc][:p<n>][:w<n>]")
+        bk, bv = head[1:].split("V")
+        kw = {}
+        for o in opts:
+            if o == "nc":
+                kw["norm_correction"] = True
+            elif o.startswith("p"):
+                kw["protect"] = int(o[1:])
+            elif o.startswith("w"):
+                kw["window"] = int(o[1:])
+            else:
+                raise ValueError(f"cache spec {name!r}: unknown option {o!r}")
+        return cls(name, "tq", int(bk), int(bv), **kw)
+
+    def make(self, model, sink: int, window: int):
+        from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+        from turboquant.runtime.kvcache import make_turboquant_cache
+
+        if self.kind == "fp16":
+            return make_prompt_cache(model)
+        if self.kind == "affine":
+            return [QuantizedKVCache(group_size=64, bits=self.bits_k) for _ in model.layers]
+        return make_turboquant_cache(
+            model, bits_k=self.bits_k, bits_v=self.bits_v, sink=sink,
+            window=self.window if self.window is not None else window,
+            protect_layers=self.protect, protect_bits=8, block=16,
+            norm_correction=self.norm_correction,
+        )
+
+
+def load(path: Path):
+    """mlx_lm.load, cast to float32."""
+    from mlx_lm import load as mlx_load
+
+    model, tok = mlx_load(str(path))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, tok
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """(KV layers, KV heads, head dim) from the model's args."""
+    a = model.args
+    heads = getattr(a, "num_key_value_heads", None) or a.num_attention_heads
+    dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    return a.num_hidden_layers, heads, dim
+
+
+# ---------------------------------------------------------------------------- quality
+
+
+def feed(model, tokens: mx.array, cache, step: int) -> mx.array:
+    """Log-probs (T, V) of every position, the tokens fed `step` at a time through `cache`."""
+    out = []
+    for i in range(0, tokens.size, step):
+        logits = model(tokens[None, i : i + step], cache=cache)[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp)
+        out.append(lp)
+    return mx.concatenate(out, axis=0)
+
+
+def quality(model, ids: list[int], specs, *, ctx, chunks, step, sink, window, log) -> dict:
+    """Per spec: nll, kl, top1 agreement, bytes/token held, over `chunks` chunks of `ctx`."""
+    acc = {s.name: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": 0, "secs": 0.0} for s in specs}
+    n_chunks = min(chunks, len(ids) // ctx)
+    for c in range(n_chunks):
+        tokens = mx.array(ids[c * ctx : (c + 1) * ctx])
+        targets = tokens[1:]
+        base = None
+        for s in specs:
+            t0 = time.perf_counter()
+            cache = s.make(model, sink, window)
+            lp = feed(model, tokens, cache, step)[:-1]
+            a = acc[s.name]
+            a["secs"] += time.perf_counter() - t0
+            a["nll"] += -mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+            if base is None:
+                base = lp
+            a["kl"] += mx.sum(mx.exp(base) * (base - lp)).item()
+            a["agree"] += mx.sum(lp.argmax(-1) == base.argmax(-1)).item()
+            a["n"] += targets.size
+            a["bytes"] += sum(x.nbytes for x in cache) / ctx
+        log(f"  chunk {c + 1}/{n_chunks} done")
+    out = {}
+    for name, a in acc.items():
+        n = max(a["n"], 1)
+        out[name] = {
+            "ppl": math.exp(a["nll"] / n),
+            "kl": a["kl"] / n,
+            "agree": a["agree"] / n,
+            "bytes_per_token": a["bytes"] / max(n_chunks, 1),
+            "secs": a["secs"],
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------- retrieval
+
+
+def _words(text: str) -> list[str]:
+    return sorted(set(re.findall(r"\b[a-z]{4,9}\b", text)))
+
+
+def retrieval_prompts(tok, trials: int, length: int, seed: int = 0):
+    """(prompt ids, value ids) pairs: a constant defined early, stdlib code, a use at the end.
+
+        import os
+        <A>_<B> = 1            (two random lower-case words of the held-out text, upper-cased)
+        ... stdlib code up to `length` tokens ...
+        print(<A>_             -> the model should continue with <B>)
+
+    The value's first token cannot be guessed without reading the definition back.
+    """
+    rng = random.Random(seed)
+    text = HELDOUT.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    words = _words(text)
+    out = []
+    for _ in range(trials):
+        a, b = rng.choice(words).upper(), rng.choice(words).upper()
+        head = f"import os\n\n{a}_{b} = 1\n\n"
+        query, value = f"\n\nprint({a}_", f"{b})"
+        start = rng.randrange(0, max(1, len(lines) - 400))
+        filler, n = [], 0
+        budget = length - len(tok.encode(head + query + value))
+        for line in lines[start:]:
+            m = len(tok.encode(line))
+            if n + m > budget:
+                break
+            filler.append(line)
+            n += m
+        prompt = tok.encode(head + "".join(filler) + query)
+        full = tok.encode(head + "".join(filler) + query + value)
+        k = 0  # the tokenizer may merge across the boundary: split where they part
+        while k < min(len(prompt), len(full)) and prompt[k] == full[k]:
+            k += 1
+        out.append((full[:k], full[k:]))
+    return out
+
+
+def seeded(spec: CacheSpec, model, prefix, sink: int, window: int):
+    """A fresh cache of `spec` holding the K/V of an uncompressed prefill (`prefix`).
+
+    The same as prefilling through `spec`'s cache for TurboQuant, whose prefill step
+    attends its own tokens in fp16 and compresses them before the next step; for mlx-lm's
+    affine cache it is its `quantized_kv_start` path (quantize after the prefill).
+    """
+    cache = spec.make(model, sink, window)
+    for c, p in zip(cache, prefix):
+        k, v = p.state[0][:, :, : p.offset], p.state[1][:, :, : p.offset]
+        c.update_and_fetch(k, v)
+    return cache
+
+
+def retrieval(model, tok, specs, prompts, *, sink, window, query_step=16) -> dict:
+    """Per spec: first-token hit rate, same outcome as fp16, value token accuracy, log-prob.
+
+    The prompt is prefilled once, uncompressed; each cache starts from that prefill and
+    then reads the last `query_step` prompt tokens and the value as one step (teacher
+    forcing), so every query of that step reads the definition from the compressed part.
+    A hit: the greedy next token after the prompt is the value's first token.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    res = {s.name: {"hits": 0, "same": 0, "acc": 0.0, "logprob": 0.0} for s in specs}
+    for prompt, value in prompts:
+        seq = mx.array(prompt + value)
+        split = len(prompt) - query_step
+        prefix = make_prompt_cache(model)
+        mx.eval(model(seq[None, :split], cache=prefix))
+        base_hit = None
+        for s in specs:
+            cache = seeded(s, model, prefix, sink, window)
+            logits = model(seq[None, split:], cache=cache)[0].astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lp = lp[query_step - 1 : -1]  # predictions of the value tokens
+            v = mx.array(value)
+            ok = lp.argmax(-1) == v
+            hit = bool(ok[0].item())
+            r = res[s.name]
+            r["hits"] += hit
+            r["acc"] += ok.astype(mx.float32).mean().item()
+            r["logprob"] += mx.take_along_axis(lp, v[:, None], axis=-1).sum().item()
+            if base_hit is None:
+                base_hit = hit
+            r["same"] += hit == base_hit
+    n = max(len(prompts), 1)
+    return {k: {"success": r["hits"] / n, "same_as_fp16": r["same"] / n, "token_acc": r["acc"] / n,
+                "logprob": r["logprob"] / n} for k, r in res.items()}
+
+
+# ---------------------------------------------------------------------------- bytes
+
+
+def bytes_per_token(layers: int, heads: int, dim: int, spec: CacheSpec) -> float:
+    """Bytes of K and V per token, all layers, long-context limit (no sinks or window)."""
+    from turboquant.runtime.kvcache import kv_bytes_per_token
+
+    if spec.kind == "fp16":
+        return layers * heads * 2 * dim * 2
+    if spec.kind == "affine":
+        return layers * heads * 2 * (dim * spec.bits_k / 8 + dim / 64 * 2 * 2)
+    return layers * heads * kv_bytes_per_token(dim, spec.bits_k, spec.bits_v)
+
+
+SHAPE_8B = (32, 8, 128)  # Llama-3-8B: layers, KV heads, head dim
+
+
+# ---------------------------------------------------------------------------- GPU decode
+
+
+def gpu_decode(
+    contexts=(1024, 4096, 16384, 32768),
+    configs=("fp16", "K4V3", "K8V3"),
+    steps: int = 64,
+    layers: int = 32,
+    sink: int = 4,
+    window: int = 128,
+    log=print,
+) -> list[dict]:
+    """Decode tokens/s of an 8B-shaped random Llama (bf16) at each context, per cache.
+
+    The cache is filled by prefilling random tokens (2048 per call, as mlx_lm.generate
+    does), then `steps` greedy tokens are timed (one mx.eval per token, like generation).
+    Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
+    whatever kernel runtime/kv_attention.py has registered, else the pure-MLX reference.
+    """
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
+        head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    rows = []
+    for ctx in contexts:
+        prompt = mx.random.randint(0, args.vocab_size, (ctx,), key=mx.random.key(ctx))
+        row = {"context": ctx}
+        for name in configs:
+            spec = CacheSpec.parse(name)
+            cache = spec.make(model, sink, window)
+            for i in range(0, ctx, 2048):
+                model(prompt[None, i : i + 2048], cache=cache)
+                mx.eval([c.state for c in cache])
+            y = prompt[-1:]
+            for _ in range(3):  # warm up
+                y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
+                mx.eval(y)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
+                mx.eval(y)
+            row[name] = steps / (time.perf_counter() - t0)
+            row[name + ":GB"] = sum(c.nbytes for c in cache) / 1e9
+            del cache
+            mx.clear_cache()
+        log("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+    log("\ndecode tokens/s (ratio to fp16)")
+    log(f"{'context':>8} " + " ".join(f"{c:>18}" for c in configs))
+    for r in rows:
+        cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}" for c in configs]
+        log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _heldout_ids(tok) -> list[int]:
+    return tok.encode(HELDOUT.read_text(encoding="utf-8"))
+
+
+def run_cpu(args, log=print) -> dict:
+    specs = [CacheSpec.parse(c) for c in args.configs]
+    if specs[0].kind != "fp16":
+        specs.insert(0, CacheSpec.parse("fp16"))
+    results = {}
+    for name in args.models:
+        path = Path(args.model_dir) / name if args.model_dir else MODELS.get(name, Path(name))
+        if not (path / "config.json").exists():
+            log(f"skip {name}: no model at {path}")
+            continue
+        log(f"{name}: loading {path}")
+        model, tok = load(path)
+        layers, heads, dim = kv_shape(model)
+        ids = _heldout_ids(tok)
+        t0 = time.perf_counter()
+        q = quality(model, ids, specs, ctx=args.ctx, chunks=args.chunks, step=args.step,
+                    sink=args.sink, window=args.window, log=log)
+        log(f"  quality: {time.perf_counter() - t0:.0f} s")
+        t0 = time.perf_counter()
+        prompts = retrieval_prompts(tok, args.trials, args.retrieval_len)
+        r = retrieval(model, tok, specs, prompts, sink=args.sink, window=args.window)
+        log(f"  retrieval: {len(prompts)} trials, {time.perf_counter() - t0:.0f} s")
+        results[name] = {"shape": (layers, heads, dim), "quality": q, "retrieval": r, "trials": len(prompts)}
+        del model
+        mx.clear_cache()
+    report(results, specs, args, log)
+    return results
+
+
+def report(results: dict, specs, args, log=print):
+    for name, res in results.items():
+        layers, heads, dim = res["shape"]
+        q, r = res["quality"], res["retrieval"]
+        base = q["fp16"]
+        log(f"\n{name}: {layers} layers x {heads} KV heads x head_dim {dim}; ctx {args.ctx}, "
+            f"step {args.step}, sink {args.sink}, window {args.window}; retrieval {res['trials']} trials")
+        log(f"{'cache':<12} {'ppl':>8} {'dppl %':>8} {'KL':>9} {'top1=fp':>8} {'retr':>6} "
+            f"{'=fp':>5} {'tokacc':>6} {'logp':>7} {'B/tok':>8} {'B/tok held':>10} {'x fp16':>7}")
+        fp_bytes = bytes_per_token(layers, heads, dim, specs[0])
+        for s in specs:
+            qs, rs = q[s.name], r[s.name]
+            bpt = bytes_per_token(layers, heads, dim, s)
+            if s.kind == "tq" and s.protect:
+                n8 = min(2 * s.protect, layers)
+                bpt = bpt * (layers - n8) / layers + n8 * bytes_per_token(
+                    1, heads, dim, CacheSpec("", "tq", 8, 8))
+            log(f"{s.name:<12} {qs['ppl']:8.3f} {100 * (qs['ppl'] / base['ppl'] - 1):+8.2f} "
+                f"{qs['kl']:9.5f} {qs['agree']:8.3f} {rs['success']:6.2f} {rs['same_as_fp16']:5.2f} "
+                f"{rs['token_acc']:6.2f} {rs['logprob']:7.2f} {bpt:8.0f} {qs['bytes_per_token']:10.0f} {fp_bytes / bpt:7.2f}")
+    log("\nbytes of KV per token (all layers, long context; TurboQuant without sinks/window)")
+    shapes = {n: res["shape"] for n, res in results.items()}
+    shapes["8B-shaped"] = SHAPE_8B
+    table_specs = [CacheSpec.parse(c) for c in ("fp16", "affine8", "affine4", *MAIN_CONFIGS)]
+    log(f"{'shape':<26} " + " ".join(f"{s.name:>15}" for s in table_specs))
+    for n, (layers, heads, dim) in shapes.items():
+        fp = bytes_per_token(layers, heads, dim, table_specs[0])
+        cells = []
+        for s in table_specs:
+            b = bytes_per_token(layers, heads, dim, s)
+            cells.append(f"{b:7.0f} ({fp / b:4.2f}x)")
+        log(f"{n + f' ({layers}x{heads}x{dim})':<26} " + " ".join(f"{c:>15}" for c in cells))
+    log("\nB/tok: long-context bytes per token; held: what the caches held after a chunk "
+        "(float32 baseline on CPU,\nsinks and window in float32 too); x fp16: fp16 bytes over "
+        "B/tok;\nretr: retrieval hit rate; =fp: same hit/miss as fp16; tokacc, logp: the value's "
+        "tokens, teacher forced")
+    cmd = " ".join([sys.executable.replace(str(ROOT) + "/", ""), "benchmarks/kv.py", *sys.argv[1:]])
+    log(f"reproduce: {cmd}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--model-dir", default=None, help="folder holding the --models (default reference/models)")
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    ap.add_argument("--ctx", type=int, default=512, help="tokens per held-out chunk")
+    ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--step", type=int, default=1, help="tokens per forward step (1: decode)")
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--retrieval-len", type=int, default=400, help="tokens per retrieval prompt")
+    ap.add_argument("--gpu-decode", action="store_true", help="decode tokens/s, 8B shape (GPU machine)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--gpu-configs", nargs="+", default=["fp16", "K4V3", "K8V3"])
+    args = ap.parse_args(argv)
+    if args.gpu_decode:
+        gpu_decode(tuple(args.contexts), tuple(args.gpu_configs))
+        return
+    run_cpu(args)
+
+
+if __name__ == "__main__":
+    main()

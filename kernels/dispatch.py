@@ -1,0 +1,134 @@
+"""Pick a kernel implementation for the current device: CUDA, Metal, or the MLX reference.
+
+A backend module (`kernels/cuda.py`, `kernels/metal.py`) calls `register(backend, op, fn)`
+for the ops it implements, with the reference's signature. `get(op)` returns the backend's
+kernel when `mx.default_device()` is a GPU of that kind and one is registered, and the
+reference otherwise, so a backend may implement only some ops (say, the 4-bit GEMV) and
+fall back for the rest by raising `NotImplementedError`.
+
+Ops: "matvec" (GEMV), "matmul" (GEMM), "gather_matmul" (experts), "embedding" (row decode);
+`add_op(op, reference_fn)` adds another (say, a KV-cache attention kernel) with its
+reference, after which backends can register it too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import mlx.core as mx
+
+from . import reference
+
+MATVEC_MAX_TOKENS = 8  # at or below this many activation rows, use the GEMV path
+
+_REFERENCE: dict[str, Callable] = {
+    "matvec": reference.tq_matvec,
+    "matmul": reference.tq_matmul,
+    "gather_matmul": reference.tq_gather_matmul,
+    "embedding": reference.tq_embedding,
+}
+_TABLE: dict[tuple[str, str], Callable] = {}
+_LOADED: set[str] = set()
+
+
+def ops() -> tuple[str, ...]:
+    return tuple(_REFERENCE)
+
+
+def add_op(op: str, reference_fn: Callable) -> None:
+    """A new kernel op; `reference_fn` is its pure-MLX implementation (the CPU path)."""
+    if op in _REFERENCE and _REFERENCE[op] is not reference_fn:
+        raise ValueError(f"kernel op {op!r} already has a reference implementation")
+    _REFERENCE[op] = reference_fn
+
+
+def register(backend: str, op: str, fn: Callable) -> None:
+    """Make `fn` the `op` kernel on `backend` ("cuda" or "metal")."""
+    if backend not in ("cuda", "metal"):
+        raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'metal'")
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown kernel op {op!r}: one of {ops()} (add_op adds one)")
+    _TABLE[(backend, op)] = fn
+
+
+def unregister(backend: str, op: str) -> None:
+    _TABLE.pop((backend, op), None)
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': where kernels run for `mx.default_device()`."""
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _load_backend(name: str) -> None:
+    """Import kernels/<name>.py once; it registers what it implements."""
+    if name in _LOADED:
+        return
+    _LOADED.add(name)
+    module = f"turboquant.kernels.{name}"
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:  # a backend that exists but cannot import is a real error
+            raise
+
+
+def get(op: str, device_backend: str | None = None) -> Callable:
+    """The kernel for `op` on the current (or given) backend, else the reference."""
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
+    name = device_backend or backend()
+    if name != "cpu":
+        _load_backend(name)
+        fn = _TABLE.get((name, op))
+        if fn is not None:
+            return _with_fallback(fn, _REFERENCE[op])
+    return _REFERENCE[op]
+
+
+def _with_fallback(fn: Callable, ref: Callable) -> Callable:
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError:
+            return ref(*args, **kwargs)
+
+    call.__wrapped__ = fn
+    return call
+
+
+def describe() -> dict[str, str]:
+    """op -> 'backend' or 'reference' for the current device (for logs and docs)."""
+    name = backend()
+    if name != "cpu":
+        _load_backend(name)
+    return {op: (name if (name, op) in _TABLE else "reference") for op in _REFERENCE}
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def tq_linear(x_rot, codes, scales, bits, group_size, out_features, padded_in):
+    """x_rot (..., padded_in) -> (..., out_features): GEMV for few tokens, else GEMM."""
+    tokens = x_rot.size // max(1, x_rot.shape[-1])
+    op = "matvec" if tokens <= MATVEC_MAX_TOKENS else "matmul"
+    return get(op)(x_rot, codes, scales, bits, group_size, out_features, padded_in)
+
+
+def tq_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw):
+    """Gathered experts, like `mx.gather_mm`; see `reference.tq_gather_matmul`."""
+    fn = get("gather_matmul")
+    return fn(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw)
+
+
+def tq_embed(ids, codes, scales, bits, group_size, padded_in):
+    """Decoded rotated rows for token ids, (..., padded_in) float32."""
+    return get("embedding")(ids, codes, scales, bits, group_size, padded_in)

@@ -1,0 +1,144 @@
+"""Metal kernels through `mx.fast.metal_kernel`: the reference's GEMV, fused.
+
+One simdgroup (32 threads) per output row and activation row. Lane l takes groups
+l, l + 32, ...; per group it sums levels[code] * x over the group, multiplies the sum by
+the group's scale (the reference's order: scales apply to group sums), and the lanes
+reduce with `simd_sum`. Codes are unpacked in registers exactly as docs/FORMAT.md lays
+them out, so no dense weight ever exists. The gathered variant is the same kernel with
+the row block chosen per (token, expert) pair.
+
+Registered for "matvec" and, for few pairs, "gather_matmul"; GEMM (prefill) and large
+gathers fall back to the reference, which on a Metal device runs as MLX GPU ops.
+Importing this module off macOS is harmless: nothing registers without Metal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from . import dispatch, reference
+
+HEADER = """
+template <int BITS, typename P>
+inline uint tq_code(P w, uint k) {
+    if (BITS == 2 || BITS == 4) {
+        const uint per = 32u / uint(BITS);
+        return (uint(w[k / per]) >> ((k % per) * uint(BITS))) & ((1u << uint(BITS)) - 1u);
+    } else if (BITS == 3) {
+        uint bit = 3u * (k % 32u);
+        uint wi = (k / 32u) * 3u + bit / 32u;
+        uint off = bit % 32u;
+        uint v = uint(w[wi]) >> off;
+        if (off > 29u) {
+            v |= uint(w[wi + 1u]) << (32u - off);
+        }
+        return v & 7u;
+    } else {  // ternary: 20 base-3 digits a word, least significant first
+        uint word = uint(w[k / 20u]);
+        uint d = k % 20u;
+        for (uint i = 0u; i < d; ++i) {
+            word /= 3u;
+        }
+        return word % 3u;
+    }
+}
+"""
+
+SOURCE = """
+    uint lane = thread_index_in_simdgroup;
+    uint row = threadgroup_position_in_grid.x;
+    uint m = thread_position_in_grid.y;
+    uint t = thread_position_in_grid.z;
+    uint e = GATHER ? uint(indices[t]) : 0u;
+    size_t r = size_t(e) * NROWS + row;
+    auto crow = codes + r * NWORDS;
+    auto srow = scales + r * NGROUPS;
+    auto xrow = x + (size_t(t) * MROWS + m) * KDIM;
+    float acc = 0.0f;
+    for (uint g = lane; g < uint(NGROUPS); g += 32u) {
+        float part = 0.0f;
+        for (uint j = 0u; j < uint(GSIZE); ++j) {
+            uint k = g * uint(GSIZE) + j;
+            part += float(levels[tq_code<BITS>(crow, k)]) * float(xrow[k]);
+        }
+        acc += float(srow[g]) * part;
+    }
+    acc = simd_sum(acc);
+    if (lane == 0u) {
+        y[(size_t(t) * MROWS + m) * NROWS + row] = acc;
+    }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.metal_kernel(
+        name="tq_gemv",
+        input_names=["x", "codes", "scales", "levels", "indices"],
+        output_names=["y"],
+        source=SOURCE,
+        header=HEADER,
+    )
+
+
+def _bits_arg(bits) -> int:
+    return 0 if bits == "ternary" else int(bits)
+
+
+def _launch(x, codes, scales, indices, bits, group_size, out_features, padded_in, gather):
+    """x (T, M, K) float32 -> (T, M, N) float32."""
+    t, m, _ = x.shape
+    (y,) = _kernel()(
+        inputs=[x, codes, scales, reference.levels(bits), indices],
+        template=[
+            ("BITS", _bits_arg(bits)),
+            ("GATHER", gather),
+            ("NROWS", out_features),
+            ("NWORDS", codes.shape[-1]),
+            ("NGROUPS", padded_in // group_size),
+            ("GSIZE", group_size),
+            ("KDIM", padded_in),
+            ("MROWS", m),
+        ],
+        grid=(32 * out_features, m, t),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(t, m, out_features)],
+        output_dtypes=[mx.float32],
+    )
+    return y
+
+
+def tq_matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):
+    reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in)
+    lead = x_rot.shape[:-1]
+    x = x_rot.astype(mx.float32).reshape(1, -1, padded_in)
+    dummy = mx.zeros((1,), dtype=mx.uint32)
+    y = _launch(x, codes, scales, dummy, bits, group_size, out_features, padded_in, False)
+    return y.reshape(*lead, out_features).astype(x_rot.dtype)
+
+
+def tq_gather_matmul(
+    x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_
+):
+    reference.check_args(
+        x_rot, codes, scales, bits, group_size, out_features, padded_in, experts=True
+    )
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    m = x_rot.shape[-2]
+    pairs = 1
+    for b in batch:
+        pairs *= b
+    if pairs == 0 or pairs * m > reference.GATHER_MAX_ROWS:
+        raise NotImplementedError  # many pairs: the reference groups them by expert
+    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs, m, padded_in)
+    idx = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.uint32)
+    y = _launch(x.astype(mx.float32), codes, scales, idx, bits, group_size, out_features,
+                padded_in, True)
+    return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
+
+
+if mx.metal.is_available():
+    dispatch.register("metal", "matvec", tq_matvec)
+    dispatch.register("metal", "gather_matmul", tq_gather_matmul)

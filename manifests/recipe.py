@@ -1,0 +1,416 @@
+"""Per-family conversion recipes: TOML data files in manifests/recipes/, and their loader.
+
+A recipe says, for every tensor name of a model family, whether it is coded (and at how
+many bits), kept in its source dtype, dropped, or split first (fused expert layouts).
+`load_recipe` validates a file and names the bad key; `Recipe.resolve` answers for one
+tensor; `Recipe.with_overrides` applies command-line options; `Recipe.hash` identifies the
+resolved recipe (with the format version) for resume and caching. See docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .schema import FORMAT_VERSION
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+ROLES = ("attention", "mlp", "expert", "shared_expert", "embeddings", "lm_head")
+LAYER_ROLES = ("attention", "mlp", "expert", "shared_expert")
+BITS = (2, 3, 4, "ternary")
+GROUP_SIZES = (32, 64, 128)
+# precision order, for "at least this many bits"
+_RANK = {"ternary": 1, 2: 2, 3: 3, 4: 4, "raw": 99}
+
+
+class RecipeError(ValueError):
+    """A recipe file (or override) is invalid; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What happens to one tensor: codec "turboquant" / "ternary" / "raw", or dropped."""
+
+    action: str  # "quantize", "keep", "drop"
+    role: str | None = None
+    bits: int | str | None = None  # 2, 3, 4, "ternary"; None unless quantized
+    group_size: int | None = None
+    rule: str | None = None  # the pattern that decided it
+
+    @property
+    def codec(self) -> str:
+        if self.action != "quantize":
+            return "raw"
+        return "ternary" if self.bits == "ternary" else "turboquant"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A fused stacked tensor `<prefix>.experts.<suffix>` (E, ...) split per expert."""
+
+    match: str
+    into: tuple[str, ...]
+    interleaved: bool
+    transpose: bool
+
+
+class Recipe:
+    """A validated recipe. `data` is the plain dict (what gets hashed and recorded)."""
+
+    def __init__(self, data: dict, source: str):
+        self.data = data
+        self.source = source
+        self._keep = [re.compile(p) for p in data["keep"]]
+        self._drop = [re.compile(p) for p in data["drop"]]
+        self._rules = [(re.compile(r["match"]), r) for r in data["rules"]]
+        self._unsupported = [(re.compile(u["match"]), u["reason"]) for u in data["unsupported"]]
+        self.splits = [
+            (re.compile(s["match"]), Split(s["match"], tuple(s["into"]), s["interleaved"],
+                                           s["transpose"]))
+            for s in data["split"]
+        ]
+
+    # --- identity -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def model_types(self) -> list[str]:
+        return self.data["model_types"]
+
+    @property
+    def bits(self) -> int | str:
+        return self.data["quant"]["bits"]
+
+    @property
+    def group_size(self) -> int:
+        return self.data["quant"]["group_size"]
+
+    @property
+    def model_seed(self) -> int:
+        return self.data["quant"]["model_seed"]
+
+    @property
+    def refit(self) -> bool:
+        return self.data["quant"]["refit"]
+
+    @property
+    def drop_extra_layers(self) -> bool:
+        return self.data["drop_extra_layers"]
+
+    def hash(self) -> str:
+        """sha256 of the resolved recipe and the format version (hex)."""
+        blob = json.dumps({"format_version": FORMAT_VERSION, "recipe": self.data},
+                          sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    # --- decisions ------------------------------------------------------------------
+    def unsupported(self, name: str) -> str | None:
+        for rx, reason in self._unsupported:
+            if rx.search(name):
+                return reason
+        return None
+
+    def split_for(self, name: str) -> Split | None:
+        for rx, split in self.splits:
+            if rx.search(name):
+                return split
+        return None
+
+    def resolve(self, name: str, layer: int | None = None, num_layers: int | None = None
+                ) -> Resolution | None:
+        """The decision for tensor `name` (None: no pattern matches it)."""
+        for rx in self._drop:
+            if rx.search(name):
+                return Resolution("drop", rule=rx.pattern)
+        for rx in self._keep:
+            if rx.search(name):
+                return Resolution("keep", rule=rx.pattern)
+        for rx, rule in self._rules:
+            if rx.search(name):
+                return self._quantize(rule, layer, num_layers)
+        return None
+
+    def _quantize(self, rule: dict, layer: int | None, num_layers: int | None) -> Resolution:
+        role = rule["role"]
+        table = self.data["bits"]
+        bits = rule.get("bits", table.get(role, self.bits))
+        if rule.get("down_proj") and "down_proj" in table and "bits" not in rule:
+            bits = table["down_proj"]
+        protect = self.data["protect"]
+        if (
+            bits != "raw"
+            and layer is not None
+            and num_layers
+            and role in protect["roles"]
+            and (layer < protect["first_layers"] or layer >= num_layers - protect["last_layers"])
+            and _RANK[protect["bits"]] > _RANK[bits]
+        ):
+            bits = protect["bits"]
+        if bits == "raw":
+            return Resolution("keep", role=role, rule=rule["match"])
+        group = rule.get("group_size", self.group_size)
+        return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"])
+
+    # --- overrides ------------------------------------------------------------------
+    def with_overrides(self, **overrides) -> "Recipe":
+        """A new recipe with command-line overrides applied (None values are ignored).
+
+        bits: default bits of attention, dense MLP and shared experts (clears their
+        per-role entries); expert_bits, down_proj_bits, embeddings_bits, lm_head_bits;
+        group_size; model_seed; protect_layers (first and last N); protect_bits.
+        """
+        data = copy.deepcopy(self.data)
+        where = f"{self.source} (command-line override)"
+        ov = {k: v for k, v in overrides.items() if v is not None}
+        known = {"bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_head_bits",
+                 "group_size", "model_seed", "protect_layers", "protect_bits", "refit"}
+        for k in ov:
+            if k not in known:
+                raise RecipeError(f"{where}: unknown override {k!r}")
+        if "bits" in ov:
+            data["quant"]["bits"] = _check_bits(ov["bits"], "--bits", where)
+            for role in ("attention", "mlp", "shared_expert"):
+                data["bits"].pop(role, None)
+        for key, role in (("expert_bits", "expert"), ("down_proj_bits", "down_proj"),
+                          ("embeddings_bits", "embeddings"), ("lm_head_bits", "lm_head")):
+            if key in ov:
+                data["bits"][role] = _check_bits(ov[key], "--" + key.replace("_", "-"), where,
+                                                 allow_raw=True)
+        if "group_size" in ov:
+            data["quant"]["group_size"] = _check_group(ov["group_size"], "--group-size", where)
+        if "model_seed" in ov:
+            data["quant"]["model_seed"] = _check_int(ov["model_seed"], "--model-seed", where,
+                                                     0, 2**64 - 1)
+        if "refit" in ov:
+            data["quant"]["refit"] = bool(ov["refit"])
+        if "protect_layers" in ov:
+            n = _check_int(ov["protect_layers"], "--protect-layers", where, 0, 1 << 20)
+            data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
+        if "protect_bits" in ov:
+            data["protect"]["bits"] = _check_bits(ov["protect_bits"], "--protect-bits", where)
+        return Recipe(validate(data, where), self.source)
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Load a bundled recipe by name (e.g. "llama") or a TOML file by path."""
+    p = Path(name_or_path)
+    if p.suffix != ".toml" and not p.exists():
+        p = RECIPES_DIR / f"{name_or_path}.toml"
+        if not p.exists():
+            raise RecipeError(
+                f"unknown recipe {str(name_or_path)!r}: bundled recipes are "
+                f"{', '.join(list_recipes())}, or pass the path of a .toml file"
+            )
+    try:
+        with open(p, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{p}: not valid TOML ({e})") from None
+    return Recipe(validate(raw, str(p)), str(p))
+
+
+def recipe_for_model_type(model_type: str | None, config_file: str = "config.json") -> Recipe:
+    """The bundled recipe whose `model_types` lists `model_type`."""
+    for name in list_recipes():
+        r = load_recipe(name)
+        if model_type in r.model_types:
+            return r
+    known = sorted(t for n in list_recipes() for t in load_recipe(n).model_types)
+    raise RecipeError(
+        f"{config_file}: unknown architecture model_type={model_type!r}: no bundled recipe "
+        f"covers it (known: {', '.join(known)}); pass --recipe NAME or --recipe path/to.toml"
+    )
+
+
+# ------------------------------------------------------------------------ validation
+
+_TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
+        "rules", "split", "unsupported", "drop_extra_layers"}
+_QUANT = {"bits", "group_size", "model_seed", "refit"}
+_PROTECT = {"first_layers", "last_layers", "bits", "roles"}
+_RULE = {"match", "role", "bits", "group_size", "down_proj"}
+_SPLIT = {"match", "into", "interleaved", "transpose"}
+_UNSUPPORTED = {"match", "reason"}
+
+
+def validate(raw: Any, where: str) -> dict:
+    """Check a recipe's structure and values; return it with defaults filled in."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: a recipe is a table of keys")
+    _unknown(raw, _TOP, where, "")
+    data: dict = {}
+    data["name"] = _check_str(raw.get("name"), "name", where)
+    data["description"] = raw.get("description", "")
+    if not isinstance(data["description"], str):
+        raise RecipeError(f"{where}: key 'description' must be a string")
+    mt = raw.get("model_types")
+    if not isinstance(mt, list) or not mt or not all(isinstance(x, str) and x for x in mt):
+        raise RecipeError(f"{where}: key 'model_types' must be a non-empty list of strings")
+    data["model_types"] = list(mt)
+    data["drop_extra_layers"] = raw.get("drop_extra_layers", False)
+    if not isinstance(data["drop_extra_layers"], bool):
+        raise RecipeError(f"{where}: key 'drop_extra_layers' must be true or false")
+    for key in ("keep", "drop"):
+        data[key] = [_check_regex(p, f"{key}[{i}]", where)
+                     for i, p in enumerate(_check_list(raw.get(key, []), key, where))]
+
+    quant = raw.get("quant")
+    if not isinstance(quant, dict):
+        raise RecipeError(f"{where}: missing table [quant] (bits, group_size)")
+    _unknown(quant, _QUANT, where, "quant.")
+    data["quant"] = {
+        "bits": _check_bits(quant.get("bits"), "quant.bits", where),
+        "group_size": _check_group(quant.get("group_size", 64), "quant.group_size", where),
+        "model_seed": _check_int(quant.get("model_seed", 0), "quant.model_seed", where, 0,
+                                 2**64 - 1),
+        "refit": _check_bool(quant.get("refit", True), "quant.refit", where),
+    }
+
+    bits = raw.get("bits", {})
+    if not isinstance(bits, dict):
+        raise RecipeError(f"{where}: key 'bits' must be a table")
+    _unknown(bits, set(ROLES) | {"down_proj"}, where, "bits.")
+    data["bits"] = {k: _check_bits(v, f"bits.{k}", where, allow_raw=True)
+                    for k, v in bits.items()}
+
+    protect = raw.get("protect", {})
+    if not isinstance(protect, dict):
+        raise RecipeError(f"{where}: key 'protect' must be a table")
+    _unknown(protect, _PROTECT, where, "protect.")
+    roles = _check_list(protect.get("roles", list(LAYER_ROLES)), "protect.roles", where)
+    for r in roles:
+        if r not in LAYER_ROLES:
+            raise RecipeError(f"{where}: key 'protect.roles': unknown role {r!r} "
+                              f"(use {', '.join(LAYER_ROLES)})")
+    data["protect"] = {
+        "first_layers": _check_int(protect.get("first_layers", 0), "protect.first_layers",
+                                   where, 0, 1 << 20),
+        "last_layers": _check_int(protect.get("last_layers", 0), "protect.last_layers",
+                                  where, 0, 1 << 20),
+        "bits": _check_bits(protect.get("bits", 4), "protect.bits", where),
+        "roles": list(roles),
+    }
+
+    data["rules"] = []
+    for i, rule in enumerate(_check_list(raw.get("rules", []), "rules", where)):
+        key = f"rules[{i}]"
+        if not isinstance(rule, dict):
+            raise RecipeError(f"{where}: {key} must be a table")
+        _unknown(rule, _RULE, where, key + ".")
+        r = {"match": _check_regex(rule.get("match"), key + ".match", where)}
+        role = rule.get("role")
+        if role not in ROLES:
+            raise RecipeError(f"{where}: key '{key}.role' must be one of {', '.join(ROLES)}, "
+                              f"got {role!r}")
+        r["role"] = role
+        if "bits" in rule:
+            r["bits"] = _check_bits(rule["bits"], key + ".bits", where, allow_raw=True)
+        if "group_size" in rule:
+            r["group_size"] = _check_group(rule["group_size"], key + ".group_size", where)
+        r["down_proj"] = _check_bool(rule.get("down_proj", False), key + ".down_proj", where)
+        data["rules"].append(r)
+    if not data["rules"]:
+        raise RecipeError(f"{where}: key 'rules' must list at least one [[rules]] table")
+
+    data["split"] = []
+    for i, s in enumerate(_check_list(raw.get("split", []), "split", where)):
+        key = f"split[{i}]"
+        if not isinstance(s, dict):
+            raise RecipeError(f"{where}: {key} must be a table")
+        _unknown(s, _SPLIT, where, key + ".")
+        into = _check_list(s.get("into"), key + ".into", where)
+        if not into or not all(isinstance(x, str) and x for x in into):
+            raise RecipeError(f"{where}: key '{key}.into' must be a non-empty list of names")
+        data["split"].append({
+            "match": _check_regex(s.get("match"), key + ".match", where),
+            "into": list(into),
+            "interleaved": _check_bool(s.get("interleaved", False), key + ".interleaved", where),
+            "transpose": _check_bool(s.get("transpose", False), key + ".transpose", where),
+        })
+
+    data["unsupported"] = []
+    for i, u in enumerate(_check_list(raw.get("unsupported", []), "unsupported", where)):
+        key = f"unsupported[{i}]"
+        if not isinstance(u, dict):
+            raise RecipeError(f"{where}: {key} must be a table")
+        _unknown(u, _UNSUPPORTED, where, key + ".")
+        data["unsupported"].append({
+            "match": _check_regex(u.get("match"), key + ".match", where),
+            "reason": _check_str(u.get("reason"), key + ".reason", where),
+        })
+    return data
+
+
+def _unknown(table: dict, allowed: set, where: str, prefix: str) -> None:
+    for k in table:
+        if k not in allowed:
+            raise RecipeError(f"{where}: unknown key '{prefix}{k}' (allowed: "
+                              f"{', '.join(sorted(allowed))})")
+
+
+def _check_str(v, key, where) -> str:
+    if not isinstance(v, str) or not v:
+        raise RecipeError(f"{where}: key '{key}' must be a non-empty string, got {v!r}")
+    return v
+
+
+def _check_list(v, key, where) -> list:
+    if not isinstance(v, list):
+        raise RecipeError(f"{where}: key '{key}' must be a list, got {v!r}")
+    return v
+
+
+def _check_regex(v, key, where) -> str:
+    _check_str(v, key, where)
+    try:
+        re.compile(v)
+    except re.error as e:
+        raise RecipeError(f"{where}: key '{key}': bad regular expression {v!r} ({e})") from None
+    return v
+
+
+def _check_bool(v, key, where) -> bool:
+    if not isinstance(v, bool):
+        raise RecipeError(f"{where}: key '{key}' must be true or false, got {v!r}")
+    return v
+
+
+def _check_int(v, key, where, lo, hi) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RecipeError(f"{where}: key '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _check_bits(v, key, where, allow_raw: bool = False):
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    ok = (v in BITS and not isinstance(v, bool)) or (allow_raw and v == "raw")
+    if not ok:
+        allowed = "2, 3, 4, \"ternary\"" + (' or "raw"' if allow_raw else "")
+        raise RecipeError(f"{where}: key '{key}' must be one of {allowed}, got {v!r}")
+    return v
+
+
+def _check_group(v, key, where) -> int:
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    if isinstance(v, bool) or v not in GROUP_SIZES:
+        raise RecipeError(f"{where}: key '{key}' must be one of 32, 64, 128, got {v!r}")
+    return v

@@ -1,0 +1,72 @@
+"""The schema of a TurboQuant repo's `manifest.parquet` (docs/FORMAT.md), shared by the
+pipeline (writer) and the runtime (reader). No Prefect, no MLX: pyarrow only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FORMAT_VERSION = 1
+QUANT_METHOD = "turboquant"
+MANIFEST_FILE = "manifest.parquet"
+INDEX_FILE = "model.safetensors.index.json"
+CODES_SUFFIX = ".tq_codes"
+SCALES_SUFFIX = ".tq_scales"
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("name", pa.string()),
+        ("source_name", pa.string()),
+        ("source_shard", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("source_dtype", pa.string()),
+        ("codec", pa.string()),
+        ("bits", pa.int8()),
+        ("group_size", pa.int32()),
+        ("seed", pa.uint64()),
+        ("padded_in", pa.int64()),
+        ("shard", pa.string()),
+        ("byte_start", pa.int64()),
+        ("byte_end", pa.int64()),
+        ("checksum", pa.string()),
+        ("rel_mse", pa.float64()),
+        ("bits_per_weight", pa.float64()),
+        ("layer", pa.int32()),
+        ("expert", pa.int32()),
+    ],
+    metadata={"format": QUANT_METHOD, "format_version": str(FORMAT_VERSION)},
+)
+COLUMNS = MANIFEST_SCHEMA.names
+
+
+def stored_names(name: str, codec: str) -> list[str]:
+    """Tensor names in the shards for a manifest row's `name` (codes+scales, or itself)."""
+    if codec == "raw":
+        return [name]
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return [base + CODES_SUFFIX, base + SCALES_SUFFIX]
+
+
+def write_manifest(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write rows (dicts with every column) as manifest.parquet, deterministically."""
+    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"manifest rows lack columns {missing}")
+    table = pa.Table.from_pylist([{c: r[c] for c in COLUMNS} for r in rows],
+                                 schema=MANIFEST_SCHEMA)
+    pq.write_table(table, str(path), compression="zstd", write_statistics=False)
+
+
+def read_manifest(repo: str | os.PathLike) -> pa.Table:
+    """manifest.parquet of a repo folder (or the file itself), checked against the schema."""
+    p = Path(repo)
+    if p.is_dir():
+        p = p / MANIFEST_FILE
+    table = pq.read_table(str(p))
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{p}: manifest lacks columns {missing}")
+    return table

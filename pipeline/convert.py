@@ -1,0 +1,375 @@
+"""Conversion as plain functions: validate -> prepare the output -> run jobs -> repo files.
+
+`convert(options)` runs the whole thing without Prefect; `turboquant.pipeline.flow` wraps
+the same steps as a Prefect flow with one task per job. Jobs run in worker processes
+(`workers` of them; MLX is used from one thread per process) or, with `in_process`, one
+after the other in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
+
+from .errors import ConversionError, OutputError
+from .job import JobContext, JobResult, SourceSpec, run_job
+from .ledger import FileLock, WorkDir
+from .plan import GB, Job, Plan, build_plan
+from .repo import RepoSummary, write_repo_files
+from .sources import HubSource, LocalSource, Source, is_aux_file, open_source
+
+
+@dataclass
+class ConvertOptions:
+    source: str
+    output: str
+    recipe: str | None = None
+    bits: int | str | None = None
+    group_size: int | None = None
+    expert_bits: int | str | None = None
+    down_proj_bits: int | str | None = None
+    embeddings_bits: int | str | None = None
+    lm_head_bits: int | str | None = None
+    protect_layers: int | None = None
+    model_seed: int | None = None
+    revision: str | None = None
+    workers: int = 1
+    in_process: bool = False
+    fresh: bool = False
+    delete_source: bool = False
+    min_job_bytes: int = 1 * GB
+    max_job_bytes: int = 5 * GB
+    progress: bool = True
+    check_disk: bool = True
+
+    def overrides(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "expert_bits": self.expert_bits,
+                "down_proj_bits": self.down_proj_bits, "embeddings_bits": self.embeddings_bits,
+                "lm_head_bits": self.lm_head_bits, "protect_layers": self.protect_layers,
+                "model_seed": self.model_seed}
+
+
+@dataclass
+class Prepared:
+    options: ConvertOptions
+    source: Source
+    plan: Plan
+    work: WorkDir
+    spec: SourceSpec
+    run: int = 1
+    t0: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Summary:
+    output: str
+    repo: RepoSummary
+    read_bytes: int  # source bytes converted in this run
+    total_read_bytes: int
+    seconds: float
+    jobs_run: int
+    jobs_skipped: int
+    jobs_resumed: int
+
+    @property
+    def throughput(self) -> float:
+        return self.read_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def text(self) -> str:
+        r = self.repo
+        lines = [
+            f"converted {r.tensors} tensors ({r.coded_tensors} coded) into {self.output}",
+            f"  real bits per weight: {r.coded_bits_per_weight:.3f} coded, "
+            f"{r.bits_per_weight:.3f} overall (scales and 16-bit tensors included)",
+            f"  size: {_gb(r.files_bytes)} in {r.shards} shard{'s' if r.shards != 1 else ''} "
+            f"(source {_gb(self.total_read_bytes)})",
+            f"  time: {self.seconds:.1f} s, {_gb(self.read_bytes)} converted this run at "
+            f"{self.throughput / 1e6:.1f} MB/s",
+        ]
+        if self.jobs_skipped or self.jobs_resumed:
+            lines.append(f"  resumed: {self.jobs_skipped} finished job(s) skipped, "
+                         f"{self.jobs_resumed} resumed mid-way, {self.jobs_run} run")
+        return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def validate(opts: ConvertOptions) -> Prepared:
+    """The metadata-only pass: source metadata, headers, recipe, layout, disk. No writes."""
+    out = Path(opts.output).resolve()
+    work = WorkDir(out)
+    download_dir = str(work.source_dir) if opts.delete_source else None
+    source = open_source(opts.source, revision=opts.revision, download_dir=download_dir,
+                         delete_after=opts.delete_source)
+    plan = build_plan(source, opts.recipe, opts.overrides(), opts.min_job_bytes,
+                      opts.max_job_bytes)
+    if not plan.jobs:
+        raise ConversionError(f"{source.description}: the recipe leaves nothing to write")
+    if isinstance(source, LocalSource):
+        spec = SourceSpec("local", str(source.folder))
+    else:
+        spec = SourceSpec("hub", source.repo_id, source.commit, download_dir)
+    prepared = Prepared(opts, source, plan, work, spec)
+    if opts.check_disk:
+        check_disk(prepared)
+    return prepared
+
+
+def check_disk(p: Prepared) -> None:
+    """Enough free space for what is left to write (and to download, for a Hub source)?"""
+    out = p.work.output
+    probe = out if out.exists() else next(x for x in out.parents if x.exists())
+    free = shutil.disk_usage(probe).free
+    need = 0
+    for job in p.plan.jobs:
+        if p.work.done(job).exists():
+            continue
+        partial = p.work.partial(job)
+        need += job.size - (partial.stat().st_size if partial.exists() else 0)
+    if isinstance(p.source, HubSource):
+        sizes = {f: p.plan.headers[f].file_size for f in p.plan.headers}
+        if p.options.delete_source:
+            need += max((sum(sizes[f] for f in j.files) for j in p.plan.jobs), default=0)
+        else:
+            need += sum(sizes.values())  # worst case: nothing is in the HF cache yet
+    need = int(need * 1.01) + (64 << 20)
+    if need > free:
+        raise ConversionError(
+            f"not enough disk space at {probe}: the conversion needs {_gb(need)} more, "
+            f"{_gb(free)} is free" + (" (add --delete-source to keep one downloaded shard at a "
+                                      "time)" if isinstance(p.source, HubSource) else ""))
+
+
+# ------------------------------------------------------------------------ the output folder
+
+_OURS = ("config.json", "README.md", MANIFEST_FILE, INDEX_FILE)
+
+
+def run_identity(p: Prepared) -> dict:
+    return {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "recipe": p.plan.recipe.name,
+        "recipe_hash": p.plan.recipe_hash,
+        "plan_hash": p.plan.plan_hash(),
+        "source": p.plan.source,
+        "jobs": len(p.plan.jobs),
+        "resolved_recipe": p.plan.recipe.data,
+    }
+
+
+def _recipe_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Keys whose values differ between two resolved recipes, as 'key: old -> new'."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _recipe_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def _looks_like_ours(out: Path) -> bool:
+    cfg = out / "config.json"
+    if (out / ".turboquant" / "run.json").exists():
+        return True
+    try:
+        q = json.loads(cfg.read_text()).get("quantization_config", {})
+        return q.get("quant_method") == QUANT_METHOD
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def refuse_foreign(out: Path) -> None:
+    """A non-empty folder that no conversion made is never written to."""
+    if out.exists() and not _looks_like_ours(out):
+        if any(f.name != ".turboquant" for f in out.iterdir()):
+            raise OutputError(f"{out} is not empty and is not a TurboQuant conversion; choose an "
+                              "empty or new output folder (--fresh only deletes a conversion's "
+                              "own files).")
+
+
+def output_lock(p: Prepared) -> FileLock:
+    """The output folder's lock (held for the whole run; a second run on it fails fast)."""
+    refuse_foreign(p.work.output)
+    p.work.root.mkdir(parents=True, exist_ok=True)
+    return FileLock(p.work.lock("run"), f"output folder {p.work.output}")
+
+
+def clear_output(out: Path) -> None:
+    """--fresh: remove what a conversion wrote (never anything else; the lock stays)."""
+    if not out.exists():
+        return
+    refuse_foreign(out)
+    root = out / ".turboquant"
+    if root.exists():
+        for f in root.iterdir():
+            if f.is_dir():
+                shutil.rmtree(f)
+            elif f.name != "run.lock":
+                f.unlink()
+    for f in out.iterdir():
+        if f.is_file() and (f.name in _OURS or is_aux_file(f.name) or
+                            (f.name.startswith("model") and ".safetensors" in f.name)):
+            f.unlink()
+
+
+def prepare_output(p: Prepared) -> int:
+    """Create or check the output folder; returns this run's number (1 for a new one).
+
+    An output made by another recipe, plan or source is refused, never mixed.
+    """
+    out, work = p.work.output, p.work
+    if p.options.fresh:
+        clear_output(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ident = run_identity(p)
+    if work.run_file.exists():
+        old = json.loads(work.run_file.read_text())
+        if old.get("recipe_hash") != ident["recipe_hash"]:
+            diff = _recipe_diff(old.get("resolved_recipe") or {}, ident["resolved_recipe"])
+            what = f" ({'; '.join(diff[:4])})" if diff else ""
+            raise OutputError(
+                f"{out} was made with recipe {old.get('recipe')!r} (hash "
+                f"{str(old.get('recipe_hash'))[:12]}), this command resolves to recipe "
+                f"{ident['recipe']!r} (hash {ident['recipe_hash'][:12]}){what}: outputs of "
+                "different recipes are never mixed. Rerun with the same options, add --fresh "
+                "to start over, or choose another output folder.")
+        if old.get("plan_hash") != ident["plan_hash"]:
+            raise OutputError(
+                f"{out} was made from another source or layout ({old.get('source')}, "
+                f"{old.get('jobs')} jobs; now {ident['source']}, {ident['jobs']} jobs): "
+                "add --fresh to start over, or choose another output folder.")
+    else:
+        leftovers = [f.name for f in out.iterdir() if f.name != ".turboquant"]
+        if leftovers:
+            what = "a TurboQuant repo made elsewhere" if _looks_like_ours(out) else "other files"
+            raise OutputError(f"{out} already holds {what} ({', '.join(sorted(leftovers)[:5])}"
+                              f"{', ...' if len(leftovers) > 5 else ''}); add --fresh to replace "
+                              "a conversion, or choose an empty folder.")
+        work.make()
+        from .ledger import atomic_write
+
+        atomic_write(work.run_file, json.dumps(ident, indent=2, sort_keys=True).encode())
+    work.make()
+    run = 1 + sum(1 for e in work.events() if e.get("event") == "run_start")
+    work.event("run_start", run=run, recipe_hash=ident["recipe_hash"], jobs=len(p.plan.jobs))
+    return run
+
+
+# ------------------------------------------------------------------------ jobs
+
+
+def job_context(p: Prepared, job: Job, parent_pid: int | None = None) -> JobContext:
+    headers = {f: p.plan.headers[f] for f in job.files}
+    return JobContext(str(p.work.output), job, headers, p.spec, p.plan.recipe.refit, p.run,
+                      parent_pid)
+
+
+def _worker_init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class JobRunner:
+    """Runs jobs in a pool of worker processes (spawned), or in this process."""
+
+    def __init__(self, p: Prepared):
+        self.p = p
+        self.pool = None
+        if not p.options.in_process:
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(max_workers=max(1, p.options.workers), mp_context=ctx,
+                                            initializer=_worker_init)
+
+    def run(self, job: Job) -> JobResult:
+        if self.pool is None:
+            return run_job(job_context(self.p, job))
+        try:
+            return self.pool.submit(run_job, job_context(self.p, job, os.getpid())).result()
+        except BrokenProcessPool:
+            raise ConversionError(
+                f"a worker process died (killed, or out of memory) while converting {job.name}; "
+                "what it finished is in the ledger: run the same command again to resume"
+            ) from None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def release_sources(p: Prepared) -> None:
+    """Delete downloaded source shards that every reading job has finished (--delete-source)."""
+    if not p.options.delete_source:
+        return
+    done = {j.name for j in p.plan.jobs if p.work.done(j).exists()}
+    for file, readers in p.plan.readers().items():
+        if readers <= done and p.source.release(file):
+            p.work.event("source_deleted", file=file, run=p.run)
+
+
+def finish(p: Prepared, results: list[JobResult]) -> Summary:
+    repo = write_repo_files(p.plan, p.work, p.source)
+    p.work.event("run_done", run=p.run)
+    return Summary(
+        output=str(p.work.output),
+        repo=repo,
+        read_bytes=sum(r.read_bytes for r in results),
+        total_read_bytes=p.plan.read_bytes,
+        seconds=time.monotonic() - p.t0,
+        jobs_run=sum(1 for r in results if not r.skipped),
+        jobs_skipped=sum(1 for r in results if r.skipped),
+        jobs_resumed=sum(1 for r in results if not r.skipped and r.resumed_at > 0),
+    )
+
+
+def convert(opts: ConvertOptions) -> Summary:
+    """The whole conversion without Prefect (same steps, same files as the flow)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .progress import Progress
+
+    p = validate(opts)
+    with output_lock(p):
+        p.run = prepare_output(p)
+        progress = Progress(p.plan, p.work, opts.progress, opts.workers)
+        progress.start()
+        try:
+            with JobRunner(p) as runner:
+                def one(job: Job) -> JobResult:
+                    progress.job_started(job)
+                    try:
+                        return runner.run(job)
+                    finally:
+                        progress.job_finished(job)
+                        release_sources(p)
+
+                if opts.in_process or opts.workers <= 1:
+                    results = [one(j) for j in p.plan.jobs]
+                else:
+                    with ThreadPoolExecutor(max_workers=opts.workers) as ex:
+                        results = list(ex.map(one, p.plan.jobs))
+        finally:
+            progress.close()
+        return finish(p, results)

@@ -1,0 +1,31 @@
+"""Prefect's environment, set before Prefect is imported: quiet logs, analytics off.
+
+Prefect reads most settings once, at import; the CLI calls `configure_prefect_env` first.
+Task and flow run failures are reported by the CLI as one clear line, so Prefect's own
+run loggers only speak at CRITICAL unless `verbose`.
+"""
+
+from __future__ import annotations
+
+import os
+
+QUIET = {
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "CRITICAL",
+    "PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL": "CRITICAL",
+    "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS": "false",
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+}
+
+
+def configure_prefect_env(verbose: bool = False) -> None:
+    """Set quiet defaults (an explicit environment variable always wins)."""
+    for k, v in QUIET.items():
+        os.environ.setdefault(k, v)
+    if verbose:
+        for k in ("PREFECT_LOGGING_LEVEL", "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL",
+                  "PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL"):
+            os.environ[k] = "INFO"

@@ -1,0 +1,275 @@
+"""One conversion job, as a plain function: stream its units through the codec into its shard.
+
+`run_job` is what a Prefect task (or a worker process, or a test) calls. It reads each
+tensor with positioned reads (one chunk of rows at a time for big matrices), codes it with
+`turboquant.stages.encode`, measures the error with `decode`, and appends the bytes through
+`JobWriter`, which records every finished unit in the job's ledger. It resumes from the
+ledger if the job was cut short, and returns at once if the job's marker says it is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import LedgerError, SourceError
+from .ledger import FileLock, JobWriter, WorkDir, crash_point, sha256_file_range
+from .plan import Item, Job, cut_piece
+from .safetensors_io import FLOAT_DTYPES, SafetensorsHeader, check_finite, read_raw, to_float32
+
+# weights per chunk of rows (4 MiB as float32: faster than bigger chunks, cache-friendly);
+# tests lower it to cut tensors in more pieces
+CHUNK_ELEMENTS = int(os.environ.get("TURBOQUANT_CHUNK_ELEMENTS", 1 << 20))
+RAW_CHUNK = 1 << 26  # bytes per read when copying a raw tensor
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """How a worker finds a source shard's bytes (picklable; no open connections)."""
+
+    kind: str  # "local" or "hub"
+    location: str  # folder, or repo id
+    revision: str | None = None
+    download_dir: str | None = None
+
+
+def fetch_shard(spec: SourceSpec, file: str) -> Path:
+    if spec.kind == "local":
+        return Path(spec.location) / file
+    from huggingface_hub import hf_hub_download
+
+    kw = {"local_dir": spec.download_dir} if spec.download_dir else {}
+    return Path(hf_hub_download(spec.location, file, revision=spec.revision, **kw))
+
+
+@dataclass
+class JobContext:
+    """Everything a job needs, picklable so a worker process can run it."""
+
+    output: str
+    job: Job
+    headers: dict[str, SafetensorsHeader]
+    source: SourceSpec
+    refit: bool = True
+    run: int = 1
+    parent_pid: int | None = None  # a worker exits if this process is gone
+    lock_wait: float = 120.0
+
+
+@dataclass
+class JobResult:
+    job: str
+    shard: str
+    units: int
+    read_bytes: int  # source bytes converted by this call (0 if skipped)
+    skipped: bool = False
+    resumed_at: int = 0  # units found done in the ledger when this call started
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def run_job(ctx: JobContext) -> JobResult:
+    """Convert one job (or finish / skip it, per its ledger and marker)."""
+    work = WorkDir(Path(ctx.output))
+    job = ctx.job
+    t0 = time.monotonic()
+    lock = FileLock(work.lock(job.name), f"job {job.name} of {ctx.output}")
+    lock.acquire(wait=ctx.lock_wait)
+    try:
+        if work.read_done(job) is not None:
+            work.event("job_skip", job=job.name, run=ctx.run)
+            return JobResult(job.name, job.shard, len(job.units), 0, skipped=True,
+                             resumed_at=len(job.units))
+        final = work.output / job.shard
+        writer = JobWriter(work, job)
+        if not work.partial(job).exists() and final.exists():
+            return _adopt_renamed(work, job, writer, ctx, t0)
+        done = writer.open()
+        work.event("job_start" if done == 0 else "job_resume", job=job.name, run=ctx.run,
+                   units_done=done, units=len(job.units))
+        with _Reader(ctx) as reader:
+            for i in range(done, len(job.units)):
+                if ctx.parent_pid is not None and os.getppid() != ctx.parent_pid:
+                    os._exit(3)  # orphaned by a killed parent: stop writing
+                items = [_write_item(it, reader, writer, ctx.refit) for it in job.units[i].items]
+                writer.commit(i, items)
+        marker = writer.finish(ctx.run)
+        work.event("job_done", job=job.name, run=ctx.run, shard=job.shard)
+        read = sum(u.read_bytes for u in job.units[done:])
+        return JobResult(job.name, job.shard, len(job.units), read, resumed_at=done,
+                         seconds=time.monotonic() - t0, extra=marker)
+    finally:
+        lock.release()
+
+
+def _adopt_renamed(work: WorkDir, job: Job, writer: JobWriter, ctx, t0) -> JobResult:
+    """The shard was renamed into place but the marker is missing (killed in between)."""
+    from .ledger import read_ledger_records
+
+    records = read_ledger_records(work, job)
+    final = work.output / job.shard
+    if len(records) != len(job.units) or final.stat().st_size != job.size:
+        raise LedgerError(f"{final} exists but the ledger of {job.name} is incomplete; it was not "
+                          "written by this plan: rerun with --fresh")
+    for rec in records:
+        for it in rec["items"]:
+            if sha256_file_range(final, it["byte_start"], it["byte_end"]) != it["checksum"]:
+                raise LedgerError(f"{final}: {it['name']!r} does not match its ledger checksum; "
+                                  "rerun with --fresh")
+    marker = writer.mark_done(ctx.run)
+    work.event("job_adopted", job=job.name, run=ctx.run, shard=job.shard)
+    return JobResult(job.name, job.shard, len(job.units), 0, resumed_at=len(job.units),
+                     seconds=time.monotonic() - t0, extra=marker)
+
+
+class _Reader:
+    """Open source shards of a job; reads pieces of tensors as arrays."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+        self.fds: dict[str, int] = {}
+        self._cache_key = None
+        self._cache = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self._cache = None
+
+    def fd(self, file: str) -> int:
+        if file not in self.fds:
+            path = fetch_shard(self.ctx.source, file)
+            try:
+                self.fds[file] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise SourceError(file, f"cannot open ({e.strerror})") from None
+            size = os.fstat(self.fds[file]).st_size
+            if size != self.ctx.headers[file].file_size:
+                raise SourceError(file, f"is {size} bytes now but was {self.ctx.headers[file].file_size} "
+                                        "when the conversion was planned: the file changed; "
+                                        "rerun with --fresh")
+        return self.fds[file]
+
+    def info(self, item: Item):
+        return self.ctx.headers[item.piece.file].tensors[item.piece.tensor]
+
+    def raw_piece(self, item: Item) -> np.ndarray:
+        """The item's values as raw bit patterns (uint8/16/32/64), sliced and transposed."""
+        p = item.piece
+        info = self.info(item)
+        key = (p.file, p.tensor, p.expert)
+        if key != self._cache_key:
+            self._cache = None  # free before reading the next one
+            per = info.numel // info.shape[0]
+            raw = read_raw(self.fd(p.file), info, p.expert * per, per, p.file)
+            view = raw.view({1: np.uint8, 2: "<u2", 4: "<u4", 8: "<u8"}[info.itemsize])
+            self._cache_key, self._cache = key, view.reshape(info.shape[1:])
+        return cut_piece(self._cache, p)
+
+
+def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    return to_float32(bits.reshape(-1).view(np.uint8), dtype).reshape(bits.shape)
+
+
+def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool) -> dict:
+    writer.expect(item.byte_start, item.name)
+    sha = hashlib.sha256()
+    rel_mse = None
+    if item.codec == "raw":
+        _write_raw(item, reader, writer, sha)
+    else:
+        rel_mse = _write_coded(item, reader, writer, sha, refit)
+    writer.expect(item.byte_end, item.name)
+    return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
+            "checksum": sha.hexdigest(), "rel_mse": rel_mse}
+
+
+def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
+    sha.update(data)
+    writer.write(data)
+
+
+def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
+    p = item.piece
+    src = p.file
+    if p.expert is not None:
+        bits = reader.raw_piece(item)
+        if item.source_dtype in FLOAT_DTYPES:
+            check_finite(_as_float32(bits, item.source_dtype), src, p.tensor)
+        _emit(writer, sha, memoryview(bits).cast("B"))
+        return
+    info = reader.info(item)
+    fd = reader.fd(src)
+    step = max(1, RAW_CHUNK // info.itemsize)
+    for start in range(0, info.numel, step):
+        n = min(step, info.numel - start)
+        raw = read_raw(fd, info, start, n, src)
+        if info.dtype in FLOAT_DTYPES:
+            check_finite(to_float32(raw, info.dtype), src, info.name, start)
+        _emit(writer, sha, memoryview(raw))
+
+
+def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: bool) -> float:
+    import mlx.core as mx
+
+    from turboquant.stages import decode, encode
+
+    out_f, in_f = item.shape
+    rows = max(1, CHUNK_ELEMENTS // in_f)
+    p = item.piece
+    whole = None
+    if p.expert is not None:
+        whole = _as_float32(reader.raw_piece(item), item.source_dtype)
+    else:
+        info, fd = reader.info(item), reader.fd(p.file)
+    codes_spec, scales_spec = item.stored
+    scales_parts: list[bytes] = []
+    err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
+    norm_rows: list[np.ndarray] = []
+    for r0 in range(0, out_f, rows):
+        r1 = min(out_f, r0 + rows)
+        if whole is not None:
+            x = whole[r0:r1]
+        else:
+            x = to_float32(read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file),
+                           info.dtype).reshape(r1 - r0, in_f)
+        check_finite(x, p.file, p.tensor, r0 * in_f)
+        xm = mx.array(x)
+        try:
+            qt = encode(xm, item.bits, item.group_size, seed=item.seed, refit=refit)
+        except ValueError as e:
+            raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
+        d = decode(qt)
+        e2, n2 = mx.sum(mx.square(xm - d), axis=1), mx.sum(mx.square(xm), axis=1)
+        mx.eval(qt.codes, qt.scales, e2, n2)
+        codes = np.asarray(qt.codes)
+        scales = np.asarray(qt.scales)
+        want_c = (r1 - r0, codes_spec.shape[1])
+        want_s = (r1 - r0, scales_spec.shape[1])
+        if codes.shape != want_c or scales.shape != want_s or qt.spec.padded_in != item.padded_in:
+            raise LedgerError(f"{item.name}: the codec returned codes {codes.shape} / scales "
+                              f"{scales.shape}, the format says {want_c} / {want_s}")
+        _emit(writer, sha, memoryview(np.ascontiguousarray(codes, dtype="<u4")).cast("B"))
+        scales_parts.append(np.ascontiguousarray(scales, dtype="<f2").tobytes())
+        err_rows.append(np.asarray(e2, dtype=np.float64))
+        norm_rows.append(np.asarray(n2, dtype=np.float64))
+        if r0 == 0 and r1 < out_f:
+            crash_point("mid_tensor")
+        del xm, qt, d, x
+    for s in scales_parts:
+        _emit(writer, sha, s)
+    err2 = math.fsum(np.concatenate(err_rows))  # exact, so order and chunking do not matter
+    norm2 = math.fsum(np.concatenate(norm_rows))
+    if norm2 == 0.0:
+        return 0.0 if err2 == 0.0 else math.inf
+    return err2 / norm2

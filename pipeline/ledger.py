@@ -1,0 +1,364 @@
+"""What is durable: the work folder, each job's ledger and shard writer, completion markers.
+
+The ledger, not Prefect's cache, is the source of truth for what is done:
+
+    OUTPUT/.turboquant/run.json              identity of the conversion (recipe, plan, source)
+    OUTPUT/.turboquant/events.jsonl          one line per thing a run did (start, skip, done)
+    OUTPUT/.turboquant/jobs/<job>.partial    the shard being written (header + data so far)
+    OUTPUT/.turboquant/jobs/<job>.ledger.jsonl  one line per finished unit, appended after
+                                             its bytes are fsync'ed
+    OUTPUT/.turboquant/jobs/<job>.done       completion marker, written after the shard's
+                                             atomic rename into OUTPUT/
+    OUTPUT/.turboquant/complete              the repo files are all written
+
+A job resumes by reading its ledger (a torn last line is dropped), truncating the partial
+shard to the end of the last recorded unit, and going on with the next unit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LedgerError, OutputError
+from .plan import Job
+
+WORK = ".turboquant"
+CRASH_ENV = "TURBOQUANT_CRASH_AT"  # tests: "<point>[:<n>]" SIGKILLs at the n-th such point
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process at a named point when TURBOQUANT_CRASH_AT asks (kill tests)."""
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    count = _CRASH_COUNTS[name] = _CRASH_COUNTS.get(name, 0) + 1
+    if count == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_CRASH_COUNTS: dict[str, int] = {}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync, rename, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        while chunk := fi.read(1 << 22):
+            fo.write(chunk)
+        fo.flush()
+        os.fsync(fo.fileno())
+    os.replace(tmp, dst)
+
+
+@dataclass
+class WorkDir:
+    output: Path
+
+    @property
+    def root(self) -> Path:
+        return self.output / WORK
+
+    @property
+    def jobs(self) -> Path:
+        return self.root / "jobs"
+
+    @property
+    def run_file(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def events_file(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def complete_file(self) -> Path:
+        return self.root / "complete"
+
+    @property
+    def source_dir(self) -> Path:
+        return self.root / "source"
+
+    @property
+    def prefect_dir(self) -> Path:
+        return self.root / "prefect"
+
+    def partial(self, job: Job) -> Path:
+        return self.jobs / f"{job.name}.partial"
+
+    def ledger(self, job: Job) -> Path:
+        return self.jobs / f"{job.name}.ledger.jsonl"
+
+    def done(self, job: Job) -> Path:
+        return self.jobs / f"{job.name}.done"
+
+    def lock(self, name: str) -> Path:
+        return self.root / f"{name}.lock"
+
+    def make(self) -> None:
+        self.jobs.mkdir(parents=True, exist_ok=True)
+
+    def event(self, event: str, **fields) -> None:
+        """Append one line to events.jsonl (what happened; for people and tests)."""
+        line = json.dumps({"t": round(time.time(), 3), "event": event, "pid": os.getpid(),
+                           **fields}, sort_keys=True)
+        with open(self.events_file, "a") as f:
+            f.write(line + "\n")
+
+    def events(self) -> list[dict]:
+        if not self.events_file.exists():
+            return []
+        out = []
+        for line in self.events_file.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line torn by a kill
+        return out
+
+    def read_done(self, job: Job) -> dict | None:
+        p = self.done(job)
+        if not p.exists():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError:
+            return None  # cannot happen with atomic_write; treat as not done
+
+
+class FileLock:
+    """An exclusive flock on a file, released when the process dies (even by SIGKILL)."""
+
+    def __init__(self, path: Path, what: str):
+        self.path, self.what, self.fd = path, what, None
+
+    def acquire(self, wait: float = 0.0) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    self.fd = None
+                    raise OutputError(f"{self.what} is locked by another process (another "
+                                      f"conversion of the same output is running: {self.path})")
+                time.sleep(0.1)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class JobWriter:
+    """Writes one job's shard at its planned offsets, recording each finished unit.
+
+    Order of durability for a unit: its bytes are written and fsync'ed, then its ledger
+    line is appended and fsync'ed. `finish` renames the complete shard into the output
+    folder (atomic), then writes the job's completion marker.
+    """
+
+    def __init__(self, work: WorkDir, job: Job):
+        self.work, self.job = work, job
+        self.partial = work.partial(job)
+        self.ledger_path = work.ledger(job)
+        self.records: list[dict] = []
+        self.f = None
+        self.pos = 0
+
+    # --- resume ---------------------------------------------------------------------
+    def open(self) -> int:
+        """Open (or resume) the partial shard; returns how many units are already done."""
+        self.records = self._read_ledger()
+        if self.records and not self.partial.exists():
+            raise LedgerError(f"{self.ledger_path}: records {len(self.records)} units but the "
+                              f"partial shard {self.partial} is gone; rerun with --fresh")
+        if not self.records:
+            with open(self.partial, "wb") as f:
+                f.write(self.job.header)
+                f.flush()
+                os.fsync(f.fileno())
+            self.pos = len(self.job.header)
+        else:
+            end = self.records[-1]["end"]
+            size = self.partial.stat().st_size
+            if size < end:
+                raise LedgerError(f"{self.partial}: {size} bytes but the ledger says units up to "
+                                  f"byte {end} are durable; the shard is damaged, rerun with "
+                                  "--fresh")
+            self._check_header()
+            self._verify_records()
+            if size > end:
+                os.truncate(self.partial, end)  # drop the bytes of the unit that was cut
+            self.pos = end
+        self.f = open(self.partial, "r+b")
+        self.f.seek(self.pos)
+        return len(self.records)
+
+    def _check_header(self) -> None:
+        with open(self.partial, "rb") as f:
+            if f.read(len(self.job.header)) != self.job.header:
+                raise LedgerError(f"{self.partial}: header differs from the plan's; rerun with "
+                                  "--fresh")
+
+    def _read_ledger(self) -> list[dict]:
+        if not self.ledger_path.exists():
+            return []
+        data = self.ledger_path.read_bytes()
+        lines = data.split(b"\n")
+        complete = lines[:-1]  # the part after the last newline is torn (or empty)
+        if lines[-1]:
+            with open(self.ledger_path, "r+b") as f:  # drop the torn line
+                f.truncate(len(data) - len(lines[-1]))
+        records = []
+        for i, line in enumerate(complete):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise LedgerError(f"{self.ledger_path}: line {i + 1} is not JSON; rerun with "
+                                  "--fresh") from None
+            unit = self.job.units[i] if i < len(self.job.units) else None
+            if unit is None or rec.get("unit") != i or rec.get("key") != unit.key \
+                    or rec.get("end") != unit.byte_end:
+                raise LedgerError(f"{self.ledger_path}: line {i + 1} does not match unit {i} of "
+                                  "the plan; the ledger belongs to another plan, rerun with "
+                                  "--fresh")
+            records.append(rec)
+        return records
+
+    def _verify_records(self) -> None:
+        """Re-hash the recorded units' bytes: a ledger line is trusted only if they match."""
+        with open(self.partial, "rb") as f:
+            for rec in self.records:
+                for item in rec["items"]:
+                    if _sha256_range(f, item["byte_start"], item["byte_end"]) != item["checksum"]:
+                        raise LedgerError(
+                            f"{self.partial}: bytes of {item['name']!r} do not match the "
+                            "ledger's checksum; the partial shard is damaged, rerun with --fresh")
+
+    # --- writing --------------------------------------------------------------------
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.pos += len(memoryview(data).cast("B"))
+
+    def expect(self, offset: int, what: str) -> None:
+        if self.pos != offset:
+            raise LedgerError(f"{self.job.name}: writing {what!r} at byte {self.pos}, the plan "
+                              f"says {offset}")
+
+    def commit(self, index: int, items: list[dict]) -> None:
+        """Make unit `index` durable: fsync its bytes, then append its ledger line."""
+        unit = self.job.units[index]
+        self.expect(unit.byte_end, unit.key)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        crash_point("unit_data_durable")
+        rec = {"unit": index, "key": unit.key, "end": unit.byte_end, "items": items}
+        line = (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        with open(self.ledger_path, "ab") as lf:
+            half = len(line) // 2
+            lf.write(line[:half])
+            lf.flush()
+            crash_point("ledger_torn")
+            lf.write(line[half:])
+            lf.flush()
+            os.fsync(lf.fileno())
+        self.records.append(rec)
+        crash_point("unit_committed")
+
+    def finish(self, run: int) -> dict:
+        """Rename the complete shard into the output folder, then write the done marker."""
+        if self.pos != self.job.size:
+            raise LedgerError(f"{self.job.name}: shard has {self.pos} bytes, the plan says "
+                              f"{self.job.size}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        self.f = None
+        crash_point("before_rename")
+        final = self.work.output / self.job.shard
+        os.replace(self.partial, final)
+        fsync_dir(self.work.output)
+        crash_point("after_rename")
+        return self.mark_done(run)
+
+    def mark_done(self, run: int) -> dict:
+        marker = {"job": self.job.name, "shard": self.job.shard, "size": self.job.size,
+                  "units": len(self.job.units), "run": run}
+        atomic_write(self.work.done(self.job), json.dumps(marker, sort_keys=True).encode())
+        crash_point("after_marker")
+        return marker
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def _sha256_range(f, start: int, end: int) -> str:
+    h = hashlib.sha256()
+    f.seek(start)
+    left = end - start
+    while left > 0:
+        b = f.read(min(left, 1 << 22))
+        if not b:
+            break
+        h.update(b)
+        left -= len(b)
+    return h.hexdigest()
+
+
+def sha256_file_range(path: Path, start: int, end: int) -> str:
+    with open(path, "rb") as f:
+        return _sha256_range(f, start, end)
+
+
+def read_ledger_records(work: WorkDir, job: Job) -> list[dict]:
+    """The complete records of a job's ledger (read-only; torn last line ignored)."""
+    p = work.ledger(job)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_bytes().split(b"\n")[:-1]:
+        out.append(json.loads(line))
+    return out

@@ -1,0 +1,155 @@
+"""The repo-level files of a TurboQuant repo, written once every shard is final.
+
+`manifest.parquet` (one row per output tensor), `model.safetensors.index.json`,
+`config.json` (source config + `quantization_config`), the tokenizer files copied from
+the source, and the model card `README.md`. Every file is written through a temporary
+file and an atomic rename, and depends only on the plan and the ledgers, so a rerun after
+a kill writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
+                                         QUANT_METHOD, write_manifest)
+
+from .card import model_card
+from .errors import LedgerError
+from .ledger import WorkDir, atomic_copy, atomic_write, crash_point, read_ledger_records
+from .plan import Plan
+from .sources import Source
+
+
+@dataclass
+class RepoSummary:
+    tensors: int
+    coded_tensors: int
+    coded_weights: int
+    coded_bytes: int
+    total_weights: int
+    total_bytes: int  # tensor data in the shards
+    files_bytes: int  # shard files on disk (headers included)
+    shards: int
+
+    @property
+    def coded_bits_per_weight(self) -> float:
+        return 8 * self.coded_bytes / self.coded_weights if self.coded_weights else 0.0
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.total_bytes / self.total_weights if self.total_weights else 0.0
+
+
+def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
+    """One row per output tensor, from the plan and the jobs' ledgers."""
+    rows = []
+    for job in plan.jobs:
+        records = read_ledger_records(work, job)
+        if len(records) != len(job.units):
+            raise LedgerError(f"{job.name}: ledger has {len(records)} of {len(job.units)} units; "
+                              "the job is not finished")
+        for unit, rec in zip(job.units, records):
+            by_name = {r["name"]: r for r in rec["items"]}
+            for it in unit.items:
+                r = by_name[it.name]
+                rows.append({
+                    "name": it.name,
+                    "source_name": it.piece.tensor,
+                    "source_shard": it.piece.file,
+                    "shape": list(it.shape),
+                    "source_dtype": it.source_dtype,
+                    "codec": it.codec,
+                    "bits": it.bits if isinstance(it.bits, int) else None,
+                    "group_size": it.group_size,
+                    "seed": it.seed,
+                    "padded_in": it.padded_in,
+                    "shard": job.shard,
+                    "byte_start": it.byte_start,
+                    "byte_end": it.byte_end,
+                    "checksum": r["checksum"],
+                    "rel_mse": r["rel_mse"],
+                    "bits_per_weight": 8 * (it.byte_end - it.byte_start) / max(it.numel, 1),
+                    "layer": it.layer,
+                    "expert": it.expert,
+                })
+    return rows
+
+
+def quantization_config(plan: Plan) -> dict:
+    """FORMAT.md's quantization_config: the recipe's default bits and group size, and an
+    override for every tensor coded otherwise (or kept raw)."""
+    bits, group = plan.recipe.bits, plan.recipe.group_size
+    overrides = {}
+    for it in plan.items:
+        key = it.name[: -len(".weight")] if it.name.endswith(".weight") else it.name
+        if it.codec == "raw":
+            overrides[key] = {"codec": "raw"}
+        elif (it.bits, it.group_size) != (bits, group):
+            entry = {"bits": it.bits, "group_size": it.group_size}
+            if it.codec == "ternary":
+                entry = {"codec": "ternary", **entry}
+            overrides[key] = entry
+    return {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "recipe": plan.recipe.name,
+        "recipe_hash": plan.recipe_hash,
+        "model_seed": plan.recipe.model_seed,
+        "bits": bits,
+        "group_size": group,
+        "refit": plan.recipe.refit,
+        "overrides": overrides,
+    }
+
+
+def summarize(plan: Plan, rows: list[dict] | None = None) -> RepoSummary:
+    coded = [it for it in plan.items if it.codec != "raw"]
+    all_items = list(plan.items)
+    return RepoSummary(
+        tensors=len(all_items),
+        coded_tensors=len(coded),
+        coded_weights=sum(it.numel for it in coded),
+        coded_bytes=sum(it.byte_end - it.byte_start for it in coded),
+        total_weights=sum(it.numel for it in all_items),
+        total_bytes=sum(it.byte_end - it.byte_start for it in all_items),
+        files_bytes=plan.out_bytes,
+        shards=len(plan.jobs),
+    )
+
+
+def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
+    """Write manifest, index, config, tokenizer files and model card; mark complete."""
+    out = work.output
+    rows = manifest_rows(plan, work)
+    tmp = out / (MANIFEST_FILE + ".tmp")
+    write_manifest(rows, tmp)
+    tmp.replace(out / MANIFEST_FILE)
+    crash_point("repo_manifest")
+
+    weight_map = {s.name: job.shard for job in plan.jobs for u in job.units for it in u.items
+                  for s in it.stored}
+    total = sum(s.end - s.start for job in plan.jobs for u in job.units for it in u.items
+                for s in it.stored)
+    index = {"metadata": {"total_size": total, "format": QUANT_METHOD,
+                          "format_version": FORMAT_VERSION},
+             "weight_map": weight_map}
+    atomic_write(out / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+
+    config = dict(plan.config)
+    config.pop("quantization", None)  # an mlx-lm affine config would mislead a loader
+    config["quantization_config"] = quantization_config(plan)
+    atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    crash_point("repo_config")
+
+    for name in source.aux_files():
+        atomic_copy(source.aux_path(name), out / name)
+
+    summary = summarize(plan, rows)
+    card = model_card(plan, rows, summary, source.base_model())
+    atomic_write(out / "README.md", card.encode())
+    atomic_write(work.complete_file, json.dumps({"tensors": summary.tensors,
+                                                 "shards": summary.shards}).encode())
+    return summary

@@ -1,0 +1,234 @@
+"""Re-open a TurboQuant repo and check it: structure, checksums, and decoded errors.
+
+1. config.json's quantization_config, the index and the manifest agree with each other and
+   with every shard's safetensors header (names, dtypes, shapes, byte ranges);
+2. every manifest row's sha256 over its byte range matches;
+3. a sample of coded tensors (or all, with `full`) is decoded: finite, and its error is
+   compared with the recorded `rel_mse` - recomputed exactly against the source weights
+   when the source checkpoint is given, else checked against the codec's bounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, QUANT_METHOD,
+                                         read_manifest, stored_names)
+
+from .plan import cut_piece, split_piece_of
+from .safetensors_io import read_float32, read_header
+
+# Upper bounds on rel_mse for Gaussian-like weights: the Lloyd-Max MSE of each codebook
+# (0.1175, 0.0345, 0.0095; ternary 0.190) with head-room for fp16 scales and small groups.
+REL_MSE_BOUND = {2: 0.16, 3: 0.05, 4: 0.015, "ternary": 0.25}
+MATCH_TOLERANCE = 1e-4  # relative difference allowed between recomputed and recorded error
+
+
+@dataclass
+class VerifyReport:
+    repo: str
+    rows: int = 0
+    shards: int = 0
+    checksums_ok: int = 0
+    decoded: list[tuple[str, float, float | None]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def text(self) -> str:
+        lines = [f"{self.repo}: {self.rows} tensors in {self.shards} shards, "
+                 f"{self.checksums_ok} checksums ok, {len(self.decoded)} decoded"]
+        for name, recorded, measured in self.decoded[:10]:
+            m = "" if measured is None else f", recomputed {measured:.6f}"
+            lines.append(f"  {name}: rel_mse recorded {recorded:.6f}{m}")
+        if len(self.decoded) > 10:
+            lines.append(f"  ... {len(self.decoded) - 10} more decoded")
+        if self.problems:
+            lines.append(f"FAILED: {len(self.problems)} problem(s)")
+            lines += [f"  {p}" for p in self.problems[:50]]
+        else:
+            lines.append("OK")
+        return "\n".join(lines)
+
+
+def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool = False,
+                sample: int = 8, seed: int = 0) -> VerifyReport:
+    repo = Path(repo)
+    rep = VerifyReport(str(repo))
+    try:
+        config = json.loads((repo / "config.json").read_text())
+        index = json.loads((repo / INDEX_FILE).read_text())
+        table = read_manifest(repo)
+    except (OSError, ValueError) as e:
+        rep.problems.append(f"cannot read the repo files: {e}")
+        return rep
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") != QUANT_METHOD or q.get("format_version") != FORMAT_VERSION:
+        rep.problems.append(f"config.json: quantization_config is not {QUANT_METHOD} format "
+                            f"version {FORMAT_VERSION}: {q.get('quant_method')!r} "
+                            f"{q.get('format_version')!r}")
+    rows = table.to_pylist()
+    rep.rows = len(rows)
+    weight_map = index.get("weight_map", {})
+    headers = {}
+    for shard in sorted({r["shard"] for r in rows}):
+        try:
+            headers[shard] = read_header(repo / shard, shard)
+        except Exception as e:  # noqa: BLE001 - report every broken shard
+            rep.problems.append(str(e))
+    rep.shards = len(headers)
+    listed = set()
+    for r in rows:
+        h = headers.get(r["shard"])
+        if h is None:
+            continue
+        names = stored_names(r["name"], r["codec"])
+        listed.update(names)
+        infos = [h.tensors.get(n) for n in names]
+        if any(i is None for i in infos):
+            rep.problems.append(f"{r['shard']}: tensor {r['name']!r}: stored tensors {names} "
+                                "are not all in the shard's header")
+            continue
+        if infos[0].start != r["byte_start"] or infos[-1].end != r["byte_end"]:
+            rep.problems.append(f"{r['shard']}: tensor {r['name']!r}: manifest byte range "
+                                f"[{r['byte_start']}, {r['byte_end']}) disagrees with the header")
+        for n in names:
+            if weight_map.get(n) != r["shard"]:
+                rep.problems.append(f"{INDEX_FILE}: {n!r} maps to {weight_map.get(n)!r}, the "
+                                    f"manifest says {r['shard']!r}")
+        if _sha256(repo / r["shard"], r["byte_start"], r["byte_end"]) == r["checksum"]:
+            rep.checksums_ok += 1
+        else:
+            rep.problems.append(f"{r['shard']}: tensor {r['name']!r}: checksum mismatch (bytes "
+                                f"[{r['byte_start']}, {r['byte_end']}) changed or are corrupt)")
+    extra = set(weight_map) - listed
+    if extra:
+        rep.problems.append(f"{INDEX_FILE}: {len(extra)} tensors not in the manifest, e.g. "
+                            f"{sorted(extra)[0]!r}")
+    if rep.problems:
+        return rep
+    coded = [r for r in rows if r["codec"] != "raw"]
+    chosen = coded if full else random.Random(seed).sample(coded, min(sample, len(coded)))
+    src = _SourceReader(Path(source), q.get("recipe")) if source else None
+    for r in chosen:
+        _check_decode(repo, r, headers[r["shard"]], src, rep)
+    return rep
+
+
+def _sha256(path: Path, start: int, end: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            b = f.read(min(left, 1 << 22))
+            if not b:
+                break
+            h.update(b)
+            left -= len(b)
+    return h.hexdigest()
+
+
+def load_coded(repo: Path, row: dict, header):
+    """The QuantizedTensor of a manifest row, read from its shard."""
+    import mlx.core as mx
+
+    from turboquant.stages import QuantizedTensor, QuantSpec
+
+    c_name, s_name = stored_names(row["name"], row["codec"])
+    ci, si = header.tensors[c_name], header.tensors[s_name]
+    with open(repo / row["shard"], "rb") as f:
+        f.seek(ci.start)
+        codes = np.frombuffer(f.read(ci.nbytes), dtype="<u4").reshape(ci.shape)
+        f.seek(si.start)
+        scales = np.frombuffer(f.read(si.nbytes), dtype="<f2").reshape(si.shape)
+    bits = "ternary" if row["codec"] == "ternary" else row["bits"]
+    out_f, in_f = row["shape"]
+    spec = QuantSpec(bits, row["group_size"], int(row["seed"]), in_f, row["padded_in"],
+                     True)
+    return QuantizedTensor(mx.array(codes), mx.array(scales), (out_f, in_f), spec)
+
+
+class _SourceReader:
+    """Reads the original weights of a manifest row from a local source folder."""
+
+    def __init__(self, folder: Path, recipe_name: str | None):
+        self.folder = folder
+        self.headers = {}
+        self.recipe = None
+        if recipe_name:
+            from turboquant.manifests.recipe import RecipeError, load_recipe
+
+            try:
+                self.recipe = load_recipe(recipe_name)
+            except RecipeError:
+                self.recipe = None
+
+    def weight(self, row: dict) -> np.ndarray | None:
+        """The source weight (out, in) as float32, or None if it cannot be located."""
+        f = row["source_shard"]
+        if f not in self.headers:
+            self.headers[f] = read_header(self.folder / f, f)
+        info = self.headers[f].tensors[row["source_name"]]
+        fd = os.open(self.folder / f, os.O_RDONLY)
+        try:
+            if row["source_name"] == row["name"]:
+                return read_float32(fd, info, 0, info.numel, f).reshape(info.shape)
+            if self.recipe is None or row["expert"] is None:
+                return None
+            piece = split_piece_of(self.recipe, f, row["source_name"], row["name"],
+                                   row["expert"])
+            if piece is None:
+                return None
+            per = info.numel // info.shape[0]
+            x = read_float32(fd, info, piece.expert * per, per, f).reshape(info.shape[1:])
+            return cut_piece(x, piece)
+        finally:
+            os.close(fd)
+
+
+def _check_decode(repo: Path, row: dict, header, src: _SourceReader | None,
+                  rep: VerifyReport) -> None:
+    import mlx.core as mx
+
+    from turboquant.stages import decode
+
+    name = row["name"]
+    qt = load_coded(repo, row, header)
+    w = decode(qt)
+    mx.eval(w)
+    if not bool(mx.all(mx.isfinite(w)).item()):
+        rep.problems.append(f"{row['shard']}: tensor {name!r}: decodes to non-finite values")
+        return
+    recorded = row["rel_mse"]
+    bits = "ternary" if row["codec"] == "ternary" else row["bits"]
+    if recorded is None or not math.isfinite(recorded):
+        rep.problems.append(f"{name!r}: recorded rel_mse is {recorded!r}")
+        return
+    measured = None
+    if src is not None:
+        ref = src.weight(row)
+        if ref is None:
+            rep.problems.append(f"{name!r}: cannot locate {row['source_name']!r} in the source")
+            return
+        x = mx.array(ref.astype(np.float32))
+        e2 = float(mx.sum(mx.square(x - w)).item())
+        n2 = float(mx.sum(mx.square(x)).item())
+        measured = e2 / n2 if n2 else 0.0
+        if abs(measured - recorded) > MATCH_TOLERANCE * max(recorded, 1e-12) + 1e-9:
+            rep.problems.append(f"{name!r}: rel_mse recomputed from the source is {measured:.6g}, "
+                                f"the manifest records {recorded:.6g}")
+    elif recorded > REL_MSE_BOUND[bits]:
+        rep.problems.append(f"{name!r}: recorded rel_mse {recorded:.4g} is above the bound "
+                            f"{REL_MSE_BOUND[bits]} for {bits}-bit codes")
+    rep.decoded.append((name, recorded, measured))

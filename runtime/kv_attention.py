@@ -1,0 +1,109 @@
+"""Route mlx-lm's attention to the TurboQuant KV cache: the one hook into mlx-lm.
+
+mlx-lm's attention modules call `mlx_lm.models.base.scaled_dot_product_attention(q, k, v,
+cache=cache, ...)`, which sends any cache with a `bits` attribute to
+`quantized_scaled_dot_product_attention`, looked up in `mlx_lm.models.base` at call time.
+`install()` wraps that one function: when the keys are a `KVParts` view (what the
+TurboQuant caches' `update_and_fetch` returns) it runs `turboquant_attention`, and
+otherwise it calls mlx-lm's original (QuantizedKVCache keeps working). Model files are
+untouched and K/V are never rebuilt.
+
+`install()` also makes the two cache classes known to mlx-lm's `load_prompt_cache` (it
+finds cache classes by name in `mlx_lm.models.cache`). It is idempotent; `uninstall()`
+restores both. Importing turboquant.runtime.kvcache installs it.
+
+Limits of the route: attention with learned sinks (gpt-oss) raises in mlx-lm before the
+hook, and models that call `mx.fast.scaled_dot_product_attention` themselves bypass it.
+
+Kernels: `register_kernel(backend, fn)` installs a fused decode kernel ("cuda", "metal")
+with `tq_attention`'s signature; it runs for single-token decode on that backend and may
+raise NotImplementedError to fall back to the pure-MLX reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from turboquant.kernels.kv_reference import KVParts, tq_attention
+
+_KERNELS: dict[str, Callable] = {}
+_ORIGINAL = "_turboquant_original"
+
+
+def register_kernel(backend: str, fn: Callable) -> None:
+    """Use `fn(queries, parts, scale, mask)` for one-token decode on `backend`."""
+    if backend not in ("cuda", "metal"):
+        raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'metal'")
+    _KERNELS[backend] = fn
+
+
+def _backend() -> str:
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "cpu"
+
+
+def turboquant_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
+    """Attention over a TurboQuant cache view: a decode kernel if one fits, else the reference."""
+    if queries.shape[2] == 1 and _KERNELS:
+        fn = _KERNELS.get(_backend())
+        if fn is not None:
+            try:
+                return fn(queries, parts, scale, mask)
+            except NotImplementedError:
+                pass
+    return tq_attention(queries, parts, scale, mask)
+
+
+def _routed(original: Callable) -> Callable:
+    def quantized_scaled_dot_product_attention(
+        queries, q_keys, q_values, scale, mask, group_size=64, bits=8
+    ):
+        if isinstance(q_keys, KVParts):
+            return turboquant_attention(queries, q_keys, scale, mask)
+        return original(queries, q_keys, q_values, scale=scale, mask=mask,
+                        group_size=group_size, bits=bits)
+
+    setattr(quantized_scaled_dot_product_attention, _ORIGINAL, original)
+    return quantized_scaled_dot_product_attention
+
+
+def installed() -> bool:
+    from mlx_lm.models import base
+
+    return hasattr(base.quantized_scaled_dot_product_attention, _ORIGINAL)
+
+
+def install() -> None:
+    """Hook mlx-lm's quantized attention and register the cache classes (idempotent)."""
+    from mlx_lm.models import base, cache
+
+    from .kvcache import TurboQuantKVCache, TurboQuantRotatingKVCache
+
+    if not installed():
+        base.quantized_scaled_dot_product_attention = _routed(
+            base.quantized_scaled_dot_product_attention
+        )
+    for cls in (TurboQuantKVCache, TurboQuantRotatingKVCache):
+        setattr(cache, cls.__name__, cls)
+
+
+def uninstall() -> None:
+    """Undo install(): mlx-lm's own function back, the class names removed."""
+    from mlx_lm.models import base, cache
+
+    if installed():
+        base.quantized_scaled_dot_product_attention = getattr(
+            base.quantized_scaled_dot_product_attention, _ORIGINAL
+        )
+    for name in ("TurboQuantKVCache", "TurboQuantRotatingKVCache"):
+        if hasattr(cache, name):
+            delattr(cache, name)
+
+
+__all__ = ["install", "installed", "register_kernel", "turboquant_attention", "uninstall"]

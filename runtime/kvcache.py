@@ -1,0 +1,538 @@
+"""TurboQuant KV cache: mlx-lm's cache protocol over rotated, Lloyd-Max coded K/V.
+
+    from turboquant.runtime.kvcache import make_turboquant_cache
+    cache = make_turboquant_cache(model, bits_k=4, bits_v=3)
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
+
+Per layer the tokens live in three parts, in temporal order:
+
+    sink (first `sink` tokens, fp16) | compressed (packed codes + fp16 norms) | tail (fp16)
+
+New tokens go to the tail. Before each forward step (and when `state` is read) the tail
+tokens older than the hot `window` are compressed, once at least `block` of them are
+waiting and the context has reached `start_after`. So the queries of one step see their
+own step's keys in fp16, and every query sees at least `window` recent tokens in fp16.
+Only packed codes and norms are kept for the compressed part (no fp16 shadow copy).
+
+Attention reads the parts as they are (kernels/kv_reference.py): `update_and_fetch`
+returns a `KVParts` view, and the one hook in runtime/kv_attention.py sends mlx-lm's
+attention to it. Importing this module installs that hook (idempotent).
+
+`TurboQuantRotatingKVCache` is the sliding-window variant (mlx-lm's RotatingKVCache):
+the first `keep` tokens stay as fp16 sinks and tokens older than `max_size` are dropped.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    _BaseCache,
+    create_attention_mask,
+    make_prompt_cache,
+)
+
+from turboquant.kernels.kv_reference import (
+    CHUNK,
+    KVParts,
+    PackedKV,
+    check_kv_bits,
+    kv_quantize,
+    kv_words,
+)
+from turboquant.stages import tensor_seed
+
+from . import kv_attention
+
+DEFAULTS = dict(bits_k=4, bits_v=3, sink=4, window=128, protect_layers=2, protect_bits=8)
+_STEP = 256
+
+
+def _grow(buf: mx.array | None, used: int, extra: int, shape_of: mx.array) -> mx.array:
+    """A buffer with room for `extra` more rows on axis 2 after `used` (steps of 256)."""
+    if buf is not None and used + extra <= buf.shape[2]:
+        return buf
+    n = (extra + _STEP - 1) // _STEP * _STEP
+    b, h, _ = shape_of.shape[:3]
+    new = mx.zeros((b, h, n, *shape_of.shape[3:]), dtype=shape_of.dtype)
+    if buf is None or used == 0:
+        return new
+    return mx.concatenate([buf[:, :, :used], new], axis=2)
+
+
+class TurboQuantKVCache(_BaseCache):
+    """A KV cache that keeps tokens beyond the hot window as TurboQuant codes.
+
+    bits_k, bits_v: 2, 3, 4 or 8. sink: leading tokens kept in fp16. window: recent tokens
+    kept in fp16. block: compress once this many tokens have left the window. start_after:
+    compress nothing before the context holds this many tokens. seed: rotation seed of the
+    layer. norm_correction: store the norm that makes each decoded vector's norm exact.
+    """
+
+    def __init__(
+        self,
+        bits_k: int = 4,
+        bits_v: int = 3,
+        *,
+        sink: int = 4,
+        window: int = 128,
+        block: int = 64,
+        start_after: int = 0,
+        seed: int = 0,
+        norm_correction: bool = False,
+    ):
+        self.bits_k = check_kv_bits(bits_k)
+        self.bits_v = check_kv_bits(bits_v)
+        for name, v, lo in (("sink", sink, 0), ("window", window, 0), ("block", block, 1),
+                            ("start_after", start_after, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        self.sink, self.window, self.block, self.start_after = sink, window, block, start_after
+        self.seed = int(seed)
+        self.norm_correction = bool(norm_correction)
+        self.offset = 0
+        self._reset()
+
+    def _reset(self):
+        self._sink_k = self._sink_v = None
+        self._tail_k = self._tail_v = None
+        self._n_tail = 0
+        self._comp = None  # [k_codes, k_norms, v_codes, v_norms] buffers, rows [lo, lo + n)
+        self._c_lo = 0
+        self._n_comp = 0
+        self._dims = None  # (k_dim, v_dim)
+
+    # mlx-lm's attention sends caches with `bits` to its quantized path: kv_attention hooks it
+    @property
+    def bits(self) -> int:
+        return self.bits_k
+
+    @property
+    def group_size(self) -> int:  # one scale (norm) per head vector
+        return self._dims[0] if self._dims else 0
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def sink_tokens(self) -> int:
+        return 0 if self._sink_k is None else self._sink_k.shape[2]
+
+    @property
+    def compressed_tokens(self) -> int:
+        return self._n_comp
+
+    @property
+    def fp16_tokens(self) -> int:
+        return self.sink_tokens + self._n_tail
+
+    def size(self) -> int:
+        return self.sink_tokens + self._n_comp + self._n_tail
+
+    def empty(self) -> bool:
+        return self._dims is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the tokens: fp16 parts + packed codes + fp16 norms."""
+        if self._dims is None:
+            return 0
+        n = 0
+        if self._sink_k is not None:
+            n += self._sink_k.nbytes + self._sink_v.nbytes
+        if self._n_tail:
+            b, h = self._tail_k.shape[:2]
+            item = self._tail_k.dtype.size
+            n += b * h * self._n_tail * item * sum(self._dims)
+        if self._n_comp:
+            b, h = self._comp[0].shape[:2]
+            kd, vd = self._dims
+            per = 4 * (kv_words(kd, self.bits_k) + kv_words(vd, self.bits_v)) + 2 * 2
+            n += b * h * self._n_comp * per
+        return n
+
+    # ------------------------------------------------------------------ update
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._dims is None:
+            self._dims = (keys.shape[-1], values.shape[-1])
+        n = keys.shape[2]
+        self._drop_before_append(n)
+        self._flush()
+        take = min(max(self.sink - self.offset, 0), n) if self._n_comp + self._n_tail == 0 else 0
+        if take:  # copies: a slice would keep the whole step's K/V alive
+            sk, sv = mx.contiguous(keys[:, :, :take]), mx.contiguous(values[:, :, :take])
+            if self._sink_k is None:
+                self._sink_k, self._sink_v = sk, sv
+            else:
+                self._sink_k = mx.concatenate([self._sink_k, sk], axis=2)
+                self._sink_v = mx.concatenate([self._sink_v, sv], axis=2)
+        if take < n:
+            self._append_tail(keys[:, :, take:], values[:, :, take:])
+        self.offset += n
+        parts = self.parts()
+        return parts, parts
+
+    def _append_tail(self, k: mx.array, v: mx.array):
+        m = k.shape[2]
+        self._tail_k = _grow(self._tail_k, self._n_tail, m, k)
+        self._tail_v = _grow(self._tail_v, self._n_tail, m, v)
+        self._tail_k[:, :, self._n_tail : self._n_tail + m] = k
+        self._tail_v[:, :, self._n_tail : self._n_tail + m] = v
+        self._n_tail += m
+
+    def _drop_before_append(self, n: int):
+        """The sliding-window variant drops old tokens here."""
+
+    def _flush(self, force: bool = False):
+        """Compress the tail tokens that have left the hot window."""
+        over = self._n_tail - self.window
+        if over <= 0 or (over < self.block and not force) or self.offset < self.start_after:
+            return
+        kd, vd = self._dims
+        b, h = self._tail_k.shape[:2]
+        step = max(1, CHUNK // (b * h * max(kd, vd)))  # bound the float32 work per piece
+        for a in range(0, over, step):
+            e = min(a + step, over)
+            kc, kn = kv_quantize(self._tail_k[:, :, a:e], self.bits_k, self.seed, self.norm_correction)
+            vc, vn = kv_quantize(self._tail_v[:, :, a:e], self.bits_v, self.seed, self.norm_correction)
+            self._append_comp([kc, kn, vc, vn])
+        # copy the window out, so the fp16 copy of the compressed tokens is freed now
+        self._tail_k = mx.contiguous(self._tail_k[:, :, over : self._n_tail])
+        self._tail_v = mx.contiguous(self._tail_v[:, :, over : self._n_tail])
+        self._n_tail -= over
+
+    def _append_comp(self, rows: list[mx.array]):
+        m = rows[0].shape[2]
+        lo, n = self._c_lo, self._n_comp
+        if self._comp is None or lo + n + m > self._comp[0].shape[2]:
+            grown = []
+            for i, r in enumerate(rows):
+                live = None if self._comp is None else self._comp[i][:, :, lo : lo + n]
+                grown.append(_grow(live, n, m, r))
+            self._comp, self._c_lo, lo = grown, 0, 0
+        for buf, r in zip(self._comp, rows):
+            buf[:, :, lo + n : lo + n + m] = r
+        self._n_comp += m
+
+    def parts(self) -> KVParts:
+        """The current sink | compressed | tail view (what attention reads)."""
+        packed = None
+        if self._n_comp:
+            a, e = self._c_lo, self._c_lo + self._n_comp
+            kc, kn, vc, vn = (x[:, :, a:e] for x in self._comp)
+            packed = PackedKV(kc, kn, vc, vn, self.bits_k, self.bits_v, self.seed, *self._dims)
+        tail_k = tail_v = None
+        if self._n_tail:
+            tail_k = self._tail_k[:, :, : self._n_tail]
+            tail_v = self._tail_v[:, :, : self._n_tail]
+        return KVParts(self._sink_k, self._sink_v, packed, tail_k, tail_v)
+
+    # ------------------------------------------------------------------ masks, trim
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                     window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the newest n tokens (tail first, then compressed codes, then sinks)."""
+        n = min(self.offset, n)
+        left = n
+        t = min(left, self._n_tail)
+        self._n_tail -= t
+        left -= t
+        c = min(left, self._n_comp)
+        self._n_comp -= c
+        left -= c
+        if left:
+            keep = self.sink_tokens - left
+            self._sink_k = self._sink_k[:, :, :keep] if keep else None
+            self._sink_v = self._sink_v[:, :, :keep] if keep else None
+        self.offset -= n
+        return n
+
+    # ------------------------------------------------------------------ save / load
+
+    def _meta(self) -> dict:
+        return {
+            "bits_k": self.bits_k,
+            "bits_v": self.bits_v,
+            "sink": self.sink,
+            "window": self.window,
+            "block": self.block,
+            "start_after": self.start_after,
+            "seed": str(self.seed),  # 64-bit: saved as text
+            "norm_correction": self.norm_correction,
+            "offset": self.offset,
+            "dims": "" if self._dims is None else f"{self._dims[0]},{self._dims[1]}",
+        }
+
+    def _set_meta(self, meta: dict):
+        self.bits_k, self.bits_v = int(meta["bits_k"]), int(meta["bits_v"])
+        self.sink, self.window = int(meta["sink"]), int(meta["window"])
+        self.block, self.start_after = int(meta["block"]), int(meta["start_after"])
+        self.seed = int(meta["seed"])
+        self.norm_correction = bool(meta["norm_correction"])
+        self.offset = int(meta["offset"])
+
+    @property
+    def state(self) -> dict:
+        """Arrays (used rows only) and settings, as mlx-lm's save_prompt_cache stores them.
+
+        Reading the state first compresses what has left the window (what the next update
+        would do anyway), so a saved cache is as small as it gets.
+        """
+        if self._dims is not None:
+            self._flush()
+        p = self.parts()
+        pk = p.packed
+        return {
+            "sink_k": p.sink_k,
+            "sink_v": p.sink_v,
+            "k_codes": None if pk is None else pk.k_codes,
+            "k_norms": None if pk is None else pk.k_norms,
+            "v_codes": None if pk is None else pk.v_codes,
+            "v_norms": None if pk is None else pk.v_norms,
+            "tail_k": p.tail_k,
+            "tail_v": p.tail_v,
+            "meta": self._meta(),
+        }
+
+    @state.setter
+    def state(self, v: dict):
+        self._set_meta(v["meta"])
+        self._reset()
+        dims = v["meta"]["dims"]
+        self._dims = tuple(int(x) for x in dims.split(",")) if dims else None
+        self._sink_k, self._sink_v = v["sink_k"], v["sink_v"]
+        if v["k_codes"] is not None:
+            self._comp = [v["k_codes"], v["k_norms"], v["v_codes"], v["v_norms"]]
+            self._n_comp = self._comp[0].shape[2]
+        if v["tail_k"] is not None:
+            self._tail_k, self._tail_v = v["tail_k"], v["tail_v"]
+            self._n_tail = self._tail_k.shape[2]
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        """Settings as strings (newer mlx-lm's protocol); `state` carries them too."""
+        return tuple(f"{k}={v}" for k, v in self._meta().items())
+
+    @meta_state.setter
+    def meta_state(self, v):
+        if v:
+            meta = dict(item.split("=", 1) for item in v)
+            meta["norm_correction"] = meta["norm_correction"] == "True"
+            self._set_meta(meta)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        obj = cls.__new__(cls)
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        return obj
+
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError("batched generation with the TurboQuant KV cache is not supported yet")
+
+
+class TurboQuantRotatingKVCache(TurboQuantKVCache):
+    """Sliding-window variant: keeps the first `keep` tokens (fp16) and the last tokens.
+
+    Like mlx-lm's RotatingKVCache, a step of N tokens sees at most max_size - 1 earlier
+    tokens (keep included), and masks limit each query to its own window.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0, **kwargs):
+        kwargs["sink"] = keep
+        super().__init__(**kwargs)
+        if max_size < 1 or keep >= max_size:
+            raise ValueError(f"need 0 <= keep < max_size, got keep={keep}, max_size={max_size}")
+        self.max_size, self.keep = int(max_size), int(keep)
+
+    def _room(self) -> int:
+        """Earlier non-sink tokens a step may still see."""
+        return max(0, self.max_size - 1 - self.keep)
+
+    def _drop_before_append(self, n: int):
+        drop = self._n_comp + self._n_tail - self._room()
+        if drop <= 0:
+            return
+        c = min(drop, self._n_comp)
+        self._c_lo += c
+        self._n_comp -= c
+        t = drop - c
+        if t:
+            self._tail_k = mx.contiguous(self._tail_k[:, :, t : self._n_tail])
+            self._tail_v = mx.contiguous(self._tail_v[:, :, t : self._n_tail])
+            self._n_tail -= t
+
+    def _layout_after(self, n: int) -> tuple[int, int, int]:
+        """(sinks, first kept position, end) of what a step of n new tokens will see."""
+        end = self.offset + n
+        s = min(self.keep, end)
+        return s, max(s, self.offset - self._room()), end
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        window = window_size or self.max_size
+        s, lo, end = self._layout_after(N)
+        if N == 1 and not return_array and end - lo <= window:
+            return None  # the step sees exactly its window
+        k = mx.concatenate([mx.arange(s), mx.arange(lo, end)])[None]
+        q = mx.arange(self.offset, end)[:, None]
+        mask = (k <= q) & ((k > q - window) | (k < self.keep))
+        return mask[0] if N == 1 else mask
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)  # as mlx-lm's RotatingKVCache reports it
+
+    def _meta(self) -> dict:
+        return {**super()._meta(), "max_size": self.max_size, "keep": self.keep}
+
+    def _set_meta(self, meta: dict):
+        super()._set_meta(meta)
+        self.max_size, self.keep = int(meta["max_size"]), int(meta["keep"])
+
+
+# ---------------------------------------------------------------------------- construction
+
+
+def _kv_slots(caches: list) -> list[tuple[object, int | None]]:
+    """(container, index) of every KVCache / RotatingKVCache, in layer order."""
+    slots = []
+    for i, c in enumerate(caches):
+        if isinstance(c, (KVCache, RotatingKVCache)):
+            slots.append((caches, i))
+        elif isinstance(c, CacheList):
+            inner = list(c.caches)
+            for j, s in enumerate(inner):
+                if isinstance(s, (KVCache, RotatingKVCache)):
+                    slots.append((c, j))
+    return slots
+
+
+def _learned_sinks(model) -> bool:
+    return any(
+        name.endswith("sinks") and isinstance(v, mx.array)
+        for name, v in _flat_params(model.parameters())
+    )
+
+
+def _flat_params(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat_params(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _flat_params(v, f"{prefix}.{i}")
+    else:
+        yield prefix, tree
+
+
+def make_turboquant_cache(
+    model,
+    *,
+    bits_k: int = DEFAULTS["bits_k"],
+    bits_v: int = DEFAULTS["bits_v"],
+    sink: int = DEFAULTS["sink"],
+    window: int = DEFAULTS["window"],
+    protect_layers: int = DEFAULTS["protect_layers"],
+    protect_bits: int | None = DEFAULTS["protect_bits"],
+    start_after: int = 0,
+    block: int = 64,
+    seed: int = 0,
+    norm_correction: bool = False,
+    max_kv_size: int | None = None,
+) -> list:
+    """The model's own cache list with every KV cache replaced by a TurboQuant one.
+
+    Layers whose cache is not a KV cache (linear attention, Mamba) keep theirs. The first
+    and last `protect_layers` KV-bearing layers (counted in KV-layer order) use
+    `protect_bits` for K and V (None or 16: the model's fp16 cache). Sliding-window layers
+    (RotatingKVCache) get TurboQuantRotatingKVCache with the same size and keep.
+    """
+    if _learned_sinks(model):
+        raise ValueError(
+            "this model has learned attention sinks (e.g. gpt-oss); mlx-lm's quantized "
+            "attention route does not pass them on, so keep the fp16 cache for it"
+        )
+    kv_attention.install()
+    caches = make_prompt_cache(model, max_kv_size=max_kv_size)
+    slots = _kv_slots(caches)
+    n = len(slots)
+    protected = set(range(min(protect_layers, n))) | set(range(max(0, n - protect_layers), n))
+    for i, (owner, j) in enumerate(slots):
+        bk, bv = bits_k, bits_v
+        if i in protected:
+            if protect_bits in (None, 16):
+                continue
+            bk, bv = max(bits_k, protect_bits), max(bits_v, protect_bits)
+        kw = dict(bits_k=bk, bits_v=bv, window=window, block=block, start_after=start_after,
+                  seed=tensor_seed(seed, f"kv_cache.{i}"), norm_correction=norm_correction)
+        old = owner.caches[j] if isinstance(owner, CacheList) else owner[j]
+        if isinstance(old, RotatingKVCache):
+            new = TurboQuantRotatingKVCache(old.max_size, old.keep, **kw)
+        else:
+            new = TurboQuantKVCache(sink=sink, **kw)
+        if isinstance(owner, CacheList):
+            inner = list(owner.caches)
+            inner[j] = new
+            owner.caches = tuple(inner)
+        else:
+            owner[j] = new
+    return caches
+
+
+def kv_cache_from_args(
+    model,
+    bits_k: int | None = None,
+    bits_v: int | None = None,
+    sink: int | None = None,
+    window: int | None = None,
+    protect_layers: int | None = None,
+    **kwargs,
+) -> list | None:
+    """For CLI flags (--kv-bits-k/-v, --kv-sink, --kv-window, --kv-protect-layers).
+
+    Returns a cache list for `prompt_cache=`, or None (the fp16 cache) when neither bits
+    flag is given or both are 16. A missing flag takes its default from DEFAULTS.
+    """
+    if bits_k is None and bits_v is None or (bits_k == 16 and bits_v == 16):
+        return None
+    if bits_k == 16 or bits_v == 16:
+        raise ValueError("--kv-bits-k and --kv-bits-v must both be 16 (fp16 cache) or both in 2, 3, 4, 8")
+    opts = dict(
+        bits_k=DEFAULTS["bits_k"] if bits_k is None else bits_k,
+        bits_v=DEFAULTS["bits_v"] if bits_v is None else bits_v,
+        sink=DEFAULTS["sink"] if sink is None else sink,
+        window=DEFAULTS["window"] if window is None else window,
+        protect_layers=DEFAULTS["protect_layers"] if protect_layers is None else protect_layers,
+    )
+    return make_turboquant_cache(model, **opts, **kwargs)
+
+
+def kv_bytes_per_token(head_dim: int, bits_k: int, bits_v: int) -> int:
+    """Bytes of one token of one KV head in the compressed part (codes + norms)."""
+    return 4 * (kv_words(head_dim, bits_k) + kv_words(head_dim, bits_v)) + 4
+
+
+kv_attention.install()
+
+__all__ = [
+    "DEFAULTS",
+    "TurboQuantKVCache",
+    "TurboQuantRotatingKVCache",
+    "kv_bytes_per_token",
+    "kv_cache_from_args",
+    "make_turboquant_cache",
+]

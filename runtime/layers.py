@@ -1,0 +1,269 @@
+"""Quantized layers that drop into mlx-lm's architectures in place of Linear, SwitchLinear
+and Embedding.
+
+Each holds packed codes (uint32) and fp16 scales as laid out in docs/FORMAT.md, plus the
+spec (bits, group size, rotation seed, padding) as plain attributes. A forward pass
+rotates the activations once with the tensor's seed, zero-pads them to `padded_in`, and
+calls the kernel `turboquant.kernels` dispatches for the device: W x = (W R)(R^T x).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from turboquant import kernels
+from turboquant.kernels.reference import check_bits, words_per_row
+from turboquant.stages import rotate, unrotate
+
+
+def padded(in_features: int, group_size: int) -> int:
+    return math.ceil(in_features / group_size) * group_size
+
+
+class _TQBase(nn.Module):
+    """Spec and shared helpers; subclasses set codes, scales and (optionally) bias."""
+
+    def _set_spec(self, input_dims, output_dims, bits, group_size, seed, padded_in):
+        check_bits(bits)
+        padded_in = padded_in or padded(input_dims, group_size)
+        if padded_in % group_size or padded_in < input_dims:
+            raise ValueError(
+                f"padded_in {padded_in} must be a multiple of group_size {group_size} "
+                f"and at least in_features {input_dims}"
+            )
+        self.input_dims = int(input_dims)
+        self.output_dims = int(output_dims)
+        self.bits = bits if bits == "ternary" else int(bits)
+        self.group_size = int(group_size)
+        self.seed = int(seed)
+        self.padded_in = int(padded_in)
+        return padded_in
+
+    @property
+    def spec(self):
+        """The codec's QuantSpec for this layer's weights."""
+        from turboquant.stages import QuantSpec
+
+        return QuantSpec(
+            bits=self.bits,
+            group_size=self.group_size,
+            seed=self.seed,
+            in_features=self.input_dims,
+            padded_in=self.padded_in,
+            refit=True,
+        )
+
+    def rotate_input(self, x: mx.array) -> mx.array:
+        """R^T x along the last axis in float32, zero-padded to padded_in."""
+        if x.shape[-1] != self.input_dims:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs with last axis {self.input_dims}, "
+                f"got {tuple(x.shape)}"
+            )
+        xr = rotate(x.astype(mx.float32), self.seed)
+        pad = self.padded_in - self.input_dims
+        if pad:
+            xr = mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
+        return xr
+
+    def _decode_rows(self, codes, scales) -> mx.array:
+        """Dense float32 rows in the original basis (..., input_dims): for tests and debugging."""
+        w = kernels.dequantize(codes, scales, self.bits, self.group_size, self.padded_in)
+        return unrotate(w[..., : self.input_dims], self.seed)
+
+    def _extra_repr(self) -> str:
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"bits={self.bits}, group_size={self.group_size}"
+        )
+
+
+class TQLinear(_TQBase):
+    """y = x W^T + b with W stored as TurboQuant codes: codes (out, words), scales (out, groups)."""
+
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = False,
+        *,
+        bits=4,
+        group_size: int = 64,
+        seed: int = 0,
+        padded_in: int | None = None,
+    ):
+        super().__init__()
+        p = self._set_spec(input_dims, output_dims, bits, group_size, seed, padded_in)
+        self.codes = mx.zeros((output_dims, words_per_row(p, bits)), dtype=mx.uint32)
+        self.scales = mx.zeros((output_dims, p // group_size), dtype=mx.float16)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+        self.freeze()
+
+    @classmethod
+    def from_quantized(cls, qt, bias: mx.array | None = None) -> "TQLinear":
+        """From a `turboquant.stages.QuantizedTensor` (and an optional bias)."""
+        out, inp = qt.shape
+        s = qt.spec
+        layer = cls(inp, out, bias is not None, bits=s.bits, group_size=s.group_size,
+                    seed=s.seed, padded_in=s.padded_in)
+        layer.codes, layer.scales = qt.codes, qt.scales
+        if bias is not None:
+            layer.bias = bias
+        return layer
+
+    @property
+    def weight(self) -> mx.array:
+        """The dense decoded weight (out, in), float32. Materialises the whole matrix."""
+        return self._decode_rows(self["codes"], self["scales"])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = kernels.tq_linear(
+            self.rotate_input(x),
+            self["codes"],
+            self["scales"],
+            self.bits,
+            self.group_size,
+            self.output_dims,
+            self.padded_in,
+        ).astype(x.dtype)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class TQSwitchLinear(_TQBase):
+    """mlx-lm's SwitchLinear with TurboQuant experts.
+
+    codes (E, out, words) uint32, scales (E, out, groups) float16, bias (E, out).
+
+    All experts of one layer and projection share one rotation (docs/FORMAT.md), so the
+    input is rotated once for every expert it is routed to.
+    """
+
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        bias: bool = False,
+        *,
+        bits=4,
+        group_size: int = 64,
+        seed: int = 0,
+        padded_in: int | None = None,
+    ):
+        super().__init__()
+        p = self._set_spec(input_dims, output_dims, bits, group_size, seed, padded_in)
+        self.num_experts = int(num_experts)
+        self.codes = mx.zeros((num_experts, output_dims, words_per_row(p, bits)), dtype=mx.uint32)
+        self.scales = mx.zeros((num_experts, output_dims, p // group_size), dtype=mx.float16)
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+        self.freeze()
+
+    @classmethod
+    def from_quantized(cls, experts, bias: mx.array | None = None) -> "TQSwitchLinear":
+        """From a list of per-expert QuantizedTensors sharing one spec."""
+        specs = {(q.spec.bits, q.spec.group_size, q.spec.seed, q.spec.padded_in) for q in experts}
+        shapes = {tuple(q.shape) for q in experts}
+        if len(specs) != 1 or len(shapes) != 1:
+            raise ValueError(f"experts differ in spec or shape: {sorted(map(str, specs | shapes))}")
+        out, inp = experts[0].shape
+        s = experts[0].spec
+        layer = cls(inp, out, len(experts), bias is not None, bits=s.bits,
+                    group_size=s.group_size, seed=s.seed, padded_in=s.padded_in)
+        layer.codes = mx.stack([q.codes for q in experts])
+        layer.scales = mx.stack([q.scales for q in experts])
+        if bias is not None:
+            layer.bias = bias
+        return layer
+
+    @property
+    def weight(self) -> mx.array:
+        """Dense decoded experts (E, out, in), float32. Materialises everything."""
+        return self._decode_rows(self["codes"], self["scales"])
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = kernels.tq_gather(
+            self.rotate_input(x),
+            self["codes"],
+            self["scales"],
+            indices,
+            self.bits,
+            self.group_size,
+            self.output_dims,
+            self.padded_in,
+            sorted_indices=sorted_indices,
+        ).astype(x.dtype)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+class TQEmbedding(_TQBase):
+    """nn.Embedding with TurboQuant rows: a lookup decodes only the rows it needs.
+
+    Rows are rotated along the hidden axis like any (out=vocab, in=hidden) weight, so
+    `as_linear` (a tied lm_head) is a TQLinear product with no decode at all.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        dims: int,
+        *,
+        bits=4,
+        group_size: int = 64,
+        seed: int = 0,
+        padded_in: int | None = None,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        super().__init__()
+        p = self._set_spec(dims, num_embeddings, bits, group_size, seed, padded_in)
+        self.num_embeddings = int(num_embeddings)
+        self.dims = int(dims)
+        self.dtype = dtype
+        self.codes = mx.zeros((num_embeddings, words_per_row(p, bits)), dtype=mx.uint32)
+        self.scales = mx.zeros((num_embeddings, p // group_size), dtype=mx.float16)
+        self.freeze()
+
+    @classmethod
+    def from_quantized(cls, qt, dtype: mx.Dtype = mx.float32) -> "TQEmbedding":
+        vocab, dims = qt.shape
+        s = qt.spec
+        layer = cls(vocab, dims, bits=s.bits, group_size=s.group_size, seed=s.seed,
+                    padded_in=s.padded_in, dtype=dtype)
+        layer.codes, layer.scales = qt.codes, qt.scales
+        return layer
+
+    @property
+    def weight(self) -> mx.array:
+        """The dense decoded table (vocab, dims), float32. Materialises everything."""
+        return self._decode_rows(self["codes"], self["scales"])
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        rows = kernels.tq_embed(
+            ids, self["codes"], self["scales"], self.bits, self.group_size, self.padded_in
+        )
+        return unrotate(rows[..., : self.dims], self.seed).astype(self.dtype)
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, bits={self.bits}, group_size={self.group_size}"
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return kernels.tq_linear(
+            self.rotate_input(x),
+            self["codes"],
+            self["scales"],
+            self.bits,
+            self.group_size,
+            self.num_embeddings,
+            self.padded_in,
+        ).astype(x.dtype)
+
+
+__all__ = ["TQEmbedding", "TQLinear", "TQSwitchLinear", "padded"]

@@ -1,0 +1,246 @@
+"""TurboQuantKVCache and its sliding variant: mlx-lm's cache protocol, accounting, save/load."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+from turboquant.kernels.kv_reference import dense_parts, kv_dequantize, kv_quantize, kv_words
+from turboquant.runtime.kvcache import (
+    TurboQuantKVCache,
+    TurboQuantRotatingKVCache,
+    kv_bytes_per_token,
+)
+from turboquant.runtime.kv_attention import turboquant_attention
+
+KV, D = 2, 64
+
+
+def _kv(n, seed, dtype=mx.float16):
+    k = mx.random.normal((1, KV, n, D), key=mx.random.key(seed)) * 2
+    v = mx.random.normal((1, KV, n, D), key=mx.random.key(seed + 1000))
+    return k.astype(dtype), v.astype(dtype)
+
+
+def _feed(cache, steps, seed=0):
+    """Feed chunks of the given sizes; return all keys and values fed (fp16)."""
+    ks, vs = [], []
+    for i, n in enumerate(steps):
+        k, v = _kv(n, seed + i)
+        cache.update_and_fetch(k, v)
+        ks.append(k)
+        vs.append(v)
+    return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+def _expected_dense(k, v, n_sink, n_comp, cache):
+    """What the cache should hold: exact fp16 sinks and tail, the codec's decode in between."""
+    sl = slice(n_sink, n_sink + n_comp)
+    kd = kv_dequantize(*kv_quantize(k[:, :, sl], cache.bits_k, cache.seed), cache.bits_k, cache.seed, D)
+    vd = kv_dequantize(*kv_quantize(v[:, :, sl], cache.bits_v, cache.seed), cache.bits_v, cache.seed, D)
+    f32 = lambda x: x.astype(mx.float32)  # noqa: E731
+    ek = mx.concatenate([f32(k[:, :, :n_sink]), kd, f32(k[:, :, n_sink + n_comp :])], axis=2)
+    ev = mx.concatenate([f32(v[:, :, :n_sink]), vd, f32(v[:, :, n_sink + n_comp :])], axis=2)
+    return ek, ev
+
+
+def _check_contents(cache, k, v):
+    s, c = cache.sink_tokens, cache.compressed_tokens
+    got_k, got_v = dense_parts(cache.parts())
+    want_k, want_v = _expected_dense(k, v, s, c, cache)
+    assert got_k.shape == want_k.shape
+    assert mx.allclose(got_k, want_k, atol=1e-5).item()
+    assert mx.allclose(got_v, want_v, atol=1e-5).item()
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError, match="KV bits"):
+        TurboQuantKVCache(bits_k=5)
+    with pytest.raises(ValueError, match="window"):
+        TurboQuantKVCache(window=-1)
+    with pytest.raises(ValueError, match="keep"):
+        TurboQuantRotatingKVCache(max_size=8, keep=8)
+
+
+def test_tokens_move_sink_tail_compressed():
+    c = TurboQuantKVCache(4, 3, sink=4, window=16, block=8, seed=9)
+    assert c.empty() and c.nbytes == 0
+    k, v = _feed(c, [3, 1, 1, 10])  # 15 tokens: 4 sinks, 11 in the window
+    assert (c.offset, c.sink_tokens, c.compressed_tokens, c.fp16_tokens) == (15, 4, 0, 15)
+    k2, v2 = _feed(c, [1] * 20, seed=50)  # 35 tokens
+    k, v = mx.concatenate([k, k2], axis=2), mx.concatenate([v, v2], axis=2)
+    # compressed in blocks of 8 before each step: the window holds 16..23 + the new token
+    assert c.offset == 35 and c.sink_tokens == 4
+    assert c.compressed_tokens % 8 == 0 and 16 <= c.fp16_tokens - 4 <= 16 + 8
+    assert c.compressed_tokens + c.fp16_tokens == 35 == c.size()
+    _check_contents(c, k, v)
+
+
+def test_a_step_sees_its_own_tokens_in_fp16():
+    c = TurboQuantKVCache(4, 3, sink=0, window=0, block=1)
+    _feed(c, [50])
+    assert c.compressed_tokens == 0 and c.fp16_tokens == 50
+    _feed(c, [1], seed=9)
+    assert c.compressed_tokens == 50 and c.fp16_tokens == 1
+
+
+def test_start_after_delays_compression():
+    c = TurboQuantKVCache(4, 3, sink=2, window=4, block=1, start_after=40)
+    _feed(c, [1] * 40)
+    assert c.compressed_tokens == 0
+    _feed(c, [1], seed=7)
+    assert c.compressed_tokens == 40 - 2 - 4
+
+
+@pytest.mark.parametrize("bits", [(8, 3), (4, 3), (4, 4), (3, 3), (2, 2), (8, 8)])
+def test_nbytes_is_the_packed_size(bits):
+    c = TurboQuantKVCache(*bits, sink=4, window=32, block=16)
+    _feed(c, [300], seed=1)
+    c.state  # noqa: B018  (reading the state compresses what left the window)
+    n_comp, n_fp = c.compressed_tokens, c.fp16_tokens
+    assert n_comp == 300 - 4 - 32
+    packed = KV * n_comp * (4 * (kv_words(D, bits[0]) + kv_words(D, bits[1])) + 2 * 2)
+    fp16 = KV * n_fp * D * 2 * 2
+    assert c.nbytes == packed + fp16
+    assert KV * n_comp * kv_bytes_per_token(D, *bits) == packed
+    # and it is what the arrays hold: no fp16 shadow copy of the compressed tokens
+    arrays = [x for x in c.state.values() if isinstance(x, mx.array)]
+    assert sum(x.nbytes for x in arrays) == c.nbytes
+    # 4-bit keys + 3-bit values: (64*4 + 64*3) / 8 + 4 bytes = 60 bytes for 256 fp16 bytes
+    if bits == (4, 3):
+        assert kv_bytes_per_token(D, *bits) == 60
+
+
+def test_trim_then_refeed_is_the_same_cache():
+    k, v = _kv(60, 3)
+    a = TurboQuantKVCache(4, 3, sink=4, window=8, block=4)
+    b = TurboQuantKVCache(4, 3, sink=4, window=8, block=4)
+    for i in range(60):
+        a.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    for i in range(40):
+        b.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    assert trim_prompt_cache([a], 20) == 20  # reaches into the compressed tokens
+    assert a.offset == 40 and a.size() == 40
+    ka, va = dense_parts(a.parts())
+    kb, vb = dense_parts(b.parts())
+    n_fp = b.fp16_tokens - 4
+    # the same tokens; where b still has them in fp16, a has them compressed
+    assert mx.allclose(ka[:, :, : 40 - n_fp], kb[:, :, : 40 - n_fp]).item()
+    assert mx.allclose(va[:, :, : 40 - n_fp], vb[:, :, : 40 - n_fp]).item()
+    assert a.trim(100) == 40 and a.size() == 0 and a.sink_tokens == 0
+    a.update_and_fetch(k[:, :, :5], v[:, :, :5])
+    assert a.sink_tokens == 4 and a.offset == 5
+
+
+def test_trim_inside_the_window_is_exact():
+    k, v = _kv(30, 4)
+    a = TurboQuantKVCache(4, 3, sink=2, window=16, block=4)
+    a.update_and_fetch(k, v)
+    a.trim(5)
+    a.update_and_fetch(k[:, :, 25:], v[:, :, 25:])
+    b = TurboQuantKVCache(4, 3, sink=2, window=16, block=4)
+    b.update_and_fetch(k[:, :, :25], v[:, :, :25])
+    b.update_and_fetch(k[:, :, 25:], v[:, :, 25:])
+    assert a.compressed_tokens == b.compressed_tokens > 0
+    for x, y in zip(dense_parts(a.parts()), dense_parts(b.parts())):
+        assert mx.array_equal(x, y)
+
+
+def test_save_and_load_with_mlx_lm(tmp_path):
+    tq = TurboQuantKVCache(8, 3, sink=4, window=16, block=8, seed=2**63 + 5, norm_correction=True)
+    rot = TurboQuantRotatingKVCache(max_size=48, keep=2, bits_k=4, bits_v=4, window=8, block=4)
+    plain = KVCache()
+    caches = [tq, rot, plain]
+    for c in caches:
+        _feed(c, [40, 1, 1, 30], seed=7)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, caches, metadata={"model": "tiny"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"model": "tiny"}
+    assert [type(c) for c in loaded] == [TurboQuantKVCache, TurboQuantRotatingKVCache, KVCache]
+    for a, b in zip(caches[:2], loaded[:2]):
+        assert b.offset == a.offset and b.seed == a.seed and b.norm_correction == a.norm_correction
+        assert (b.bits_k, b.bits_v, b.sink, b.window, b.block) == (a.bits_k, a.bits_v, a.sink, a.window, a.block)
+        assert b.nbytes == a.nbytes
+        # continuing from the loaded cache is continuing from the original
+        k, v = _kv(3, 99)
+        pa, _ = a.update_and_fetch(k, v)
+        pb, _ = b.update_and_fetch(k, v)
+        for x, y in zip(dense_parts(pa), dense_parts(pb)):
+            assert mx.array_equal(x, y)
+    assert loaded[1].max_size == 48 and loaded[1].keep == 2
+
+
+def test_meta_state_round_trip():
+    a = TurboQuantRotatingKVCache(max_size=32, keep=1, bits_k=3, bits_v=2, window=4, block=2, seed=77)
+    _feed(a, [20, 1, 1])
+    b = TurboQuantRotatingKVCache.from_state(a.state, a.meta_state)
+    assert (b.max_size, b.keep, b.bits_k, b.bits_v, b.seed, b.offset) == (32, 1, 3, 2, 77, 22)
+
+
+@pytest.mark.parametrize("steps", [[1] * 70, [10, 1, 25, 1, 1, 30, 1, 1]])
+def test_sliding_window_keeps_what_mlx_lm_keeps(steps):
+    # With a window wider than max_size nothing is compressed: the sliding variant must
+    # then attend exactly like mlx-lm's RotatingKVCache (keep = 0, as models make it).
+    ref = RotatingKVCache(max_size=24)
+    ours = TurboQuantRotatingKVCache(max_size=24, bits_k=4, bits_v=3, window=64)
+    for i, n in enumerate(steps):
+        k, v = _kv(n, i, mx.float32)
+        q = mx.random.normal((1, 4, n, D), key=mx.random.key(500 + i))
+        mask_ref = ref.make_mask(n, window_size=24)
+        mask_ours = ours.make_mask(n, window_size=24)
+        rk, rv = ref.update_and_fetch(k, v)
+        parts, _ = ours.update_and_fetch(k, v)
+        want = mx.fast.scaled_dot_product_attention(q, rk, rv, scale=0.125, mask=mask_ref)
+        got = turboquant_attention(q, parts, 0.125, mask_ours)
+        assert mx.abs(got - want).max().item() < 1e-5
+        assert ours.size() == ref.size() and ours.offset == ref.offset
+
+
+def test_sliding_window_compresses_the_middle():
+    c = TurboQuantRotatingKVCache(max_size=64, keep=4, bits_k=4, bits_v=3, window=16, block=8)
+    k, v = _feed(c, [1] * 200)
+    assert c.offset == 200 and c.size() <= 64
+    assert c.sink_tokens == 4 and c.compressed_tokens > 0
+    # the newest 16 are fp16 and exact; the sinks are the first 4 tokens
+    kk, _ = dense_parts(c.parts())
+    assert mx.array_equal(kk[:, :, :4], k[:, :, :4].astype(mx.float32))
+    assert mx.array_equal(kk[:, :, -16:], k[:, :, -16:].astype(mx.float32))
+    assert not c.is_trimmable()
+    # each query sees the keep tokens and its own window of max_size tokens
+    m = c.make_mask(5, window_size=64)
+    parts, _ = c.update_and_fetch(*_kv(5, 300))
+    assert m.shape == (5, parts.length) == (5, 63 + 5)
+    assert mx.all(m[:, :4]).item()  # keep tokens stay visible
+    # 63 earlier tokens kept (4 sinks included), as mlx-lm keeps max_size - 1; the last
+    # query sees its full window of 64 plus the 4 sinks
+    assert m.sum(axis=-1).tolist() == [64, 65, 66, 67, 68]
+
+
+def test_no_fp16_copy_of_compressed_tokens_stays_alive():
+    # After a long prefill step and the next update, the memory the cache holds is its
+    # packed size (plus buffer steps of 256 tokens), not the fp16 size of the prefill.
+    import gc
+
+    gc.collect()
+    before = mx.get_active_memory()
+    c = TurboQuantKVCache(4, 3, sink=4, window=32, block=16)
+    k, v = _kv(4096, 1)
+    c.update_and_fetch(k, v)
+    fp16_bytes = k.nbytes + v.nbytes
+    del k, v
+    parts, _ = c.update_and_fetch(*_kv(1, 2))
+    mx.eval(c.state)
+    del parts
+    gc.collect()
+    held = mx.get_active_memory() - before
+    assert c.compressed_tokens == 4096 - 4 - 32
+    slack = 256 * KV * (4 * (kv_words(D, 4) + kv_words(D, 3)) + 4) + 2 * 288 * KV * D * 2
+    assert held <= c.nbytes + slack < fp16_bytes / 3

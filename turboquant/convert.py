@@ -1,0 +1,168 @@
+"""`turboquant convert SOURCE OUTPUT`: a Hugging Face checkpoint -> a TurboQuant repo.
+
+Running the same command again resumes where it stopped (the output folder's ledger says
+what is done). See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB, 0)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_bits(text: str):
+    t = text.strip().lower()
+    if t in ("ternary", "raw"):
+        return t
+    if t in ("2", "3", "4"):
+        return int(t)
+    raise argparse.ArgumentTypeError(f"bits must be 2, 3, 4 or ternary (or raw where allowed), "
+                                     f"got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="turboquant convert",
+        description="Convert a Hugging Face checkpoint (a local folder or a Hub repo id) into a "
+        "TurboQuant repo, tensor by tensor, in bounded memory. Rerunning the same command "
+        "resumes an interrupted conversion.",
+    )
+    p.add_argument("source", help="local Hugging Face folder, or Hub repo id (org/name)")
+    p.add_argument("output", help="output folder (created; resumed if it holds this conversion)")
+    r = p.add_argument_group("recipe (defaults come from the model family's recipe)")
+    r.add_argument("--recipe", help="bundled recipe name or path to a .toml file (default: "
+                   "chosen by config.json's model_type)")
+    r.add_argument("--bits", type=parse_bits, help="bits of attention and dense MLP weights "
+                   "(2, 3, 4)")
+    r.add_argument("--group-size", type=int, choices=(32, 64, 128), help="weights per scale")
+    r.add_argument("--expert-bits", type=parse_bits, help="bits of MoE expert weights (2, 3, 4 "
+                   "or ternary)")
+    r.add_argument("--down-proj-bits", type=parse_bits, help="bits of down projections")
+    r.add_argument("--embeddings-bits", type=parse_bits, help="bits of the embeddings, or raw")
+    r.add_argument("--lm-head-bits", type=parse_bits, help="bits of lm_head, or raw")
+    r.add_argument("--protect-layers", type=int, metavar="N", help="first and last N decoder "
+                   "layers at the recipe's protect bits (0: none)")
+    r.add_argument("--model-seed", type=int, help="seed of all rotations (default 0)")
+    s = p.add_argument_group("source")
+    s.add_argument("--revision", help="Hub branch, tag or commit")
+    s.add_argument("--delete-source", action="store_true", help="Hub source: delete each "
+                   "downloaded shard once every job reading it is done (disks smaller than the "
+                   "model)")
+    x = p.add_argument_group("execution")
+    x.add_argument("--workers", type=int, default=1, help="jobs at once, each in its own "
+                   "process (default 1)")
+    x.add_argument("--fresh", action="store_true", help="delete this output's previous "
+                   "conversion and start over")
+    x.add_argument("--job-size", default="1GB:5GB", metavar="MIN[:MAX]", help="source bytes "
+                   "per job: small shards are grouped up to MIN, shards over MAX are split "
+                   "(default 1GB:5GB; 0 = one job per shard)")
+    x.add_argument("--no-prefect", action="store_true", help="run the same steps without "
+                   "Prefect (no API server)")
+    x.add_argument("--in-process", action="store_true", help="run jobs in this process, one "
+                   "after the other (debugging)")
+    x.add_argument("--dry-run", action="store_true", help="validate and print the plan; "
+                   "write nothing")
+    x.add_argument("--no-disk-check", action="store_true", help=argparse.SUPPRESS)
+    o = p.add_argument_group("output")
+    o.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    o.add_argument("-v", "--verbose", action="store_true", help="Prefect's INFO logs")
+    o.add_argument("--list-recipes", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _quiet_prefect(verbose: bool) -> None:
+    """Before Prefect is imported: warnings only, analytics off; task and flow failures
+    are reported once, by this command, not as Prefect tracebacks."""
+    from turboquant.pipeline.flow_env import configure_prefect_env
+
+    configure_prefect_env(verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        lo, _, hi = args.job_size.partition(":")
+        min_job = parse_size(lo)
+        max_job = parse_size(hi) if hi else max(min_job, 5 * 10**9)
+    except argparse.ArgumentTypeError as e:
+        print(f"turboquant convert: error: --job-size: {e}", file=sys.stderr)
+        return 2
+    if max_job <= 0:
+        print("turboquant convert: error: --job-size MAX must be positive", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print("turboquant convert: error: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if not args.no_prefect and not args.dry_run:
+        _quiet_prefect(args.verbose)
+
+    from turboquant.pipeline.convert import ConvertOptions, convert, validate
+    from turboquant.pipeline.errors import ConversionError
+    from turboquant.manifests.recipe import RecipeError
+
+    opts = ConvertOptions(
+        source=args.source, output=args.output, recipe=args.recipe, bits=args.bits,
+        group_size=args.group_size, expert_bits=args.expert_bits,
+        down_proj_bits=args.down_proj_bits, embeddings_bits=args.embeddings_bits,
+        lm_head_bits=args.lm_head_bits, protect_layers=args.protect_layers,
+        model_seed=args.model_seed, revision=args.revision, workers=args.workers,
+        in_process=args.in_process, fresh=args.fresh, delete_source=args.delete_source,
+        min_job_bytes=min_job, max_job_bytes=max_job,
+        progress=not args.quiet and sys.stderr.isatty(), check_disk=not args.no_disk_check,
+    )
+    try:
+        if args.dry_run:
+            print(describe_plan(validate(opts)))
+            return 0
+        if args.no_prefect:
+            summary = convert(opts)
+        else:
+            from turboquant.pipeline.flow import run_convert_flow
+
+            summary = run_convert_flow(opts)
+    except (ConversionError, RecipeError) as e:
+        print(f"turboquant convert: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("turboquant convert: interrupted; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    print(summary.text())
+    return 0
+
+
+def describe_plan(p) -> str:
+    plan = p.plan
+    coded = [it for it in plan.items if it.codec != "raw"]
+    lines = [
+        f"source: {plan.source}",
+        f"recipe: {plan.recipe.name} ({plan.recipe.source}), hash {plan.recipe_hash[:16]}",
+        f"tensors: {sum(1 for _ in plan.items)} ({len(coded)} coded, "
+        f"{len(plan.kept_small)} too small to code, {len(plan.dropped)} dropped)",
+        f"jobs: {len(plan.jobs)}; source {plan.read_bytes / 1e9:.3f} GB -> output "
+        f"{plan.out_bytes / 1e9:.3f} GB",
+    ]
+    for job in plan.jobs[:20]:
+        lines.append(f"  {job.name}: {len(job.units)} units from {', '.join(job.files)} -> "
+                     f"{job.shard} ({job.size / 1e6:.1f} MB)")
+    if len(plan.jobs) > 20:
+        lines.append(f"  ... {len(plan.jobs) - 20} more")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

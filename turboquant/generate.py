@@ -1,0 +1,99 @@
+"""`turboquant generate`: stream text from a TurboQuant repo.
+
+    turboquant generate --model ./out --prompt "Once upon a time" --max-tokens 64
+
+Tokens go to stdout as they are generated; prompt and generation speed and peak memory
+go to stderr at the end. MLX and mlx-lm are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="turboquant generate",
+        description="Generate text from a TurboQuant repo (a local folder or a Hub repo id).",
+    )
+    p.add_argument("--model", required=True, help="TurboQuant repo folder or Hub repo id")
+    p.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    )
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+        help="activation and 16-bit tensor dtype (default: stored; float32 for MoE on CPU)",
+    )
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    return p
+
+
+def _prompt_tokens(tokenizer, prompt: str, chat: bool, system: str | None) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "has_chat_template", False):
+            print("turboquant generate: the tokenizer has no chat template; using the raw prompt",
+                  file=sys.stderr)
+        else:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        print("turboquant generate: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    if not 0.0 < args.top_p <= 1.0:
+        print("turboquant generate: --top-p must be in (0, 1]", file=sys.stderr)
+        return 2
+
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from turboquant.runtime import RepoError, load
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        model, tokenizer = load(args.model, dtype=args.dtype, revision=args.revision)
+    except (RepoError, FileNotFoundError) as e:
+        print(f"turboquant generate: {e}", file=sys.stderr)
+        return 1
+
+    tokens = _prompt_tokens(tokenizer, prompt, args.chat, args.system)
+    sampler = make_sampler(args.temp, args.top_p if args.top_p < 1.0 else 0.0)
+    last = None
+    for response in stream_generate(
+        model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler
+    ):
+        print(response.text, end="", flush=True)
+        last = response
+    print()
+    if last is not None:
+        print(
+            f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s\n"
+            f"peak memory: {last.peak_memory:.3f} GB",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
