@@ -74,8 +74,19 @@ class JobResult:
     extra: dict = field(default_factory=dict)
 
 
+_PARENT: int | None = None  # the process that asked for this job (None: run in-process)
+
+
+def _check_parent() -> None:
+    """A worker whose parent was killed stops at once: no writer outlives its run."""
+    if _PARENT is not None and os.getppid() != _PARENT:
+        os._exit(3)
+
+
 def run_job(ctx: JobContext) -> JobResult:
     """Convert one job (or finish / skip it, per its ledger and marker)."""
+    global _PARENT
+    _PARENT = ctx.parent_pid
     work = WorkDir(Path(ctx.output))
     job = ctx.job
     t0 = time.monotonic()
@@ -95,8 +106,7 @@ def run_job(ctx: JobContext) -> JobResult:
                    units_done=done, units=len(job.units))
         with _Reader(ctx) as reader:
             for i in range(done, len(job.units)):
-                if ctx.parent_pid is not None and os.getppid() != ctx.parent_pid:
-                    os._exit(3)  # orphaned by a killed parent: stop writing
+                _check_parent()
                 items = [_write_item(it, reader, writer, ctx.refit) for it in job.units[i].items]
                 writer.commit(i, items)
         marker = writer.finish(ctx.run)
@@ -213,6 +223,7 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
     step = max(1, RAW_CHUNK // info.itemsize)
     for start in range(0, info.numel, step):
         n = min(step, info.numel - start)
+        _check_parent()
         raw = read_raw(fd, info, start, n, src)
         if info.dtype in FLOAT_DTYPES:
             check_finite(to_float32(raw, info.dtype), src, info.name, start)
@@ -244,6 +255,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: boo
             x = to_float32(read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file),
                            info.dtype).reshape(r1 - r0, in_f)
         check_finite(x, p.file, p.tensor, r0 * in_f)
+        _check_parent()
         xm = mx.array(x)
         try:
             qt = encode(xm, item.bits, item.group_size, seed=item.seed, refit=refit)

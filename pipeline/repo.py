@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
                                          QUANT_METHOD, write_manifest)

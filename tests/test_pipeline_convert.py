@@ -19,7 +19,7 @@ from safetensors import safe_open
 from turboquant.manifests.schema import COLUMNS, stored_names
 from turboquant.pipeline import job as job_module
 from turboquant.pipeline.convert import ConvertOptions, convert
-from turboquant.pipeline.errors import ConversionError, OutputError, PlanError, SourceError
+from turboquant.pipeline.errors import ConversionError, OutputError, PlanError
 from turboquant.pipeline.ledger import WorkDir
 from turboquant.pipeline.plan import cut_piece, split_piece_of
 from turboquant.pipeline.safetensors_io import read_float32, read_header
@@ -353,3 +353,24 @@ def test_verify_catches_a_flipped_byte(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     report = verify_repo(out)
     assert not report.ok and "model.layers.1.mlp.down_proj.weight" in report.text()
+
+
+def test_cli_dry_run_errors_and_verify(tmp_path, capsys):
+    from turboquant.convert import main as convert_main
+    from turboquant.verify import main as verify_main
+
+    src = write_llama_checkpoint(tmp_path / "src", shards=2, layers=2, hidden=64,
+                                 intermediate=128, vocab=300)
+    out = tmp_path / "out"
+    assert convert_main([str(src), str(out), "--dry-run", "--job-size", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "jobs: 2" in text and "recipe: llama" in text and not out.exists()
+    args = [str(src), str(out), "--no-prefect", "--in-process", "--job-size", "0", "-q"]
+    assert convert_main(args) == 0
+    assert "real bits per weight" in capsys.readouterr().out
+    assert convert_main(args + ["--bits", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("turboquant convert: error:") and "quant.bits: 4 -> 2" in err
+    assert convert_main(args + ["--job-size", "lots"]) == 2
+    assert verify_main([str(out), "--source", str(src)]) == 0
+    assert "OK" in capsys.readouterr().out

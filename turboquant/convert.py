@@ -7,7 +7,6 @@ what is done). See docs/convert.md.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
