@@ -2,7 +2,7 @@
 
     inv = inventory(open_source("Qwen/Qwen3-235B-A22B"))       # headers only
     p = project(inv, context=8192, machine=this_machine())
-    p.verdict, p.expert_budget                                  # "STREAM", 41.2e9
+    p.verdict, p.expert_budget                                  # e.g. "STREAM", 12.7e9
 
 The projection is the peak memory MLX reports for a prompt of `context` tokens followed
 by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does not count:
@@ -12,13 +12,13 @@ by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does n
 
 - weights: every tensor as the runtime holds it (fit_weights.py): codes + fp16 scales for a
   coded weight; kept tensors at their dtype, cast to float32 when the runtime casts them
-  (a Mixture-of-Experts model on the CPU backend). Routed experts (`.experts.E.`) are
-  counted apart: expert streaming keeps only a budget of them in memory.
+  (a Mixture-of-Experts model on the CPU backend). Coded routed experts (`.experts.E.`)
+  are counted apart: expert streaming keeps only a budget of them in memory.
 - KV cache (per layer kind, fit_model.py): a full-attention layer keeps
   2 x kv_heads x head_dim x act bytes per token, allocated in steps of 256 tokens (mlx-lm's
   KVCache); a sliding-window layer at most window + one prefill chunk of tokens; a
   linear-attention or Mamba layer a constant state. With `kv_bits=(K, V)` the runtime's
-  TurboQuant cache: sink + recent tokens at act bytes, the rest at
+  TurboQuant cache: the sink tokens and the last prefill step at act bytes, the rest at
   4 x (words(K) + words(V)) + 4 bytes per head vector, the first and last two KV layers
   at 8 bits (runtime/kvcache.py's defaults).
 - workspace: the largest of three phases, fitted to MLX's CPU backend (benchmarks/plan.py):
@@ -120,7 +120,7 @@ def this_machine(memory_gb: float | None = None, backend_name: str | None = None
 
 @dataclass
 class Projection:
-    inventory: Inventory
+    inventory: Inventory = field(repr=False)
     shape: ModelShape
     machine: Machine
     context: int
@@ -137,8 +137,8 @@ class Projection:
     expert_unit: int  # the largest expert of one layer (bytes)
     moe_layers: int
     notes: list[str] = field(default_factory=list)
-    _kv_fn: object = None
-    _ws_fn: object = None
+    _kv_fn: object = field(default=None, repr=False)
+    _ws_fn: object = field(default=None, repr=False)
 
     @property
     def nonexpert(self) -> int:
@@ -250,11 +250,12 @@ def project(inv: Inventory, context: int, machine: Machine, *, dtype: str | None
     notes = list(shape.notes)
     size = act if cast else None
     weights = sum(w.resident(size) for w in inv.weights)
-    experts = sum(w.resident(size) for w in inv.weights if w.is_expert)
+    # what expert streaming pages: the coded experts (kept ones, e.g. biases, stay loaded)
+    experts = sum(w.resident(size) for w in inv.weights if w.is_expert and w.coded)
 
     groups: dict[tuple[int | None, int], int] = {}
     for w in inv.weights:
-        if w.is_expert:
+        if w.is_expert and w.coded:
             groups[(w.layer, w.expert)] = groups.get((w.layer, w.expert), 0) + w.resident(size)
     per_layer: dict[int | None, int] = {}
     for (layer, _), b in groups.items():
@@ -406,7 +407,9 @@ def _phases(shape: ModelShape, tiles: _Tiles, context: int, act: int, backend_na
 
 
 def bytes_text(n: float) -> str:
-    return f"{n / GB:.2f} GB" if abs(n) >= GB / 10 else f"{n / 1e6:.1f} MB"
+    if abs(n) >= GB / 10:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if abs(n) >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
 __all__ = ["GB", "Machine", "Projection", "VERDICTS", "activation_dtype", "bytes_text",

@@ -72,8 +72,8 @@ class Inventory:
 
     source: str  # folder or repo@commit
     kind: str  # "source" (projected through a recipe) or "repo" (converted)
-    config: dict
-    weights: list[Weight]
+    config: dict = field(repr=False)
+    weights: list[Weight] = field(repr=False)
     recipe: str | None = None  # recipe name and summary ("qwen_moe: 4-bit, experts 3-bit")
     recipe_args: dict = field(default_factory=dict)  # overrides given on the command line
     problems: list[str] = field(default_factory=list)  # the conversion would refuse these
@@ -263,7 +263,8 @@ def _weight(rec, name, shape, dtype, layer, num_layers, cache) -> Weight | str |
 def _expert_bits(weights: list[Weight]):
     """The bits most experts are coded at (the first and last layers may differ)."""
     seen = Counter(w.bits for w in weights if w.is_expert and w.coded)
-    return seen.most_common(1)[0][0] if seen else None
+    rank = {"ternary": 1, 2: 2, 3: 3, 4: 4}
+    return max(seen, key=lambda b: (seen[b], -rank.get(b, 9))) if seen else None
 
 
 def _recipe_summary(name, bits, expert_bits) -> str:

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("turboquant.verify", "re-read a TurboQuant repo and check checksums and errors"),
     "generate": ("turboquant.generate", "generate text from a TurboQuant repo"),
     "serve": ("turboquant.serve", "serve a TurboQuant repo over an OpenAI-compatible HTTP API"),
+    "plan": ("turboquant.plan", "project a model's memory here: RESIDENT, STREAM or WON'T FIT"),
+    "doctor": ("turboquant.doctor", "check a TurboQuant repo folder and this machine (read-only)"),
 }
 
 
