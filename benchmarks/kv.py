@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {name: ROOT / "reference" / "models" / name for name in ("pystd-dense", "pystd-moe")}
 HELDOUT = ROOT / "reference" / "heldout.txt"
 MAIN_CONFIGS = ("K8V3", "K4V3", "K4V4", "K3V3")
-DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:nc", "K4V3:p2")
+DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V3:p2")
 
 
 # ---------------------------------------------------------------------------- caches
@@ -55,13 +55,17 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:nc", "K4V3
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache to measure, parsed from names like "K4V3", "K4V3:nc:p2:w128", "affine4"."""
+    """One cache to measure, parsed from names like "K4V3", "K4V3:raw:p2:w128", "affine4".
+
+    TurboQuant options: raw (no norm correction), p<n> (protect the first and last n KV
+    layers at 8 bits), w<n> (fp16 window of n tokens instead of --window).
+    """
 
     name: str
     kind: str  # "fp16", "affine", "tq"
     bits_k: int = 16
     bits_v: int = 16
-    norm_correction: bool = False
+    norm_correction: bool = True
     protect: int = 0
     window: int | None = None
 
@@ -74,12 +78,14 @@ class CacheSpec:
             return cls(name, "affine", b, b)
         head, *opts = name.split(":")
         if not (head.startswith("K") and "V" in head):
-            raise ValueError(f"cache spec {name!r}: use fp16, affine8, affine4 or K<b>V<b>[:nc][:p<n>][:w<n>]")
+            raise ValueError(
+                f"cache spec {name!r}: use fp16, affine8, affine4 or K<b>V<b>[:raw][:p<n>][:w<n>]"
+            )
         bk, bv = head[1:].split("V")
         kw = {}
         for o in opts:
-            if o == "nc":
-                kw["norm_correction"] = True
+            if o == "raw":
+                kw["norm_correction"] = False
             elif o.startswith("p"):
                 kw["protect"] = int(o[1:])
             elif o.startswith("w"):
@@ -88,7 +94,7 @@ class CacheSpec:
                 raise ValueError(f"cache spec {name!r}: unknown option {o!r}")
         return cls(name, "tq", int(bk), int(bv), **kw)
 
-    def make(self, model, sink: int, window: int):
+    def make(self, model, sink: int, window: int, block: int = 16):
         from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
         from turboquant.runtime.kvcache import make_turboquant_cache
@@ -100,7 +106,7 @@ class CacheSpec:
         return make_turboquant_cache(
             model, bits_k=self.bits_k, bits_v=self.bits_v, sink=sink,
             window=self.window if self.window is not None else window,
-            protect_layers=self.protect, protect_bits=8, block=16,
+            protect_layers=self.protect, protect_bits=8, block=block,
             norm_correction=self.norm_correction,
         )
 
@@ -139,7 +145,7 @@ def feed(model, tokens: mx.array, cache, step: int) -> mx.array:
 
 def quality(model, ids: list[int], specs, *, ctx, chunks, step, sink, window, log) -> dict:
     """Per spec: nll, kl, top1 agreement, bytes/token held, over `chunks` chunks of `ctx`."""
-    acc = {s.name: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": 0, "secs": 0.0} for s in specs}
+    acc = {s.name: dict(nll=0.0, kl=0.0, agree=0.0, n=0, bytes=0, secs=0.0) for s in specs}
     n_chunks = min(chunks, len(ids) // ctx)
     for c in range(n_chunks):
         tokens = mx.array(ids[c * ctx : (c + 1) * ctx])
@@ -216,14 +222,14 @@ def retrieval_prompts(tok, trials: int, length: int, seed: int = 0):
     return out
 
 
-def seeded(spec: CacheSpec, model, prefix, sink: int, window: int):
+def seeded(spec: CacheSpec, model, prefix, sink: int, window: int, block: int = 16):
     """A fresh cache of `spec` holding the K/V of an uncompressed prefill (`prefix`).
 
     The same as prefilling through `spec`'s cache for TurboQuant, whose prefill step
     attends its own tokens in fp16 and compresses them before the next step; for mlx-lm's
     affine cache it is its `quantized_kv_start` path (quantize after the prefill).
     """
-    cache = spec.make(model, sink, window)
+    cache = spec.make(model, sink, window, block)
     for c, p in zip(cache, prefix):
         k, v = p.state[0][:, :, : p.offset], p.state[1][:, :, : p.offset]
         c.update_and_fetch(k, v)
@@ -287,44 +293,49 @@ SHAPE_8B = (32, 8, 128)  # Llama-3-8B: layers, KV heads, head dim
 # ---------------------------------------------------------------------------- GPU decode
 
 
+LLAMA_8B = dict(
+    hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+    max_position_embeddings=131072, tie_word_embeddings=False,
+)
+
+
 def gpu_decode(
     contexts=(1024, 4096, 16384, 32768),
-    configs=("fp16", "K4V3", "K8V3"),
+    configs=("fp16", "K4V3", "K8V3", "K4V3:p2"),
     steps: int = 64,
-    layers: int = 32,
     sink: int = 4,
     window: int = 128,
+    shape: dict | None = None,
     log=print,
 ) -> list[dict]:
     """Decode tokens/s of an 8B-shaped random Llama (bf16) at each context, per cache.
 
-    The cache is filled by prefilling random tokens (2048 per call, as mlx_lm.generate
-    does), then `steps` greedy tokens are timed (one mx.eval per token, like generation).
+    Random tokens are prefilled once per context into the fp16 cache (2048 per call, as
+    mlx_lm.generate does); each cache starts from that prefill's K/V (`seeded`) and
+    `steps` greedy tokens are timed (one mx.eval per token, like generation).
     Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
     whatever kernel runtime/kv_attention.py has registered, else the pure-MLX reference.
+    `shape` overrides LLAMA_8B's fields (a smaller model for a smoke test).
     """
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
-        head_dim=128, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-    )
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **{**LLAMA_8B, **(shape or {})})
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     rows = []
     for ctx in contexts:
         prompt = mx.random.randint(0, args.vocab_size, (ctx,), key=mx.random.key(ctx))
+        prefix = CacheSpec.parse("fp16").make(model, sink, window)
+        for i in range(0, ctx - 1, 2048):  # one uncompressed prefill per context
+            model(prompt[None, i : min(i + 2048, ctx - 1)], cache=prefix)
+            mx.eval([c.state for c in prefix])
         row = {"context": ctx}
         for name in configs:
-            spec = CacheSpec.parse(name)
-            cache = spec.make(model, sink, window)
-            for i in range(0, ctx, 2048):
-                model(prompt[None, i : i + 2048], cache=cache)
-                mx.eval([c.state for c in cache])
+            cache = seeded(CacheSpec.parse(name), model, prefix, sink, window, block=64)
             y = prompt[-1:]
-            for _ in range(3):  # warm up
+            for _ in range(3):  # warm up (and compress what left the window)
                 y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
                 mx.eval(y)
             t0 = time.perf_counter()
@@ -335,12 +346,15 @@ def gpu_decode(
             row[name + ":GB"] = sum(c.nbytes for c in cache) / 1e9
             del cache
             mx.clear_cache()
-        log("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        del prefix
+        log("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in row.items()))
         rows.append(row)
     log("\ndecode tokens/s (ratio to fp16)")
     log(f"{'context':>8} " + " ".join(f"{c:>18}" for c in configs))
     for r in rows:
-        cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}" for c in configs]
+        cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}"
+                 for c in configs]
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
     return rows
 
@@ -374,7 +388,8 @@ def run_cpu(args, log=print) -> dict:
         prompts = retrieval_prompts(tok, args.trials, args.retrieval_len)
         r = retrieval(model, tok, specs, prompts, sink=args.sink, window=args.window)
         log(f"  retrieval: {len(prompts)} trials, {time.perf_counter() - t0:.0f} s")
-        results[name] = {"shape": (layers, heads, dim), "quality": q, "retrieval": r, "trials": len(prompts)}
+        results[name] = dict(shape=(layers, heads, dim), quality=q, retrieval=r,
+                             trials=len(prompts))
         del model
         mx.clear_cache()
     report(results, specs, args, log)
@@ -387,7 +402,8 @@ def report(results: dict, specs, args, log=print):
         q, r = res["quality"], res["retrieval"]
         base = q["fp16"]
         log(f"\n{name}: {layers} layers x {heads} KV heads x head_dim {dim}; ctx {args.ctx}, "
-            f"step {args.step}, sink {args.sink}, window {args.window}; retrieval {res['trials']} trials")
+            f"step {args.step}, sink {args.sink}, window {args.window}; "
+            f"retrieval {res['trials']} trials")
         log(f"{'cache':<12} {'ppl':>8} {'dppl %':>8} {'KL':>9} {'top1=fp':>8} {'retr':>6} "
             f"{'=fp':>5} {'tokacc':>6} {'logp':>7} {'B/tok':>8} {'B/tok held':>10} {'x fp16':>7}")
         fp_bytes = bytes_per_token(layers, heads, dim, specs[0])
@@ -399,8 +415,9 @@ def report(results: dict, specs, args, log=print):
                 bpt = bpt * (layers - n8) / layers + n8 * bytes_per_token(
                     1, heads, dim, CacheSpec("", "tq", 8, 8))
             log(f"{s.name:<12} {qs['ppl']:8.3f} {100 * (qs['ppl'] / base['ppl'] - 1):+8.2f} "
-                f"{qs['kl']:9.5f} {qs['agree']:8.3f} {rs['success']:6.2f} {rs['same_as_fp16']:5.2f} "
-                f"{rs['token_acc']:6.2f} {rs['logprob']:7.2f} {bpt:8.0f} {qs['bytes_per_token']:10.0f} {fp_bytes / bpt:7.2f}")
+                f"{qs['kl']:9.5f} {qs['agree']:8.3f} {rs['success']:6.2f} "
+                f"{rs['same_as_fp16']:5.2f} {rs['token_acc']:6.2f} {rs['logprob']:7.2f} "
+                f"{bpt:8.0f} {qs['bytes_per_token']:10.0f} {fp_bytes / bpt:7.2f}")
     log("\nbytes of KV per token (all layers, long context; TurboQuant without sinks/window)")
     shapes = {n: res["shape"] for n, res in results.items()}
     shapes["8B-shaped"] = SHAPE_8B
@@ -424,7 +441,8 @@ def report(results: dict, specs, args, log=print):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--model-dir", default=None, help="folder holding the --models (default reference/models)")
+    ap.add_argument("--model-dir", default=None,
+                    help="folder holding the --models (default reference/models)")
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--ctx", type=int, default=512, help="tokens per held-out chunk")
     ap.add_argument("--chunks", type=int, default=2)
@@ -433,12 +451,14 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--retrieval-len", type=int, default=400, help="tokens per retrieval prompt")
-    ap.add_argument("--gpu-decode", action="store_true", help="decode tokens/s, 8B shape (GPU machine)")
+    ap.add_argument("--gpu-decode", action="store_true",
+                    help="decode tokens/s, 8B shape (GPU machine)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
-    ap.add_argument("--gpu-configs", nargs="+", default=["fp16", "K4V3", "K8V3"])
+    ap.add_argument("--gpu-configs", nargs="+", default=["fp16", "K4V3", "K8V3", "K4V3:p2"])
+    ap.add_argument("--gpu-steps", type=int, default=64)
     args = ap.parse_args(argv)
     if args.gpu_decode:
-        gpu_decode(tuple(args.contexts), tuple(args.gpu_configs))
+        gpu_decode(tuple(args.contexts), tuple(args.gpu_configs), steps=args.gpu_steps)
         return
     run_cpu(args)
 

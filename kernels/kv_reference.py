@@ -6,11 +6,12 @@ Codec, one head vector x of size d at a time (keys and values alike, each with i
     u = y / ||x|| * sqrt(d)             coordinates ~ N(0, 1) for any x after the rotation
     codes = nearest Lloyd-Max level of u for N(0, 1)        (2, 3, 4 or 8 bits)
     norm  = ||x|| (fp16), or with norm correction ||x|| * sqrt(d) / ||levels[codes]||,
-            which makes the decoded vector's norm exact
+            which makes the decoded vector's norm exact (the cache's default)
     decode: x ~ unrotate(levels[codes] * norm / sqrt(d))
 
 Codes are packed per head vector into uint32 words: 2, 3, 4 bits as stages.pack_codes
-(3 bits: 32 codes in three words), 8 bits four codes a word, code i at bit 8 * (i % 4).
+(3 bits: 32 codes in three words), 8 bits four codes a word, code i at bit 8 * (i % 4)
+(so on little-endian machines, which MLX runs on, the bytes are the codes).
 8 bits uses the 8-bit Lloyd-Max codebook, computed like the others by stages.codebook: MSE
 4.1e-5 on N(0, 1), against 8.8e-5 for the best uniform 256-level grid (+-4 sigma).
 
@@ -19,12 +20,13 @@ Attention never dequantizes the cache as a whole. For queries q (B, H, L, D):
     scores_c = (rotate(q) . levels[kcodes]) * knorm * scale / sqrt(d)     per key
     out_c    = sum_c p_c * vnorm_c / sqrt(d) * levels[vcodes_c]           rotated domain
 
-The compressed span is walked in chunks of at most `CHUNK` decoded values (an online
-softmax carries max, sum and the rotated accumulator), each chunk ordered after the
-previous one (`mx.depends`) so decoded chunks never pile up; `unrotate` runs once on the
-accumulator. The fp16 parts (sinks and the hot window) get an ordinary softmax piece, and
-the two pieces merge by log-sum-exp. GQA: queries are grouped (B, KV, H/KV, L, D) and each
-KV head is decoded once for its group. The same function is the chunked prefill path (L > 1).
+Every part is walked in blocks of at most `CHUNK` float32 values (`CHUNK_GPU` on a GPU):
+an online softmax carries max, sum and accumulator, and each block is ordered after the
+previous one (`mx.depends`) so decoded blocks never pile up. The compressed span
+accumulates in the rotated domain and `unrotate` runs once; the fp16 parts (sinks and
+the hot window) accumulate in the original domain; the two merge by log-sum-exp.
+GQA: queries are grouped (B, KV, H/KV, L, D), so each KV head is decoded once for its
+group. The same function is the chunked prefill path (L > 1).
 """
 
 from __future__ import annotations
@@ -35,10 +37,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from turboquant.stages import codebook_values, lloyd_max_mse, pack_codes, rotate, unpack_codes, unrotate
+from turboquant.stages import (
+    codebook_values,
+    lloyd_max_mse,
+    pack_codes,
+    rotate,
+    unpack_codes,
+    unrotate,
+)
 
 KV_BITS = (2, 3, 4, 8)
-CHUNK = 1 << 22  # decoded float32 values per chunk of the compressed span (16 MiB)
+CHUNK = 1 << 22  # float32 values per block on the CPU (16 MiB)
+CHUNK_GPU = 1 << 26  # on a GPU: fewer, larger blocks (256 MiB), fewer kernel launches
 NEG = -1e30  # masked score: finite, so a fully masked chunk merges with weight zero
 FP16_MAX = 65504.0
 
@@ -203,16 +213,16 @@ class KVParts:
 
 def _group(x: mx.array, kv_heads: int) -> mx.array:
     """(B, H, L, D) -> (B, KV, H/KV, L, D)."""
-    b, h, l, d = x.shape
-    return x.reshape(b, kv_heads, h // kv_heads, l, d)
+    b, h, n, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, n, d)
 
 
 def _mask5(mask, n_heads: int, kv_heads: int):
     """An mlx-lm mask array, shaped to broadcast against (B, KV, H/KV, L, T)."""
     if mask.ndim == 4:
         if mask.shape[1] == n_heads and n_heads != kv_heads:
-            b, _, l, t = mask.shape
-            return mask.reshape(b, kv_heads, n_heads // kv_heads, l, t)
+            b, _, n, t = mask.shape
+            return mask.reshape(b, kv_heads, n_heads // kv_heads, n, t)
         return mx.expand_dims(mask, 2)
     if mask.ndim == 3:  # (B, L, T)
         return mx.expand_dims(mask, (1, 2))
@@ -234,7 +244,7 @@ def _masked(scores, mask, c0: int, c1: int, q_cols: mx.array | None):
 
 def _piece(scores):
     """(running max, sum of exp, probabilities) of one block of scores."""
-    m = mx.max(scores, axis=-1, keepdims=True)
+    m = mx.maximum(mx.max(scores, axis=-1, keepdims=True), NEG)  # -inf masks: no NaN
     p = mx.exp(scores - m)
     return m, mx.sum(p, axis=-1, keepdims=True), p
 
@@ -251,7 +261,8 @@ def _merge(a, b):
 
 def _chunk_tokens(b: int, kv: int, dims: int, q_rows: int, chunk: int | None) -> int:
     """Tokens per block: bound both the decoded K/V block and the score block."""
-    return max(16, (chunk or CHUNK) // (b * kv * max(dims, q_rows)))
+    limit = chunk or (CHUNK if mx.default_device().type == mx.cpu else CHUNK_GPU)
+    return max(16, limit // (b * kv * max(dims, q_rows)))
 
 
 def _after(x: mx.array, prev):
@@ -273,13 +284,15 @@ def tq_attention(
     (bool or additive) over the T columns of `parts` in temporal order. Every part is
     walked in blocks (`chunk` bounds a block's float32 values), so prefill stays bounded.
     """
-    b, h, l, d = queries.shape
+    b, h, n_q, _ = queries.shape
     s_len, c_len, t_len = parts.lengths
     total = s_len + c_len + t_len
     if total == 0:
         raise ValueError("attention over an empty KV cache")
-    ref = next(x for x in (parts.sink_k, parts.tail_k) if x is not None) if not c_len else parts.packed.k_codes
-    kv = ref.shape[1]
+    if c_len:
+        kv = parts.packed.k_codes.shape[1]
+    else:
+        kv = (parts.sink_k if parts.sink_k is not None else parts.tail_k).shape[1]
     if h % kv:
         raise ValueError(f"{h} query heads do not group over {kv} KV heads")
     q = _group(queries.astype(mx.float32), kv)  # (B, KV, R, L, D)
@@ -287,11 +300,11 @@ def tq_attention(
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}")
-        q_cols = mx.arange(total - l, total) if l > 1 else None
+        q_cols = mx.arange(total - n_q, total) if n_q > 1 else None
         mask = None
     elif mask is not None:
         mask = _mask5(mask, h, kv)
-    rows = h // kv * l
+    rows = h // kv * n_q
 
     fp, prev = None, None  # online softmax over the fp16 parts, original domain
     qs = q * scale
@@ -319,7 +332,8 @@ def tq_attention(
         for c0 in range(0, c_len, step):
             c1 = min(c0 + step, c_len)
             lk = kbook[unpack_kv(_after(pk.k_codes[:, :, c0:c1], prev), pk.bits_k, pk.k_dim)]
-            scores = (qr @ mx.expand_dims(lk, 2).swapaxes(-1, -2)) * k_scale[:, :, None, None, c0:c1]
+            scores = qr @ mx.expand_dims(lk, 2).swapaxes(-1, -2)
+            scores = scores * k_scale[:, :, None, None, c0:c1]
             m, s, p = _piece(_masked(scores, mask, s_len + c0, s_len + c1, q_cols))
             lv = vbook[unpack_kv(pk.v_codes[:, :, c0:c1], pk.bits_v, pk.v_dim)]
             acc = (p * v_scale[:, :, None, None, c0:c1]) @ mx.expand_dims(lv, 2)
@@ -330,7 +344,7 @@ def tq_attention(
 
     _, s, acc = out
     o = acc / s
-    return o.reshape(b, h, l, o.shape[-1]).astype(queries.dtype)
+    return o.reshape(b, h, n_q, o.shape[-1]).astype(queries.dtype)
 
 
 def dense_parts(parts: KVParts) -> tuple[mx.array, mx.array]:

@@ -26,6 +26,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from turboquant.kernels import dispatch
 from turboquant.kernels.kv_reference import KVParts, tq_attention
 
 _KERNELS: dict[str, Callable] = {}
@@ -39,19 +40,10 @@ def register_kernel(backend: str, fn: Callable) -> None:
     _KERNELS[backend] = fn
 
 
-def _backend() -> str:
-    if mx.default_device().type != mx.gpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else "cpu"
-
-
 def turboquant_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
     """Attention over a TurboQuant cache view: a decode kernel if one fits, else the reference."""
     if queries.shape[2] == 1 and _KERNELS:
-        fn = _KERNELS.get(_backend())
+        fn = _KERNELS.get(dispatch.backend())
         if fn is not None:
             try:
                 return fn(queries, parts, scale, mask)
@@ -106,4 +98,15 @@ def uninstall() -> None:
             delattr(cache, name)
 
 
-__all__ = ["install", "installed", "register_kernel", "turboquant_attention", "uninstall"]
+def unregister_kernel(backend: str) -> None:
+    _KERNELS.pop(backend, None)
+
+
+__all__ = [
+    "install",
+    "installed",
+    "register_kernel",
+    "turboquant_attention",
+    "uninstall",
+    "unregister_kernel",
+]

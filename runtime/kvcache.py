@@ -46,7 +46,8 @@ from turboquant.stages import tensor_seed
 
 from . import kv_attention
 
-DEFAULTS = dict(bits_k=4, bits_v=3, sink=4, window=128, protect_layers=2, protect_bits=8)
+DEFAULTS = dict(bits_k=4, bits_v=3, sink=4, window=128, protect_layers=2, protect_bits=8,
+                norm_correction=True)  # measured: docs/kv-cache.md
 _STEP = 256
 
 
@@ -81,7 +82,7 @@ class TurboQuantKVCache(_BaseCache):
         block: int = 64,
         start_after: int = 0,
         seed: int = 0,
-        norm_correction: bool = False,
+        norm_correction: bool = True,
     ):
         self.bits_k = check_kv_bits(bits_k)
         self.bits_v = check_kv_bits(bits_v)
@@ -195,10 +196,11 @@ class TurboQuantKVCache(_BaseCache):
         kd, vd = self._dims
         b, h = self._tail_k.shape[:2]
         step = max(1, CHUNK // (b * h * max(kd, vd)))  # bound the float32 work per piece
+        nc = self.norm_correction
         for a in range(0, over, step):
             e = min(a + step, over)
-            kc, kn = kv_quantize(self._tail_k[:, :, a:e], self.bits_k, self.seed, self.norm_correction)
-            vc, vn = kv_quantize(self._tail_v[:, :, a:e], self.bits_v, self.seed, self.norm_correction)
+            kc, kn = kv_quantize(self._tail_k[:, :, a:e], self.bits_k, self.seed, nc)
+            vc, vn = kv_quantize(self._tail_v[:, :, a:e], self.bits_v, self.seed, nc)
             self._append_comp([kc, kn, vc, vn])
         # copy the window out, so the fp16 copy of the compressed tokens is freed now
         self._tail_k = mx.contiguous(self._tail_k[:, :, over : self._n_tail])
@@ -340,7 +342,9 @@ class TurboQuantKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        raise NotImplementedError("batched generation with the TurboQuant KV cache is not supported yet")
+        raise NotImplementedError(
+            "batched generation with the TurboQuant KV cache is not supported yet"
+        )
 
 
 class TurboQuantRotatingKVCache(TurboQuantKVCache):
@@ -451,7 +455,7 @@ def make_turboquant_cache(
     start_after: int = 0,
     block: int = 64,
     seed: int = 0,
-    norm_correction: bool = False,
+    norm_correction: bool = DEFAULTS["norm_correction"],
     max_kv_size: int | None = None,
 ) -> list:
     """The model's own cache list with every KV cache replaced by a TurboQuant one.
@@ -505,12 +509,18 @@ def kv_cache_from_args(
     """For CLI flags (--kv-bits-k/-v, --kv-sink, --kv-window, --kv-protect-layers).
 
     Returns a cache list for `prompt_cache=`, or None (the fp16 cache) when neither bits
-    flag is given or both are 16. A missing flag takes its default from DEFAULTS.
+    flag is given or both are 16. A missing flag takes its default from DEFAULTS. With
+    `add_kv_arguments(parser)`:
+
+        cache = kv_cache_from_args(model, args.kv_bits_k, args.kv_bits_v, args.kv_sink,
+                                   args.kv_window, args.kv_protect_layers)
     """
     if bits_k is None and bits_v is None or (bits_k == 16 and bits_v == 16):
         return None
     if bits_k == 16 or bits_v == 16:
-        raise ValueError("--kv-bits-k and --kv-bits-v must both be 16 (fp16 cache) or both in 2, 3, 4, 8")
+        raise ValueError(
+            "--kv-bits-k and --kv-bits-v must both be 16 (fp16 cache) or both in 2, 3, 4, 8"
+        )
     opts = dict(
         bits_k=DEFAULTS["bits_k"] if bits_k is None else bits_k,
         bits_v=DEFAULTS["bits_v"] if bits_v is None else bits_v,
@@ -519,6 +529,23 @@ def kv_cache_from_args(
         protect_layers=DEFAULTS["protect_layers"] if protect_layers is None else protect_layers,
     )
     return make_turboquant_cache(model, **opts, **kwargs)
+
+
+def add_kv_arguments(parser) -> None:
+    """The KV cache flags of `generate` and `serve`, on an argparse parser."""
+    g = parser.add_argument_group("KV cache (TurboQuant)")
+    g.add_argument("--kv-bits-k", type=int, choices=(2, 3, 4, 8, 16), default=None,
+                   help=f"bits per key coordinate (16: fp16 cache; default {DEFAULTS['bits_k']} "
+                        "when --kv-bits-v is given, else the fp16 cache)")
+    g.add_argument("--kv-bits-v", type=int, choices=(2, 3, 4, 8, 16), default=None,
+                   help=f"bits per value coordinate (default {DEFAULTS['bits_v']})")
+    g.add_argument("--kv-sink", type=int, default=None,
+                   help=f"first tokens kept in fp16 (default {DEFAULTS['sink']})")
+    g.add_argument("--kv-window", type=int, default=None,
+                   help=f"recent tokens kept in fp16 (default {DEFAULTS['window']})")
+    g.add_argument("--kv-protect-layers", type=int, default=None,
+                   help=f"first and last N KV layers at {DEFAULTS['protect_bits']} bits "
+                        f"(default {DEFAULTS['protect_layers']})")
 
 
 def kv_bytes_per_token(head_dim: int, bits_k: int, bits_v: int) -> int:
@@ -532,6 +559,7 @@ __all__ = [
     "DEFAULTS",
     "TurboQuantKVCache",
     "TurboQuantRotatingKVCache",
+    "add_kv_arguments",
     "kv_bytes_per_token",
     "kv_cache_from_args",
     "make_turboquant_cache",

@@ -43,8 +43,10 @@ def _feed(cache, steps, seed=0):
 def _expected_dense(k, v, n_sink, n_comp, cache):
     """What the cache should hold: exact fp16 sinks and tail, the codec's decode in between."""
     sl = slice(n_sink, n_sink + n_comp)
-    kd = kv_dequantize(*kv_quantize(k[:, :, sl], cache.bits_k, cache.seed), cache.bits_k, cache.seed, D)
-    vd = kv_dequantize(*kv_quantize(v[:, :, sl], cache.bits_v, cache.seed), cache.bits_v, cache.seed, D)
+    nc = cache.norm_correction
+    bk, bv, seed = cache.bits_k, cache.bits_v, cache.seed
+    kd = kv_dequantize(*kv_quantize(k[:, :, sl], bk, seed, nc), bk, seed, D)
+    vd = kv_dequantize(*kv_quantize(v[:, :, sl], bv, seed, nc), bv, seed, D)
     f32 = lambda x: x.astype(mx.float32)  # noqa: E731
     ek = mx.concatenate([f32(k[:, :, :n_sink]), kd, f32(k[:, :, n_sink + n_comp :])], axis=2)
     ev = mx.concatenate([f32(v[:, :, :n_sink]), vd, f32(v[:, :, n_sink + n_comp :])], axis=2)
@@ -167,7 +169,8 @@ def test_save_and_load_with_mlx_lm(tmp_path):
     assert [type(c) for c in loaded] == [TurboQuantKVCache, TurboQuantRotatingKVCache, KVCache]
     for a, b in zip(caches[:2], loaded[:2]):
         assert b.offset == a.offset and b.seed == a.seed and b.norm_correction == a.norm_correction
-        assert (b.bits_k, b.bits_v, b.sink, b.window, b.block) == (a.bits_k, a.bits_v, a.sink, a.window, a.block)
+        for name in ("bits_k", "bits_v", "sink", "window", "block"):
+            assert getattr(b, name) == getattr(a, name)
         assert b.nbytes == a.nbytes
         # continuing from the loaded cache is continuing from the original
         k, v = _kv(3, 99)
@@ -179,7 +182,7 @@ def test_save_and_load_with_mlx_lm(tmp_path):
 
 
 def test_meta_state_round_trip():
-    a = TurboQuantRotatingKVCache(max_size=32, keep=1, bits_k=3, bits_v=2, window=4, block=2, seed=77)
+    a = TurboQuantRotatingKVCache(32, keep=1, bits_k=3, bits_v=2, window=4, block=2, seed=77)
     _feed(a, [20, 1, 1])
     b = TurboQuantRotatingKVCache.from_state(a.state, a.meta_state)
     assert (b.max_size, b.keep, b.bits_k, b.bits_v, b.seed, b.offset) == (32, 1, 3, 2, 77, 22)

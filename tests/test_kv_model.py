@@ -190,7 +190,7 @@ def test_sliding_window_model():
 
 def test_save_load_mid_generation(model, tmp_path):
     prompt = _tokens(100, 11)
-    a = make_turboquant_cache(model, bits_k=4, bits_v=3, window=16, protect_layers=1, protect_bits=None)
+    a = make_turboquant_cache(model, window=16, protect_layers=1, protect_bits=None)
     model(prompt[None], cache=a)
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, a)
@@ -211,3 +211,49 @@ def test_reference_model_greedy_agrees():
     got = _logits(model, tokens, cache, 16)
     agree = (got[100:].argmax(-1) == ref[100:].argmax(-1)).mean().item()
     assert agree > 0.9
+
+
+def test_cli_flags(model):
+    import argparse
+
+    from turboquant.runtime.kvcache import add_kv_arguments
+
+    ap = argparse.ArgumentParser()
+    add_kv_arguments(ap)
+    a = ap.parse_args("--kv-bits-k 8 --kv-bits-v 3 --kv-window 64 --kv-protect-layers 0".split())
+    cache = kv_cache_from_args(
+        model, a.kv_bits_k, a.kv_bits_v, a.kv_sink, a.kv_window, a.kv_protect_layers
+    )
+    assert [(c.bits_k, c.bits_v, c.window) for c in cache] == [(8, 3, 64)] * 4
+    a = ap.parse_args([])
+    assert kv_cache_from_args(model, a.kv_bits_k, a.kv_bits_v, a.kv_sink, a.kv_window) is None
+    with pytest.raises(ValueError, match="both be 16"):
+        kv_cache_from_args(model, 16, 3)
+
+
+def test_registered_decode_kernel_is_used_for_one_token(monkeypatch):
+    from turboquant.kernels import dispatch
+    from turboquant.kernels.kv_reference import KVParts
+
+    k = mx.random.normal((1, 2, 20, 64), key=mx.random.key(0))
+    parts = KVParts(None, None, None, k, k)
+    calls = []
+
+    def kernel(q, p, scale, mask):
+        calls.append(q.shape[2])
+        if len(calls) > 1:
+            raise NotImplementedError  # a kernel may decline: the reference runs
+        return mx.zeros_like(q)
+
+    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+    kv_attention.register_kernel("cuda", kernel)
+    try:
+        q1 = mx.random.normal((1, 4, 1, 64), key=mx.random.key(1))
+        assert mx.all(kv_attention.turboquant_attention(q1, parts, 0.1) == 0).item()
+        ref = mx.fast.scaled_dot_product_attention(q1, k, k, scale=0.1)
+        assert mx.allclose(kv_attention.turboquant_attention(q1, parts, 0.1), ref, atol=1e-5).item()
+        q4 = mx.random.normal((1, 4, 4, 64), key=mx.random.key(2))
+        kv_attention.turboquant_attention(q4, parts, 0.1, "causal")  # prefill: the reference
+        assert calls == [1, 1]
+    finally:
+        kv_attention.unregister_kernel("cuda")

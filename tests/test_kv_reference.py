@@ -1,4 +1,4 @@
-"""The pure-MLX compressed attention (kernels/kv_reference.py) against the codec and fp attention."""
+"""kernels/kv_reference.py: the KV codec, and compressed attention against fp attention."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_decode_matches_attention_over_the_decoded_cache(layout, heads):
     assert _rel(tq_attention(q, parts, scale, chunk=3000), want) < 1e-5  # many chunks
 
 
-@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "bool4"])
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "bool4", "neg_inf"])
 def test_prefill_masks(mask_kind):
     parts, _, _ = _parts(4, 100, 40, kv=2)
     L, T, H = 40, 144, 4
@@ -141,6 +141,7 @@ def test_prefill_masks(mask_kind):
         "bool": window,
         "additive": mx.where(window, 0.0, -1e9),
         "bool4": mx.broadcast_to(window, (1, H, L, T)),
+        "neg_inf": mx.where(window, 0.0, -mx.inf),  # whole blocks masked: no NaN
     }[mask_kind]
     want = _sdpa(q, k, v, 0.125, mask=causal if mask_kind == "causal" else mask)
     assert _rel(tq_attention(q, parts, 0.125, mask, chunk=2000), want) < 1e-5
@@ -162,12 +163,13 @@ def _predicted_error(q, k, v, scale, bits_k, bits_v, kv):
     a score moves by scale * q.e_k (variance scale^2 ||q||^2 mse_k ||k||^2 / d), which moves
     the output by p (v - out); the value error adds p^2 mse_v ||v||^2, token by token.
     """
-    b, h, l, d = q.shape
-    qg = q.reshape(b, kv, h // kv, l, d)
+    b, h, n, d = q.shape
+    qg = q.reshape(b, kv, h // kv, n, d)
     p = mx.softmax((qg @ k[:, :, None].swapaxes(-1, -2)) * scale, axis=-1)  # B KV R L T
     o = p @ v[:, :, None]
     dev = mx.sum((v[:, :, None, None] - o[..., None, :]) ** 2, axis=-1)  # B KV R L T
-    var_s = scale**2 * mx.sum(qg * qg, -1, keepdims=True) * kv_mse(bits_k) * mx.sum(k * k, -1)[:, :, None, None] / d
+    k2 = mx.sum(k * k, -1)[:, :, None, None]
+    var_s = scale**2 * mx.sum(qg * qg, -1, keepdims=True) * kv_mse(bits_k) * k2 / d
     val = kv_mse(bits_v) * mx.sum(v * v, -1)[:, :, None, None]
     return mx.sum(p * p * (var_s * dev + val), axis=-1).mean().item()
 
