@@ -188,10 +188,24 @@ class TQSwitchLinear(_TQBase):
         return self._decode_rows(self["codes"], self["scales"])
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        bias = self["bias"][indices] if "bias" in self else None
+        return self.apply_experts(
+            x, indices, self["codes"], self["scales"], sorted_indices=sorted_indices, bias=bias
+        )
+
+    def apply_experts(
+        self, x, indices, codes, scales, *, sorted_indices: bool = False, bias=None
+    ) -> mx.array:
+        """The expert product on given stacks: `codes[indices[p]]` serves pair p.
+
+        The resident call and expert streaming (`runtime.experts`, which passes its slot
+        pool and slot numbers) share it, so both run the same kernel on the same values.
+        `bias` holds the bias rows already picked per pair (indices.shape + (out,)).
+        """
         y = kernels.tq_gather(
             self.rotate_input(x),
-            self["codes"],
-            self["scales"],
+            codes,
+            scales,
             indices,
             self.bits,
             self.group_size,
@@ -199,8 +213,8 @@ class TQSwitchLinear(_TQBase):
             self.padded_in,
             sorted_indices=sorted_indices,
         ).astype(x.dtype)
-        if "bias" in self:
-            y = y + mx.expand_dims(self["bias"][indices], -2)
+        if bias is not None:
+            y = y + mx.expand_dims(bias, -2)
         return y
 
 

@@ -9,6 +9,10 @@
 4. Swap those modules for TQLinear / TQSwitchLinear / TQEmbedding, then load every tensor
    strictly: a tensor the model has no place for, or a parameter no tensor fills, is an
    error naming it.
+
+With an expert budget, the quantized expert layers become StreamedExperts instead
+(runtime/experts.py): their codes and scales are not loaded but read per step into a
+byte-budgeted cache (docs/expert-streaming.md).
 """
 
 from __future__ import annotations
@@ -33,31 +37,55 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 _SOURCE_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 
 
-def load(path_or_repo_id, *, dtype=None, lazy: bool = False, revision: str | None = None):
+def load(path_or_repo_id, *, dtype=None, lazy: bool = False, revision: str | None = None,
+         expert_budget=None, expert_pin=None, expert_prefetch: bool = False,
+         expert_threads: int = 4):
     """(model, tokenizer) for a TurboQuant repo: a local folder or a Hub repo id.
 
     `dtype` ("float32", "bfloat16", "float16" or an mx.Dtype) casts the tensors kept in
     16 bits and sets the activation dtype; by default they keep their stored dtype,
     except that a Mixture-of-Experts model on the CPU runs in float32 (MLX's CPU
     `gather_mm` supports nothing else). The model works with `mlx_lm.generate`.
+
+    `expert_budget` (bytes, "2GB", "25%" of all experts) streams the quantized experts
+    from disk through a cache of that size instead of loading them (docs/expert-streaming.md):
+    `expert_pin` (a JSON file or [[layer, expert], ...]) keeps some resident,
+    `expert_prefetch` reads the next layer's likely experts ahead, `expert_threads` reads
+    in parallel. Outputs are bit-identical to the fully loaded model.
     """
     from mlx_lm.utils import load_tokenizer
 
     path = resolve(path_or_repo_id, revision=revision)
-    model, config = load_model(path, dtype=dtype, lazy=lazy)
+    model, config = load_model(
+        path, dtype=dtype, lazy=lazy, expert_budget=expert_budget, expert_pin=expert_pin,
+        expert_prefetch=expert_prefetch, expert_threads=expert_threads,
+    )
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 
 
-def load_model(path: str | Path, *, dtype=None, lazy: bool = False):
-    """(model, config) for a local TurboQuant repo folder."""
+def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budget=None,
+               expert_pin=None, expert_prefetch: bool = False, expert_threads: int = 4):
+    """(model, config) for a local TurboQuant repo folder (options as in `load`)."""
     repo = open_repo(Path(path))
     config = _config(repo)
     model = _build(config)
     plan = _plan(repo, model)
     target = _target_dtype(dtype, plan)
-    _swap_modules(model, plan, target)
-    weights = _weights(repo, plan, target)
+    stream = None
+    if expert_budget is not None:  # checked before any tensor is read
+        from .experts import StreamingOptions, plan_streaming
+
+        options = StreamingOptions(expert_budget, expert_pin, expert_prefetch, expert_threads)
+        stream = plan_streaming(repo, model, plan.tq, plan.kinds, options)
+    streamed = stream.switch_paths if stream else set()
+    _swap_modules(model, plan, target, streamed)
+    wrapped = []
+    if stream:
+        from .experts import wrap_modules
+
+        wrapped = wrap_modules(model, stream, _set_module)
+    weights = _weights(repo, plan, target, streamed)
     _check_complete(model, weights, repo)
     del plan  # drop the per-expert arrays: once stacked, each expert is held only once
     model.load_weights(list(weights.items()), strict=True)
@@ -65,6 +93,10 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False):
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
+    if stream:
+        from .experts import start_cache
+
+        start_cache(model, repo, stream, wrapped)
     tq_types = (TQLinear, TQSwitchLinear, TQEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(
@@ -311,13 +343,17 @@ def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
         setattr(parent, last, new)
 
 
-def _swap_modules(model: nn.Module, plan: Plan, dtype) -> None:
+def _swap_modules(model: nn.Module, plan: Plan, dtype, streamed=frozenset()) -> None:
     modules = dict(model.named_modules())
     for path, rows in plan.tq.items():
         old, r, kind = modules[path], rows[0], plan.kinds[path]
         spec = dict(bits=r.bits, group_size=r.group_size, seed=r.seed, padded_in=r.padded_in)
         out, inp = r.shape
-        if kind == "switch":
+        if path in streamed:
+            from .experts import StreamedSwitchLinear
+
+            new = StreamedSwitchLinear(inp, out, len(rows), "bias" in old, **spec)
+        elif kind == "switch":
             new = TQSwitchLinear(inp, out, len(rows), "bias" in old, **spec)
         elif kind == "linear":
             new = TQLinear(inp, out, "bias" in old, **spec)
@@ -327,7 +363,7 @@ def _swap_modules(model: nn.Module, plan: Plan, dtype) -> None:
         _set_module(model, path, new)
 
 
-def _weights(repo: Repo, plan: Plan, dtype) -> dict[str, mx.array]:
+def _weights(repo: Repo, plan: Plan, dtype, streamed=frozenset()) -> dict[str, mx.array]:
     arrays = plan.arrays
     weights = {}
     for k, v in plan.raw.items():
@@ -335,6 +371,8 @@ def _weights(repo: Repo, plan: Plan, dtype) -> dict[str, mx.array]:
             v = v.astype(dtype)
         weights[k] = v
     for path, rows in plan.tq.items():
+        if path in streamed:
+            continue  # read per step by the expert cache
         codes = [arrays[r.shard][f"{r.base}.tq_codes"] for r in rows]
         scales = [arrays[r.shard][f"{r.base}.tq_scales"] for r in rows]
         if plan.kinds[path] == "switch":

@@ -4,6 +4,10 @@
 
 Tokens go to stdout as they are generated; prompt and generation speed and peak memory
 go to stderr at the end. MLX and mlx-lm are imported only when the command runs.
+
+`--expert-budget 25%` (or `6GB`) streams a Mixture-of-Experts model's experts from disk
+through a cache of that size (docs/expert-streaming.md) and adds its hit rate, bytes read
+and read throughput to the stderr summary.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="activation and 16-bit tensor dtype (default: stored; float32 for MoE on CPU)",
     )
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    e = p.add_argument_group("expert streaming (Mixture-of-Experts bigger than memory)")
+    e.add_argument(
+        "--expert-budget", default=None, metavar="GB|PERCENT",
+        help="stream experts from disk through a cache of this size: GB (a bare number, or "
+        "with a unit: 500MB, 1.5GiB) or a percentage of all experts (25%%)",
+    )
+    e.add_argument("--expert-pin", default=None, metavar="FILE",
+                   help="JSON [[layer, expert], ...] to keep resident (with --expert-budget)")
+    e.add_argument("--expert-prefetch", action="store_true",
+                   help="read the next layer's likely experts ahead (with --expert-budget)")
+    e.add_argument("--expert-threads", type=int, default=4, metavar="N",
+                   help="parallel expert reads (default 4)")
     return p
 
 
@@ -60,18 +76,32 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 < args.top_p <= 1.0:
         print("turboquant generate: --top-p must be in (0, 1]", file=sys.stderr)
         return 2
+    if args.expert_budget is None and (args.expert_pin or args.expert_prefetch):
+        print("turboquant generate: --expert-pin and --expert-prefetch need --expert-budget",
+              file=sys.stderr)
+        return 2
+    if args.expert_threads < 1:
+        print("turboquant generate: --expert-threads must be at least 1", file=sys.stderr)
+        return 2
 
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from turboquant.runtime import RepoError, load
+    from turboquant.runtime import ExpertBudgetError, RepoError, expert_stats, load
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
-        model, tokenizer = load(args.model, dtype=args.dtype, revision=args.revision)
+        model, tokenizer = load(
+            args.model, dtype=args.dtype, revision=args.revision,
+            expert_budget=args.expert_budget, expert_pin=args.expert_pin,
+            expert_prefetch=args.expert_prefetch, expert_threads=args.expert_threads,
+        )
+    except ExpertBudgetError as e:
+        print(f"turboquant generate: {e}", file=sys.stderr)
+        return 2
     except (RepoError, FileNotFoundError) as e:
         print(f"turboquant generate: {e}", file=sys.stderr)
         return 1
@@ -79,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens = _prompt_tokens(tokenizer, prompt, args.chat, args.system)
     sampler = make_sampler(args.temp, args.top_p if args.top_p < 1.0 else 0.0)
     last = None
-    for response in stream_generate(
-        model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler
-    ):
-        print(response.text, end="", flush=True)
-        last = response
+    try:
+        for response in stream_generate(
+            model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler
+        ):
+            print(response.text, end="", flush=True)
+            last = response
+    except RepoError as e:  # an expert read that failed mid-generation
+        print(f"\nturboquant generate: {e}", file=sys.stderr)
+        return 1
     print()
     if last is not None:
         print(
@@ -92,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             f"peak memory: {last.peak_memory:.3f} GB",
             file=sys.stderr,
         )
+    stats = expert_stats(model)
+    if stats is not None:
+        print(stats.summary(), file=sys.stderr)
     return 0
 
 
