@@ -90,13 +90,12 @@ def _load_model(path, *, dtype: str | None = None, revision: str | None = None,
     from turboquant.runtime import resolve
 
     local = resolve(path, revision=revision)
-    if options.expert_budget is not None:
-        # LEAD: expert streaming plugs in here (pass options.expert_budget to the runtime).
-        raise ValueError("--expert-budget: this build's runtime has no expert streaming yet")
+    if options.expert_budget is not None and not is_turboquant(local):
+        raise ValueError("--expert-budget needs a TurboQuant repo (convert the model first)")
     if is_turboquant(local):
         from turboquant.runtime import load
 
-        model, tokenizer = load(local, dtype=dtype)
+        model, tokenizer = load(local, dtype=dtype, expert_budget=options.expert_budget)
     else:
         import mlx.core as mx
         from mlx_lm import load

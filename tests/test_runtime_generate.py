@@ -54,3 +54,34 @@ def test_bad_arguments_are_refused_before_loading(tmp_path):
     assert r.returncode == 2 and "--max-tokens" in r.stderr
     r = _run("--help")
     assert r.returncode == 0 and "--chat" in r.stdout
+
+
+def test_kv_flags_compress_the_cache_and_bad_combinations_are_refused(repo):
+    base = ("--model", repo, "--prompt", "def add(a, b):", "--max-tokens", 12)
+    plain = _run(*base)
+    # a window as large as the whole sequence: nothing is compressed, output unchanged
+    wide = _run(*base, "--kv-bits-k", 4, "--kv-bits-v", 3, "--kv-window", 64, "--kv-sink", 2)
+    assert plain.returncode == 0 and wide.returncode == 0, wide.stderr
+    assert wide.stdout == plain.stdout
+    # a tiny window forces compression: still runs end to end
+    small = _run(*base, "--kv-bits-k", 4, "--kv-bits-v", 3, "--kv-window", 1, "--kv-sink", 1)
+    assert small.returncode == 0, small.stderr
+    bad = _run(*base, "--kv-bits-k", 16, "--kv-bits-v", 3)
+    assert bad.returncode == 2 and "--kv-bits" in bad.stderr
+
+
+def test_streamed_text_equals_the_whole_decode():
+    """The printed text is the decode of all generated ids: a first token's leading space
+    (indentation) survives, and split UTF-8 characters are held back until complete."""
+    from turboquant.generate import _Text
+
+    class Tok:
+        pieces = {1: " ", 2: "  x", 3: b"\xc3", 4: b"\xa9"}
+
+        def decode(self, ids):
+            raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in map(self.pieces.get, ids))
+            return raw.decode("utf-8", errors="replace")
+
+    t = _Text(Tok())
+    out = [t.add(i) for i in (1, 2, 3, 4)]
+    assert out == [" ", "  x", "", "é"]

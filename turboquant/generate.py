@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="activation and 16-bit tensor dtype (default: stored; float32 for MoE on CPU)",
     )
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    from turboquant.runtime.kvcache import add_kv_arguments
+
+    add_kv_arguments(p)
     e = p.add_argument_group("expert streaming (Mixture-of-Experts bigger than memory)")
     e.add_argument(
         "--expert-budget", default=None, metavar="GB|PERCENT",
@@ -66,6 +69,26 @@ def _prompt_tokens(tokenizer, prompt: str, chat: bool, system: str | None) -> li
             )
             return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt)
+
+
+class _Text:
+    """Printable text of the generated tokens so far, decoded as a whole.
+
+    Decoding the whole sequence (rather than token by token) keeps a leading space of the
+    first token, which mlx-lm's streaming detokenizer drops (it matters for indentation).
+    An incomplete UTF-8 character is held back until its next token arrives.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(int(token))
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        new, self.shown = full[self.shown:], len(full)
+        return new
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,14 +129,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"turboquant generate: {e}", file=sys.stderr)
         return 1
 
+    from turboquant.runtime.kvcache import kv_cache_from_args
+
+    try:
+        cache = kv_cache_from_args(model, args.kv_bits_k, args.kv_bits_v, args.kv_sink,
+                                   args.kv_window, args.kv_protect_layers)
+    except ValueError as e:
+        print(f"turboquant generate: {e}", file=sys.stderr)
+        return 2
     tokens = _prompt_tokens(tokenizer, prompt, args.chat, args.system)
     sampler = make_sampler(args.temp, args.top_p if args.top_p < 1.0 else 0.0)
-    last = None
+    extra = {} if cache is None else {"prompt_cache": cache}
+    last, text = None, _Text(tokenizer)
     try:
         for response in stream_generate(
-            model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler
+            model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler, **extra
         ):
-            print(response.text, end="", flush=True)
+            print(text.add(response.token), end="", flush=True)
             last = response
     except RepoError as e:  # an expert read that failed mid-generation
         print(f"\nturboquant generate: {e}", file=sys.stderr)

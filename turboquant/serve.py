@@ -107,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         kv_window=args.kv_window, kv_protect_layers=args.kv_protect_layers,
         expert_budget=args.expert_budget,
     )
+    from turboquant.runtime import ExpertBudgetError
+
     try:
         model, tokenizer, config = _load_model(args.model, dtype=args.dtype,
                                                revision=args.revision, options=options)
+    except ExpertBudgetError as e:  # a budget below one token's experts, or unparsable
+        return _fail(str(e), 2)
     except (RepoError, FileNotFoundError, ValueError) as e:
         return _fail(str(e), 1)
     try:
