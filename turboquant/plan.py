@@ -266,7 +266,7 @@ def report(proj, args, seconds: float, alternatives) -> str:
         lines.append("to run it:" if proj.verdict != "WON'T FIT" else "to convert it anyway:")
         lines += [f"  {c}" for c in cmds]
         if proj.verdict == "STREAM":
-            lines.append(f"  (expert streaming is coming: see {GUIDE})")
+            lines.append(f"  (expert streaming: see {GUIDE})")
     if alternatives:
         lines.append("")
         lines.append("what would fit better:")
