@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import math
@@ -23,6 +22,7 @@ import numpy as np
 from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, QUANT_METHOD,
                                          read_manifest, stored_names)
 
+from .ledger import sha256_file_range
 from .plan import cut_piece, split_piece_of
 from .safetensors_io import read_float32, read_header
 
@@ -106,7 +106,7 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
             if weight_map.get(n) != r["shard"]:
                 rep.problems.append(f"{INDEX_FILE}: {n!r} maps to {weight_map.get(n)!r}, the "
                                     f"manifest says {r['shard']!r}")
-        if _sha256(repo / r["shard"], r["byte_start"], r["byte_end"]) == r["checksum"]:
+        if sha256_file_range(repo / r["shard"], r["byte_start"], r["byte_end"]) == r["checksum"]:
             rep.checksums_ok += 1
         else:
             rep.problems.append(f"{r['shard']}: tensor {r['name']!r}: checksum mismatch (bytes "
@@ -123,20 +123,6 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
     for r in chosen:
         _check_decode(repo, r, headers[r["shard"]], src, rep)
     return rep
-
-
-def _sha256(path: Path, start: int, end: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0:
-            b = f.read(min(left, 1 << 22))
-            if not b:
-                break
-            h.update(b)
-            left -= len(b)
-    return h.hexdigest()
 
 
 def load_coded(repo: Path, row: dict, header):
