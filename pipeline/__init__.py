@@ -13,6 +13,12 @@ Thin orchestration around `turboquant.stages` (the codec) and `turboquant.manife
     flow.py            the same as a Prefect 3 flow, one task per job
     verify.py          re-read a repo: checksums, decoded errors
     progress.py        tqdm bars driven by the ledgers
+    distributed.py     the jobs on Dask (local cluster or a scheduler address)
+    publish.py         upload converted repos to the Hub, only what changed
+    publish_flow.py    the same as a Prefect flow, one task per repo
+    deploy.py          Prefect deployments per model family, resume of crashed runs
+    fit*.py            memory projection for `turboquant plan`
 
-Nothing imports this package except the CLI (turboquant.convert, turboquant.verify).
+Nothing imports this package except the CLI (turboquant.convert, verify, plan, publish,
+deploy).
 """

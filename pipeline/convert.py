@@ -50,6 +50,12 @@ class ConvertOptions:
     max_job_bytes: int = 5 * GB
     progress: bool = True
     check_disk: bool = True
+    dask_workers: int = 0  # > 0: jobs on a local Dask cluster of this many processes
+    dask_address: str | None = None  # jobs on the Dask scheduler at this address
+
+    @property
+    def on_dask(self) -> bool:
+        return bool(self.dask_workers or self.dask_address)
 
     def overrides(self) -> dict:
         return {"bits": self.bits, "group_size": self.group_size, "expert_bits": self.expert_bits,
@@ -356,20 +362,25 @@ def convert(opts: ConvertOptions) -> Summary:
         progress = Progress(p.plan, p.work, opts.progress, opts.workers)
         progress.start()
         try:
-            with JobRunner(p) as runner:
-                def one(job: Job) -> JobResult:
-                    progress.job_started(job)
-                    try:
-                        return runner.run(job)
-                    finally:
-                        progress.job_finished(job)
-                        release_sources(p)
+            if opts.on_dask:
+                from .distributed import run_jobs_on_dask_plain
 
-                if opts.in_process or opts.workers <= 1:
-                    results = [one(j) for j in p.plan.jobs]
-                else:
-                    with ThreadPoolExecutor(max_workers=opts.workers) as ex:
-                        results = list(ex.map(one, p.plan.jobs))
+                results = run_jobs_on_dask_plain(p, progress)
+            else:
+                with JobRunner(p) as runner:
+                    def one(job: Job) -> JobResult:
+                        progress.job_started(job)
+                        try:
+                            return runner.run(job)
+                        finally:
+                            progress.job_finished(job)
+                            release_sources(p)
+
+                    if opts.in_process or opts.workers <= 1:
+                        results = [one(j) for j in p.plan.jobs]
+                    else:
+                        with ThreadPoolExecutor(max_workers=opts.workers) as ex:
+                            results = list(ex.map(one, p.plan.jobs))
         finally:
             progress.close()
         return finish(p, results)

@@ -5,7 +5,8 @@ decides what is done; Prefect's cache keys are derived from the same identifiers
 version, recipe hash, plan hash, job, output folder), and a job's cached result is only
 trusted while its completion marker exists (`refresh_cache` otherwise). So a rerun of the
 same command, or of the same deployment, skips finished jobs, and a crashed job resumes
-from its ledger.
+from its ledger. With `dask_workers` or `dask_address` the job tasks run on Dask through
+prefect-dask (pipeline/distributed.py) instead of this process's worker processes.
 
 Importing this module first sets Prefect's quiet defaults (warnings only, analytics off;
 see flow_env.py) unless Prefect was imported already.
@@ -31,7 +32,7 @@ from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD  # noqa: E4
 
 from .convert import (ConvertOptions, JobRunner, Prepared, Summary, finish,  # noqa: E402
                       output_lock, prepare_output, release_sources, validate)
-from .job import JobResult  # noqa: E402
+from .job import JobContext, JobResult, run_job  # noqa: E402
 from .ledger import WORK  # noqa: E402
 from .plan import Job  # noqa: E402
 from .progress import Progress  # noqa: E402
@@ -66,6 +67,12 @@ def job_task(key: str, job_index: int, prepared, runner, progress) -> JobResult:
         release_sources(prepared)
 
 
+@task(name="convert-shard", cache_key_fn=_cache_key, persist_result=True)
+def dask_job_task(key: str, ctx: JobContext) -> JobResult:
+    """Convert one job on a Dask worker: it gets paths and metadata, never arrays."""
+    return run_job(ctx)
+
+
 @task(name="write-repo-files", cache_policy=NO_CACHE, persist_result=False)
 def finish_task(prepared, results: list[JobResult]) -> Summary:
     return finish(prepared, results)
@@ -94,6 +101,8 @@ def convert_flow(
     max_job_bytes: int = 5 * 10**9,
     progress: bool = True,
     check_disk: bool = True,
+    dask_workers: int = 0,
+    dask_address: str | None = None,
 ) -> Summary:
     """Convert a Hugging Face checkpoint (folder or Hub repo id) into a TurboQuant repo."""
     opts = ConvertOptions(**{k: v for k, v in locals().items()})
@@ -103,28 +112,33 @@ def convert_flow(
         bars = Progress(p.plan, p.work, opts.progress, opts.workers)
         bars.start()
         try:
-            with JobRunner(p) as runner:
-                states = []
-                futures = []
-                for job in p.plan.jobs:
-                    t = job_task.with_options(
-                        name=f"convert-{job.name}",
-                        refresh_cache=not p.work.done(job).exists(),
-                    )
-                    args = (job_key(p, job), job.index, quote(p), quote(runner), quote(bars))
-                    if opts.in_process or opts.workers <= 1:
-                        states.append(t(*args, return_state=True))  # in this thread
-                    else:
-                        futures.append(t.submit(*args))  # bounded by the task runner
-                for f in futures:
-                    f.wait()
-                    states.append(f.state)
-                results = []
-                for state in states:
-                    r = state.result()  # raises the job's error
-                    if state.name == "Cached":
-                        r = dataclasses.replace(r, skipped=True, read_bytes=0)
-                    results.append(r)
+            if opts.on_dask:  # one task per job on Dask (pipeline/distributed.py)
+                from .distributed import run_jobs_on_dask
+
+                results = run_jobs_on_dask(p, bars)
+            else:
+                with JobRunner(p) as runner:
+                    states = []
+                    futures = []
+                    for job in p.plan.jobs:
+                        t = job_task.with_options(
+                            name=f"convert-{job.name}",
+                            refresh_cache=not p.work.done(job).exists(),
+                        )
+                        args = (job_key(p, job), job.index, quote(p), quote(runner), quote(bars))
+                        if opts.in_process or opts.workers <= 1:
+                            states.append(t(*args, return_state=True))  # in this thread
+                        else:
+                            futures.append(t.submit(*args))  # bounded by the task runner
+                    for f in futures:
+                        f.wait()
+                        states.append(f.state)
+                    results = []
+                    for state in states:
+                        r = state.result()  # raises the job's error
+                        if state.name == "Cached":
+                            r = dataclasses.replace(r, skipped=True, read_bytes=0)
+                        results.append(r)
         finally:
             bars.close()
         return finish_task(quote(p), results)

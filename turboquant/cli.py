@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("turboquant.serve", "serve a TurboQuant repo over an OpenAI-compatible HTTP API"),
     "plan": ("turboquant.plan", "project a model's memory here: RESIDENT, STREAM or WON'T FIT"),
     "doctor": ("turboquant.doctor", "check a TurboQuant repo folder and this machine (read-only)"),
+    "publish": ("turboquant.publish", "publish converted repos to the Hugging Face Hub (uploads only what changed)"),
+    "deploy": ("turboquant.deploy", "create Prefect deployments of the convert flow, one per model family"),
 }
 
 

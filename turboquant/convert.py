@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     x = p.add_argument_group("execution")
     x.add_argument("--workers", type=int, default=1, help="jobs at once, each in its own "
                    "process (default 1)")
+    x.add_argument("--dask-workers", type=int, default=0, metavar="N", help="run the jobs on "
+                   "a local Dask cluster of N worker processes")
+    x.add_argument("--dask-address", metavar="ADDR", help="run the jobs on an existing Dask "
+                   "scheduler (tcp://host:8786) whose workers see the same output folder")
     x.add_argument("--fresh", action="store_true", help="delete this output's previous "
                    "conversion and start over")
     x.add_argument("--job-size", default="1GB:5GB", metavar="MIN[:MAX]", help="source bytes "
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print("turboquant convert: error: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.dask_workers < 0 or (args.dask_workers and args.dask_address):
+        print("turboquant convert: error: give --dask-workers N (a local cluster) or "
+              "--dask-address ADDR (an existing scheduler), not both", file=sys.stderr)
+        return 2
     if not args.no_prefect and not args.dry_run:
         _quiet_prefect(args.verbose)
 
@@ -122,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         in_process=args.in_process, fresh=args.fresh, delete_source=args.delete_source,
         min_job_bytes=min_job, max_job_bytes=max_job,
         progress=not args.quiet and sys.stderr.isatty(), check_disk=not args.no_disk_check,
+        dask_workers=args.dask_workers, dask_address=args.dask_address,
     )
     try:
         if args.dry_run:
