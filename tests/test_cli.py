@@ -1,0 +1,31 @@
+"""The `turboquant` dispatcher: instant help, every listed command importable."""
+
+import importlib
+import subprocess
+import sys
+
+from turboquant.cli import COMMANDS
+
+
+def test_help_imports_neither_mlx_nor_prefect():
+    code = (
+        "import sys, io, contextlib\n"
+        "from turboquant.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'prefect')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_command_has_a_main():
+    for name, (module, summary) in COMMANDS.items():
+        assert callable(importlib.import_module(module).main), name
+        assert summary
+
+
+def test_unknown_command_exits_2(capsys):
+    from turboquant.cli import main
+
+    assert main(["no-such-command"]) == 2
+    assert "unknown command" in capsys.readouterr().err
