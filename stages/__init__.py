@@ -7,6 +7,10 @@ Data flow of one 2-D weight W (out, in), row by row along the input dimension:
   quantize  nearest Lloyd-Max level for N(0, 1) (2, 3, 4 bits) or a ternary trit
   pack      uint32 words exactly as docs/FORMAT.md: 2/4 dense, 3 bits in 3-word blocks, 20 trits
   decode    w = s * T^T(unpad(levels[codes] * scale))
+
+encode also returns its coding error (QuantizedTensor.rel_mse, per-row sums) without decoding:
+the rotation is orthogonal, so the error is measured in the rotated domain from the refit's
+sums. MLX ops (rotation, sums) fix the rounding; the exact elementwise steps run in numpy.
 """
 
 from .codebook import codebook_values, lloyd_max_levels, lloyd_max_mse, ternary_levels, ternary_mse

@@ -4,23 +4,42 @@ encode: rotate rows along the input dim -> pad to a multiple of group_size -> pe
 RMS scale (fp16) -> nearest Lloyd-Max codes -> optional least-squares refit of the scales
 -> pack. decode reverses it. Rows are independent, so both work on chunks of rows to keep
 memory flat on huge matrices; the bytes do not depend on the chunking.
+
+Where the bytes come from: encode runs on the host, in float32. The power-of-two Hadamard is
+MLX's CPU kernel (hadamard_transform), whose rounding is part of the format; everything else
+is numpy: the 12/20/28 and dense rotation factors and every group sum (energy, <x, q>,
+<q, q>) are sums taken in order from 0.0, as MLX's CPU kernels take them, and the rest
+(normalize, compare with thresholds, look up levels, pack) is exact. The steps after the
+rotation work on groups laid out group-axis first, (group_size, groups), so each is one
+contiguous op. tests/test_stages_golden.py pins the bytes to those of the plain MLX stages.
+
+encode also returns the coding error without decoding: the rotation is orthogonal and the
+padding is zero on both sides, so ||W - decode(qt)||^2 = sum over groups of
+||x||^2 - 2 s <x, q> + s^2 <q, q>, from the sums the refit computes anyway.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from .pack import pack_codes, unpack_codes, words_per_row
-from .quantize import code_values, nearest_codes
-from .rotate import rotate, unrotate
-from .scale import check_group_size, group_rms, refit_scales
+from .pack import pack_codes_np, pack_groups_np, unpack_codes, words_per_row
+from .quantize import code_values, code_values_np, nearest_codes_np
+from .rotate import rotate_groups_np, unrotate
+from .scale import (
+    check_group_size,
+    group_energy_np,
+    refit_sums_np,
+    rms_from_energy_np,
+    scales_from_sums_np,
+)
 
 SUPPORTED_BITS = (2, 3, 4, "ternary")
-_CHUNK_ELEMENTS = 1 << 21  # rows per chunk ~ this many weights (fastest on CPU caches)
+_CHUNK_ELEMENTS = 1 << 20  # rows per chunk ~ this many weights (4 MiB as float32: cache-friendly)
 
 
 def check_bits(bits: int | str) -> int | str:
@@ -77,12 +96,18 @@ class QuantSpec:
 
 @dataclass
 class QuantizedTensor:
-    """Packed codes (out, words) uint32 and scales (out, padded_in // group_size) float16."""
+    """Packed codes (out, words) uint32 and scales (out, padded_in // group_size) float16.
+
+    `row_sq_error` and `row_sq_norm` (float64, one per row) are ||w_r - decode(qt)_r||^2 and
+    ||w_r||^2 as encode measured them (without decoding); None for a tensor built otherwise.
+    """
 
     codes: mx.array
     scales: mx.array
     shape: tuple[int, int]
     spec: QuantSpec
+    row_sq_error: np.ndarray | None = None
+    row_sq_norm: np.ndarray | None = None
 
     def __post_init__(self):
         self.shape = tuple(int(d) for d in self.shape)
@@ -110,6 +135,16 @@ class QuantizedTensor:
         """Stored bits (codes, scales, padding) per logical weight."""
         return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
+    @property
+    def rel_mse(self) -> float | None:
+        """||W - decode(qt)||^2 / ||W||^2 from encode's by-products (None if not encoded here)."""
+        if self.row_sq_error is None or self.row_sq_norm is None:
+            return None
+        err, norm = math.fsum(self.row_sq_error), math.fsum(self.row_sq_norm)
+        if norm == 0.0:
+            return 0.0 if err == 0.0 else math.inf
+        return err / norm
+
 
 def _padded(n: int, group_size: int) -> int:
     return -(-n // group_size) * group_size
@@ -124,11 +159,26 @@ def _to_mlx(weight) -> mx.array:
     return mx.array(arr)
 
 
+def _host_rows(weight) -> tuple[tuple[int, int], object]:
+    """(shape, rows(r0, r1) -> float32 numpy rows) of a checked weight; a float32 numpy
+    weight is sliced as it is, anything else converted one chunk of rows at a time."""
+    if isinstance(weight, np.ndarray) and weight.dtype == np.float32:
+        _check_shape(weight.shape)
+        return weight.shape, lambda r0, r1: weight[r0:r1]
+    w = _to_mlx(weight)
+    _check_weight(w)
+    return tuple(w.shape), lambda r0, r1: np.asarray(w[r0:r1].astype(mx.float32))
+
+
+def _check_shape(shape) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(shape)}")
+    if 0 in shape:
+        raise ValueError(f"weight is empty (shape {tuple(shape)})")
+
+
 def _check_weight(w: mx.array) -> None:
-    if w.ndim != 2:
-        raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
-    if w.size == 0:
-        raise ValueError(f"weight is empty (shape {tuple(w.shape)})")
+    _check_shape(w.shape)
     if not mx.issubdtype(w.dtype, mx.floating):
         raise ValueError(f"expected a floating-point weight, got dtype {w.dtype}")
 
@@ -147,24 +197,59 @@ def _rows_per_chunk(n: int) -> int:
     return max(1, _CHUNK_ELEMENTS // n)
 
 
-def _encode_rows(w: mx.array, spec: QuantSpec) -> tuple[mx.array, ...]:
-    """(packed codes, scales, all finite?, a group RMS overflowed float16?) for some rows."""
+@dataclass
+class _Rows:
+    """One chunk of rows, coded: packed codes, scales, and per-row squared error and norm."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    sq_error: np.ndarray
+    sq_norm: np.ndarray
+
+
+def _encode_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
+    """Code some rows; None if a scale is not finite (a non-finite weight, or an overflow)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # both end in a non-finite scale
+        return _encode_finite_rows(w, spec)
+
+
+def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
     rows, n, gs = w.shape[0], spec.in_features, spec.group_size
-    x = rotate(w.astype(mx.float32), spec.seed)
-    if spec.padded_in > n:
-        x = mx.pad(x, [(0, 0), (0, spec.padded_in - n)])
-    scales = group_rms(x, gs, valid=n)
-    overflow = mx.isinf(scales).any()
-    s = scales.astype(mx.float32)[..., None]
-    g = x.reshape(rows, -1, gs)
-    codes = nearest_codes(mx.where(s > 0, g / mx.where(s > 0, s, 1.0), 0.0), spec.bits)
-    codes = codes.reshape(rows, spec.padded_in)
-    if spec.refit:
-        q = code_values(codes, spec.bits)
-        if spec.padded_in > n:
-            q = q * (mx.arange(spec.padded_in) < n)
-        scales = refit_scales(x, q, gs)
-    return pack_codes(codes, spec.bits), scales, mx.isfinite(w).all(), overflow
+    groups = spec.groups_per_row
+    # group axis first, (gs, a, rows, b): every step below is one contiguous op over all
+    # groups; per-group results come back to (rows, groups) order at the end
+    y = rotate_groups_np(w, spec.seed, gs)
+    a, b = y.shape[1], y.shape[3]
+    xt = y.reshape(gs, -1)
+
+    def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups)
+        return v.reshape(a, rows, b, *v.shape[1:]).swapaxes(0, 1).reshape(rows, groups, -1)
+
+    energy = per_row(group_energy_np(xt))[..., 0]
+    rms = rms_from_energy_np(energy, gs, valid=n)
+    if not np.isfinite(rms).all():  # NaN/Inf anywhere in a row makes its energies non-finite
+        return None
+    # normalize by the float16 scale; a group with scale 0 codes as 0.0
+    s = rms.reshape(rows, a, b).swapaxes(0, 1).astype(np.float32).reshape(-1)
+    u = xt / np.where(s > 0, s, np.float32(1.0))
+    if not rms.all():
+        np.copyto(u, np.float32(0.0), where=s == 0)
+    codes = nearest_codes_np(u, spec.bits)
+    del u
+    q = code_values_np(codes, spec.bits)
+    if spec.padded_in > n:  # padding decodes to zero (a = 1 here)
+        q.reshape(gs, rows, groups)[n - (groups - 1) * gs :, :, groups - 1] = 0.0
+    wq, qq = (per_row(v)[..., 0] for v in refit_sums_np(xt, q))
+    scales = scales_from_sums_np(wq, qq) if spec.refit else rms
+    # per group ||x - s q||^2 = ||x||^2 - 2 s <x, q> + s^2 <q, q>, in float64 from the sums
+    xx, sc, xq, q2 = (a64.astype(np.float64) for a64 in (energy, scales, wq, qq))
+    sq_error = np.maximum((xx - 2.0 * sc * xq + sc * sc * q2).sum(axis=1), 0.0)
+    if spec.bits == "ternary":  # 20 trits a word: words straddle groups, pack the rows
+        rowwise = codes.reshape(gs, a, rows, b).transpose(2, 1, 3, 0).reshape(rows, -1)
+        packed = pack_codes_np(rowwise, "ternary")
+    else:  # whole words per group
+        packed = per_row(pack_groups_np(codes, spec.bits)).reshape(rows, -1)
+    return _Rows(packed, scales, sq_error, xx.sum(axis=1))
 
 
 def encode(
@@ -173,31 +258,39 @@ def encode(
     """Code a 2-D weight (out, in) (mx or numpy, any float dtype) with TurboQuant.
 
     `seed` is the rotation seed (see rotate.tensor_seed). Computed in float32; the same
-    inputs give the same bytes in any process.
+    inputs give the same bytes in any process. The result carries the coding error
+    (`rel_mse`, `row_sq_error`), measured without decoding.
     """
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
-    w = _to_mlx(weight)
-    _check_weight(w)
-    out, n = w.shape
+    (out, n), rows = _host_rows(weight)
     spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit))
-    codes, scales = [], []
+    parts = []
     step = _rows_per_chunk(n)
     for r in range(0, out, step):
-        c, s, finite, overflow = _encode_rows(w[r : r + step], spec)
-        mx.eval(c, s, finite, overflow)
-        if not finite.item():
-            _raise_non_finite(w)
-        if overflow.item():
+        part = _encode_rows(rows(r, r + step), spec)
+        if part is None:
+            w = _to_mlx(weight)
+            if not mx.isfinite(w).all().item():
+                _raise_non_finite(w)
             raise ValueError(
                 f"a group RMS in rows {r}..{min(out, r + step) - 1} exceeds the float16 "
                 "range of scales: this weight cannot be coded; keep it in 16 bits"
             )
-        codes.append(c)
-        scales.append(s)
-    codes = codes[0] if len(codes) == 1 else mx.concatenate(codes)
-    scales = scales[0] if len(scales) == 1 else mx.concatenate(scales)
-    return QuantizedTensor(codes, scales, (out, n), spec)
+        parts.append(part)
+
+    def joined(name):
+        arrays = [getattr(p, name) for p in parts]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    return QuantizedTensor(
+        mx.array(joined("codes")),
+        mx.array(joined("scales")),
+        (out, n),
+        spec,
+        row_sq_error=joined("sq_error"),
+        row_sq_norm=joined("sq_norm"),
+    )
 
 
 def _decode_rows(codes: mx.array, scales: mx.array, spec: QuantSpec, dtype) -> mx.array:

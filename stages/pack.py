@@ -5,6 +5,8 @@
 - "ternary": 20 trits a word, base 3, least significant first; rows padded with trit 1.
 
 Rows of any length: pack pads (with code 0, or trit 1), unpack crops to n.
+`pack_codes_np` is the same packer on numpy arrays (encode's path on the host): byte
+arithmetic, so its words are those of `pack_codes` exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 PACK_WIDTHS = (2, 3, 4, "ternary")
 _TRITS_PER_WORD = 20
@@ -121,3 +124,84 @@ def unpack_codes(packed: mx.array, width, n: int) -> mx.array:
         c = _unpack3(w)
     c = c.reshape(rows, w.shape[1] * per)[:, :n].astype(mx.uint8)
     return c.reshape(*lead, n)
+
+
+def _gather_bits(x: np.ndarray, width: int) -> np.ndarray:
+    """Eight codes, one a byte of a little-endian uint64, -> their 8 * width bits, code j at
+    bit width * j (three shift-or-mask steps: pairs, quads, then all eight)."""
+    step = 8 - width
+    x = (x | (x >> np.uint64(step))) & np.uint64(_lanes(16, 2 * width))
+    x = (x | (x >> np.uint64(2 * step))) & np.uint64(_lanes(32, 4 * width))
+    return (x | (x >> np.uint64(4 * step))) & np.uint64((1 << 8 * width) - 1)
+
+
+def _lanes(lane: int, bits: int) -> int:
+    """A uint64 mask with the low `bits` bits of every `lane`-bit lane set."""
+    return sum(((1 << bits) - 1) << k for k in range(0, 64, lane))
+
+
+def pack_codes_np(codes: np.ndarray, width) -> np.ndarray:
+    """pack_codes on numpy: uint8 codes (rows, n) -> uint32 words (rows, words_per_row(n, width)).
+
+    Exact integer arithmetic, so the words are those of pack_codes. 2, 3, 4 bits: eight codes
+    (one uint64) are squeezed into 16, 24 or 32 bits; 3 bits then joins four such 24-bit runs
+    into three words. Ternary: 5 trits a byte value (< 243), 4 of them a word in base 243.
+    """
+    per, _ = codes_per_block(width)
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be (rows, n), got shape {codes.shape}")
+    rows, n = codes.shape
+    c = codes.astype(np.uint8, copy=False)
+    pad = -n % per
+    if pad:
+        fill = 1 if width == "ternary" else 0
+        c = np.concatenate([c, np.full((rows, pad), fill, np.uint8)], axis=1)
+    if width == "ternary":
+        c = c.reshape(rows, -1, 4, 5)
+        b = c[..., 4].copy()
+        for j in range(3, -1, -1):
+            b = b * np.uint8(3) + c[..., j]
+        b = b.astype(np.uint32)
+        b243 = np.uint32(243)
+        return ((b[..., 3] * b243 + b[..., 2]) * b243 + b[..., 1]) * b243 + b[..., 0]
+    x = _gather_bits(np.ascontiguousarray(c).view("<u8"), width)
+    if width == 4:
+        return x.astype(np.uint32)
+    if width == 2:
+        return x.astype("<u2").reshape(rows, -1).view("<u4").astype(np.uint32, copy=False)
+    v = x.reshape(rows, -1, 4)  # 3 bits: four 24-bit runs -> three words
+    words = np.empty((rows, v.shape[1], 3), dtype=np.uint32)
+    words[..., 0] = v[..., 0] | (v[..., 1] << np.uint64(24))
+    words[..., 1] = (v[..., 1] >> np.uint64(8)) | (v[..., 2] << np.uint64(16))
+    words[..., 2] = (v[..., 2] >> np.uint64(16)) | (v[..., 3] << np.uint64(8))
+    return words.reshape(rows, -1)
+
+
+def pack_groups_np(codes_t: np.ndarray, width) -> np.ndarray:
+    """Pack codes laid out group-axis first, (group_size, groups), to words (groups, words).
+
+    The same words as pack_codes_np on the rows (2, 3, 4 bits): a group of 32, 64 or 128
+    codes fills whole words (blocks never straddle groups), so a row's words are its groups'
+    words in order. Bytes are built from whole rows of `codes_t` (contiguous over groups),
+    then transposed once, a quarter to a half of the codes' size.
+    """
+    if width not in (2, 3, 4):
+        raise ValueError(f"pack_groups_np packs 2, 3 or 4 bits, not {width!r}")
+    gs, groups = codes_t.shape
+    if gs % 32:
+        raise ValueError(f"a group of {gs} codes does not fill whole 3-bit blocks")
+    c = codes_t.astype(np.uint8, copy=False)
+    if width == 3:  # 8 codes -> 24 bits -> 3 bytes
+        v = c[0::8].astype(np.uint32)
+        for j in range(1, 8):
+            v |= c[j::8].astype(np.uint32) << np.uint32(3 * j)
+        b = np.empty((gs // 8, 3, groups), dtype=np.uint8)
+        for k in range(3):
+            b[:, k] = v >> np.uint32(8 * k)
+    else:  # 8 // width codes a byte
+        k = 8 // width
+        b = c[0::k].copy()
+        for j in range(1, k):
+            b |= c[j::k] << np.uint8(width * j)
+    b = np.ascontiguousarray(b.reshape(-1, groups).T)
+    return b.view("<u4").astype(np.uint32, copy=False)

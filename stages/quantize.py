@@ -1,10 +1,16 @@
-"""Map normalized weights to codebook indices: nearest Lloyd-Max level, or a ternary trit."""
+"""Map normalized weights to codebook indices: nearest Lloyd-Max level, or a ternary trit.
+
+`nearest_codes_np` and `code_values_np` are the same maps on numpy arrays (encode's path on
+the host): comparisons against the same float32 thresholds and a lookup of the same float32
+levels, so they agree with the MLX versions exactly.
+"""
 
 from __future__ import annotations
 
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from .codebook import codebook_values, midpoints
 
@@ -57,3 +63,36 @@ def code_values(codes: mx.array, bits: int | str) -> mx.array:
     if levels.size <= 4:
         return _small_lookup(bits)(codes)
     return levels[codes]
+
+
+@functools.cache
+def _host_tables(bits: int | str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(float32 thresholds, float32 levels, pair table) as numpy arrays.
+
+    The pair table maps two codes read as one little-endian uint16 (c0 + 256 * c1) to the
+    levels (values[c0], values[c1]) stored as one 8-byte item: one lookup per two codes.
+    """
+    levels = np.array(codebook_values(bits))
+    index = np.arange(1 << 16)
+    pairs = np.empty((1 << 16, 2), dtype=np.float32)
+    pairs[:, 0] = levels[np.minimum(index & 0xFF, levels.size - 1)]
+    pairs[:, 1] = levels[np.minimum(index >> 8, levels.size - 1)]
+    return np.array(midpoints(bits), dtype=np.float32), levels, pairs.view(np.uint64).ravel()
+
+
+def nearest_codes_np(x: np.ndarray, bits: int | str) -> np.ndarray:
+    """nearest_codes on a float32 numpy array: the number of thresholds below each entry."""
+    mids = _host_tables(bits)[0]
+    codes = np.greater(x, mids[0]).view(np.uint8)
+    above = np.empty(x.shape, dtype=bool)
+    for m in mids[1:]:
+        np.add(codes, np.greater(x, m, out=above).view(np.uint8), out=codes)
+    return codes
+
+
+def code_values_np(codes: np.ndarray, bits: int | str) -> np.ndarray:
+    """code_values on numpy: float32 codebook level of every (valid) uint8 code."""
+    _, levels, pairs = _host_tables(bits)
+    if codes.dtype != np.uint8 or not codes.flags.c_contiguous or codes.shape[-1] % 2:
+        return levels.take(codes)
+    return pairs.take(codes.view("<u2")).view(np.float32)

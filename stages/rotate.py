@@ -14,6 +14,21 @@ Exactly (this is part of the format): rng = numpy.random.default_rng(seed) (PCG6
 s = 1 - 2 * rng.integers(0, 2, size=n); then, if d > 1, q, r = qr(rng.standard_normal((d, d)))
 and Q = q * sign(diag(r)). With x viewed as (..., d, m * p): T(x) = Q @ H(x), H acting on the
 last axis. Sign vectors and dense factors are cached per (seed, n).
+
+`rotate_np` is rotate() for encode, on the host: MLX's hadamard_transform for the power-of-two
+factor, numpy for the m x m Hadamard factor and the dense factor. Those two are sums of m
+(or d) terms; MLX's CPU kernels (hadamard_m, and the reference BLAS behind its float32
+matmul) add them in order from 0.0 in float32, and numpy does the same on whole slabs, so
+the values are bit for bit those of rotate() on MLX's CPU backend, at a fraction of the time.
+
+`rotate_groups_np` gives the same values padded to whole groups and laid out group-axis
+first, the layout encode works in. With n = a * p (a the 12/20/28 or dense factor, or 1, and
+p the power of two) and b = p / group_size, it is (group_size, a, rows, b): column j of
+block i of a row is at [j % group_size, i, row, j // group_size]. The Hadamard over p is
+split at group_size: the butterflies of stride < group_size run in numpy over the first
+axis (each one contiguous op over all groups), then mx.hadamard_transform does the rest on
+the last axis; the a-factor then mixes whole slabs of the second axis. The stages, their
+order and the scales are those of rotate(), so the values are the same.
 """
 
 from __future__ import annotations
@@ -99,15 +114,20 @@ def _hadamard(x: mx.array, m: int, p: int, inverse: bool) -> mx.array:
     return x.reshape(*lead, n)
 
 
-@functools.lru_cache(maxsize=4096)
 def _plan(seed: int, n: int) -> tuple[mx.array, mx.array | None, int, int]:
     """(signs, dense factor or None, m, p) for a rotation of size n, drawn from seed."""
+    # checked before the cache: True == 1 there, and must not find seed 1's plan
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     if n < 1:
         raise ValueError(f"cannot rotate a last axis of size {n}")
+    return _cached_plan(int(seed), int(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(seed: int, n: int) -> tuple[mx.array, mx.array | None, int, int]:
     d, m, p = _split(n)
     rng = np.random.default_rng(int(seed))
     signs = mx.array(1.0 - 2.0 * rng.integers(0, 2, size=n), dtype=mx.float32)
@@ -117,6 +137,135 @@ def _plan(seed: int, n: int) -> tuple[mx.array, mx.array | None, int, int]:
         q *= np.where(np.diag(r) < 0, -1.0, 1.0)  # Haar-distributed, and unique
         dense = mx.array(q, dtype=mx.float32)
     return signs, dense, m, p
+
+
+@functools.cache
+def _hadamard_signs(m: int) -> np.ndarray:
+    """The +-1 matrix behind mx.hadamard_transform's m-factor (the rows it adds and subtracts)."""
+    return np.array(mx.hadamard_transform(mx.eye(m, dtype=mx.float32), scale=1.0)).T.copy()
+
+
+def _mix_np(y: np.ndarray, mat: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """out[:, j] = scale * sum_k mat[j, k] * y[:, k] for y (rows, k, L), float32.
+
+    Summed in order k = 0, 1, ... from 0.0, a product rounded before it is added: the order
+    of MLX's hadamard_m and of the reference BLAS sgemm. Slabs are laid out k-major so every
+    step is one contiguous numpy op.
+    """
+    rows, k, length = y.shape
+    yt = np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(k, rows * length)
+    out = np.empty_like(yt)
+    term = np.empty(rows * length, dtype=np.float32)
+    zero = np.float32(0.0)
+    for j in range(k):
+        acc = out[j]
+        for i in range(k):
+            c = mat[j, i]
+            prev = zero if i == 0 else acc
+            if c == 1.0:
+                np.add(prev, yt[i], out=acc)
+            elif c == -1.0:
+                np.subtract(prev, yt[i], out=acc)
+            else:
+                np.add(prev, np.multiply(yt[i], c, out=term), out=acc)
+        if scale is not None:
+            np.multiply(acc, np.float32(scale), out=acc)
+    return np.ascontiguousarray(out.reshape(k, rows, length).transpose(1, 0, 2))
+
+
+def rotate_np(x: mx.array, seed: int) -> np.ndarray:
+    """rotate(x, seed) of rows (rows, n) in float32, as a numpy array: the same values, faster
+    on the CPU where n has a 12/20/28 factor or a dense factor (see the module notes).
+
+    Always computed on the CPU (MLX's CPU stream), whatever the default device, so encode
+    gives the same bytes on every machine.
+    """
+    with mx.stream(mx.cpu):
+        return _rotate_np(_as_float(x).astype(mx.float32), seed)
+
+
+def _rotate_np(x: mx.array, seed: int) -> np.ndarray:
+    rows, n = x.shape
+    signs, dense, m, p = _plan(seed, n)
+    if m > 1 and p > _MLX_MAX_POW2:
+        return np.array(rotate(x, seed))  # no host path for this split; the same values
+    d = 1 if dense is None else dense.shape[0]
+    y = x * signs
+    if m == 1:
+        y = np.asarray(_hadamard(y.reshape(rows * d, p), 1, p, inverse=False))
+    else:
+        y = y.reshape(rows * d * m, p)
+        if p > 1:  # mx.hadamard_transform does the power-of-two part first, unscaled
+            y = mx.hadamard_transform(y, scale=1.0)
+        y = np.asarray(y).reshape(rows * d, m, p)
+        y = _mix_np(y, _hadamard_signs(m), 1.0 / math.sqrt(m * p))
+    if d > 1:
+        y = _mix_np(y.reshape(rows, d, m * p), np.asarray(dense))
+    return y.reshape(rows, n)
+
+
+def rotate_groups_np(x: np.ndarray, seed: int, group_size: int) -> np.ndarray:
+    """rotate(x, seed) of float32 rows (rows, n), zero-padded to whole groups, laid out
+    (group_size, a, rows, b) as the module notes say (a = 1 where n has no such split)."""
+    rows, n = x.shape
+    signs, dense, m, p = _plan(seed, n)
+    if p > _MLX_MAX_POW2 or p < group_size:
+        y = rotate_np(mx.array(x), seed)
+        groups = -(-n // group_size)
+        if groups * group_size > n:
+            y = np.pad(y, [(0, 0), (0, groups * group_size - n)])
+        y = y.reshape(rows, 1, groups, group_size).transpose(3, 1, 0, 2)
+        return np.ascontiguousarray(y)
+    a = m if dense is None else dense.shape[0]
+    b = p // group_size
+    # signs, and the move to the new layout, in one pass
+    s = np.asarray(signs).reshape(a, b, group_size).transpose(2, 0, 1)[:, :, None, :]
+    y = np.empty((group_size, a, rows, b), dtype=np.float32)
+    np.multiply(x.reshape(rows, a, b, group_size).transpose(3, 1, 0, 2), s, out=y)
+    y = _butterflies_np(y, group_size.bit_length() - 1)
+    # the Hadamard over p carries the scale unless a 12/20/28 factor follows (MLX's order)
+    scale = 1.0 / math.sqrt(p) if m == 1 else 1.0
+    if b > 1:
+        with mx.stream(mx.cpu):
+            z = mx.hadamard_transform(mx.array(y).reshape(-1, b), scale=scale)
+            y = np.asarray(z).reshape(group_size, a, rows, b)
+    elif scale != 1.0:
+        np.multiply(y, np.float32(scale), out=y)
+    if dense is not None:
+        y = _mix_blocks_np(y, np.asarray(dense))
+    elif m > 1:
+        y = _mix_blocks_np(y, _hadamard_signs(m), 1.0 / math.sqrt(m * p))
+    return y
+
+
+def _butterflies_np(y: np.ndarray, stages: int) -> np.ndarray:
+    """The first `stages` radix-2 stages (stride 1, 2, 4, ...) of a Hadamard over axis 0."""
+    k = y.shape[0]
+    src = y.reshape(k, -1)
+    dst = np.empty_like(src)
+    for stage in range(stages):
+        h = 1 << stage
+        u = src.reshape(k // (2 * h), 2, h, -1)
+        v = dst.reshape(k // (2 * h), 2, h, -1)
+        np.add(u[:, 0], u[:, 1], out=v[:, 0])
+        np.subtract(u[:, 0], u[:, 1], out=v[:, 1])
+        src, dst = dst, src
+    return src.reshape(y.shape)
+
+
+def _mix_blocks_np(y: np.ndarray, mat: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """_mix_np over axis 1 of (k, a, rows, b): block i becomes sum_j mat[i, j] * block j,
+    summed in order j = 0, 1, ... from 0.0, for all i at once (2 a numpy ops in all)."""
+    k, a = y.shape[:2]
+    y3 = y.reshape(k, a, -1)
+    out = np.zeros_like(y3)
+    term = np.empty_like(y3)
+    column = np.asarray(mat, dtype=np.float32).T[:, None, :, None]  # [j] -> mat[:, j]
+    for j in range(a):
+        np.add(out, np.multiply(y3[:, j : j + 1], column[j], out=term), out=out)
+    if scale is not None:
+        np.multiply(out, np.float32(scale), out=out)
+    return out.reshape(y.shape)
 
 
 def _as_float(x) -> mx.array:

@@ -1,8 +1,15 @@
-"""Per-group scales: the RMS before coding, and the least-squares refit after it."""
+"""Per-group scales: the RMS before coding, and the least-squares refit after it.
+
+The `_np` functions are the same computations on numpy arrays laid out group-axis first,
+(group_size, groups): encode's path on the host. A group's sum is taken in order, from 0.0,
+in float32, which is how MLX's CPU backend sums a row (tests pin the equality), so they give
+the same scales bit for bit.
+"""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 _FP16_MAX = 65504.0
@@ -26,19 +33,42 @@ def _groups(w: mx.array, group_size: int) -> mx.array:
     return w.reshape(w.shape[0], w.shape[1] // group_size, group_size)
 
 
+def group_energy(w: mx.array, group_size: int) -> mx.array:
+    """Sum of squares of each group, float32, shape (rows, padded_in // group_size)."""
+    g = _groups(w.astype(mx.float32), group_size)
+    return mx.sum(g * g, axis=-1)
+
+
+def rms_from_energy(energy: mx.array, group_size: int, valid: int | None = None) -> mx.array:
+    """float16 RMS of groups from their sums of squares (see group_rms for `valid`)."""
+    groups = energy.shape[-1]
+    counts = mx.full((groups,), group_size, dtype=mx.float32)
+    if valid is not None and valid < groups * group_size:
+        starts = mx.arange(groups) * group_size
+        counts = mx.clip(valid - starts, 1, group_size).astype(mx.float32)
+    return mx.sqrt(energy / counts).astype(mx.float16)
+
+
 def group_rms(w: mx.array, group_size: int, valid: int | None = None) -> mx.array:
     """RMS of each group of `group_size` columns, float16, shape (rows, padded_in // group_size).
 
     `valid` is the number of real (unpadded) columns: a last, partly padded group takes
     its RMS over its real entries only.
     """
-    g = _groups(w.astype(mx.float32), group_size)
-    sq = mx.sum(g * g, axis=-1)
-    counts = mx.full((g.shape[1],), group_size, dtype=mx.float32)
-    if valid is not None and valid < w.shape[1]:
-        starts = mx.arange(g.shape[1]) * group_size
-        counts = mx.clip(valid - starts, 1, group_size).astype(mx.float32)
-    return mx.sqrt(sq / counts).astype(mx.float16)
+    return rms_from_energy(group_energy(w, group_size), group_size, valid)
+
+
+def refit_sums(w: mx.array, q: mx.array, group_size: int) -> tuple[mx.array, mx.array]:
+    """(<w, q>, <q, q>) of each group, float32: the sums the least-squares refit needs."""
+    gw = _groups(w.astype(mx.float32), group_size)
+    gq = _groups(q.astype(mx.float32), group_size)
+    return mx.sum(gw * gq, axis=-1), mx.sum(gq * gq, axis=-1)
+
+
+def scales_from_sums(wq: mx.array, qq: mx.array) -> mx.array:
+    """float16 least-squares scales <w, q> / <q, q> (0 where <q, q> = 0), clipped to float16."""
+    s = mx.where(qq > 0, wq / mx.maximum(qq, 1e-30), 0.0)
+    return mx.clip(s, 0.0, _FP16_MAX).astype(mx.float16)
 
 
 def refit_scales(w: mx.array, q: mx.array, group_size: int) -> mx.array:
@@ -47,9 +77,41 @@ def refit_scales(w: mx.array, q: mx.array, group_size: int) -> mx.array:
     `q` holds the codebook values of the chosen codes (zero where `w` is padding); a group
     with <q, q> = 0 decodes to zero whatever its scale, and gets scale 0.
     """
-    gw = _groups(w.astype(mx.float32), group_size)
-    gq = _groups(q.astype(mx.float32), group_size)
-    wq = mx.sum(gw * gq, axis=-1)
-    qq = mx.sum(gq * gq, axis=-1)
-    s = mx.where(qq > 0, wq / mx.maximum(qq, 1e-30), 0.0)
-    return mx.clip(s, 0.0, _FP16_MAX).astype(mx.float16)
+    return scales_from_sums(*refit_sums(w, q, group_size))
+
+
+# ---------------------------------------------------------------------- numpy, group axis first
+
+
+def sum_in_order_np(a: np.ndarray) -> np.ndarray:
+    """Sum of a (k, m) float32 array over k in order k = 0, 1, ..., from 0.0 (MLX's CPU sum).
+
+    numpy adds whole rows into the result one after the other (no pairwise summation across
+    the outer axis); the + 0.0 turns an all-zero sum of -0.0 terms into +0.0, as MLX's does.
+    """
+    return np.add.reduce(a, axis=0) + np.float32(0.0)
+
+
+def group_energy_np(xt: np.ndarray) -> np.ndarray:
+    """group_energy on a (group_size, groups) float32 array: sum of squares of each column."""
+    return sum_in_order_np(np.square(xt))
+
+
+def rms_from_energy_np(energy: np.ndarray, group_size: int, valid: int | None = None) -> np.ndarray:
+    """rms_from_energy on numpy: energy (rows, groups) -> float16 RMS."""
+    groups = energy.shape[-1]
+    counts = np.full(groups, group_size, dtype=np.float32)
+    if valid is not None and valid < groups * group_size:
+        counts = np.clip(valid - np.arange(groups) * group_size, 1, group_size).astype(np.float32)
+    return np.sqrt(energy / counts).astype(np.float16)
+
+
+def refit_sums_np(xt: np.ndarray, qt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """refit_sums on (group_size, groups) arrays: (<w, q>, <q, q>) of each column, float32."""
+    return sum_in_order_np(xt * qt), sum_in_order_np(np.square(qt))
+
+
+def scales_from_sums_np(wq: np.ndarray, qq: np.ndarray) -> np.ndarray:
+    """scales_from_sums on numpy: float16 <w, q> / <q, q> (0 where <q, q> = 0), clipped."""
+    s = np.where(qq > 0, wq / np.maximum(qq, np.float32(1e-30)), np.float32(0.0))
+    return np.clip(s, np.float32(0.0), np.float32(_FP16_MAX)).astype(np.float16)

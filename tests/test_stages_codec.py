@@ -205,3 +205,89 @@ def test_quantized_tensor_checks_shapes():
         QuantizedTensor(qt.codes, qt.scales.astype(mx.float32), qt.shape, qt.spec)
     with pytest.raises(ValueError, match="padded_in"):
         QuantSpec(3, 64, 0, 100, 100, True)
+
+
+def _reference_encode(w, bits, group_size, seed, refit=True):
+    """encode as the plain MLX stages spell it (the codec before its host fast path)."""
+    from turboquant.stages import (
+        code_values,
+        group_rms,
+        nearest_codes,
+        pack_codes,
+        refit_scales,
+        rotate,
+    )
+
+    rows, n = w.shape
+    padded = -(-n // group_size) * group_size
+    x = rotate(w.astype(mx.float32), seed)
+    if padded > n:
+        x = mx.pad(x, [(0, 0), (0, padded - n)])
+    scales = group_rms(x, group_size, valid=n)
+    s = scales.astype(mx.float32)[..., None]
+    g = x.reshape(rows, -1, group_size)
+    codes = nearest_codes(mx.where(s > 0, g / mx.where(s > 0, s, 1.0), 0.0), bits)
+    codes = codes.reshape(rows, padded)
+    if refit:
+        q = code_values(codes, bits) * (mx.arange(padded) < n)
+        scales = refit_scales(x, q, group_size)
+    return pack_codes(codes, bits), scales
+
+
+@given(
+    rows=st.integers(1, 5),
+    cols=st.sampled_from([1, 5, 64, 100, 384, 640, 896, 1000, 1536, 2048, 2304, 2816, 3584]),
+    bits=st.sampled_from([2, 3, 4, "ternary"]),
+    group_size=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**64 - 1),
+    refit=st.booleans(),
+    magnitude=st.sampled_from([1e-8, 1e-5, 0.05, 3.0, 1e3]),  # float16 subnormal to large scales
+)
+@settings(max_examples=60, deadline=None)
+def test_same_bytes_as_the_plain_mlx_stages(rows, cols, bits, group_size, seed, refit, magnitude):
+    w = gaussian(rows, cols, seed=seed % 997) * magnitude
+    qt = encode(w, bits, group_size=group_size, seed=seed, refit=refit)
+    codes, scales = _reference_encode(w, bits, group_size, seed, refit)
+    assert mx.array_equal(qt.codes, codes) and mx.array_equal(qt.scales, scales)
+
+
+def _decoded_error(w, qt):
+    w64 = np.array(w.astype(mx.float32), dtype=np.float64)
+    d = np.array(decode(qt), dtype=np.float64)
+    return ((w64 - d) ** 2).sum(axis=1), (w64**2).sum(axis=1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
+@pytest.mark.parametrize(
+    "shape, group_size, refit",
+    [((64, 2048), 64, True), ((16, 1000), 32, False), ((8, 5632), 128, True), ((6, 3), 32, True)],
+)
+def test_error_by_product_equals_decoded_error(bits, shape, group_size, refit):
+    w = np.random.default_rng(3).standard_t(4, size=shape).astype(np.float32)
+    w[:, :2] *= 40.0  # outlier channels
+    w[1] = 0.0  # a zero row: no error, no norm
+    w = mx.array(w)
+    qt = encode(w, bits, group_size=group_size, seed=11, refit=refit)
+    err, norm = _decoded_error(w, qt)
+    assert qt.row_sq_error.dtype == np.float64 and qt.row_sq_error.shape == (shape[0],)
+    np.testing.assert_allclose(qt.row_sq_norm, norm, rtol=1e-5)
+    np.testing.assert_allclose(qt.row_sq_error, err, rtol=1e-3, atol=1e-6 * norm.max())
+    assert qt.row_sq_error[1] == 0.0 and qt.row_sq_norm[1] == 0.0
+    assert qt.rel_mse == pytest.approx(err.sum() / norm.sum(), rel=1e-3)
+
+
+def test_error_by_product_does_not_depend_on_chunking(monkeypatch):
+    w = gaussian(40, 1000)
+    whole = encode(w, 4, seed=2)
+    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS", 3000)
+    chunked = encode(w, 4, seed=2)
+    np.testing.assert_array_equal(whole.row_sq_error, chunked.row_sq_error)
+    np.testing.assert_array_equal(whole.row_sq_norm, chunked.row_sq_norm)
+    assert whole.rel_mse == chunked.rel_mse
+
+
+def test_rel_mse_of_an_all_zero_weight_and_of_a_loaded_tensor():
+    qt = encode(mx.zeros((3, 64)), 3)
+    assert qt.rel_mse == 0.0
+    loaded = QuantizedTensor(qt.codes, qt.scales, qt.shape, qt.spec)
+    assert loaded.rel_mse is None and loaded.row_sq_error is None

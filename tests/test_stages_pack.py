@@ -99,3 +99,27 @@ def test_errors():
         unpack_codes(mx.zeros((1, 4), dtype=mx.uint32), 1, 4)
     with pytest.raises(ValueError, match="words per row"):
         unpack_codes(mx.zeros((1, 4), dtype=mx.uint32), 2, 65)
+
+
+@pytest.mark.parametrize("width", list(LEVELS))
+@pytest.mark.parametrize("n", [1, 7, 19, 20, 31, 32, 33, 96, 100, 257, 4096])
+def test_numpy_packer_matches(width, n):
+    from turboquant.stages.pack import pack_codes_np
+
+    codes = np.random.default_rng(n).integers(0, LEVELS[width], size=(3, n)).astype(np.uint8)
+    packed = pack_codes_np(codes, width)
+    assert packed.dtype == np.uint32 and packed.shape == (3, words_per_row(n, width))
+    np.testing.assert_array_equal(packed, reference_pack(codes, width))
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_group_major_packer_matches_rows(width, group_size):
+    from turboquant.stages.pack import pack_codes_np, pack_groups_np
+
+    rows, groups = 3, 5
+    rng = np.random.default_rng(group_size)
+    codes = rng.integers(0, LEVELS[width], size=(rows, groups * group_size)).astype(np.uint8)
+    codes_t = np.ascontiguousarray(codes.reshape(rows * groups, group_size).T)
+    words = pack_groups_np(codes_t, width).reshape(rows, -1)
+    np.testing.assert_array_equal(words, pack_codes_np(codes, width))

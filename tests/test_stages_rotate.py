@@ -149,3 +149,41 @@ def test_bad_seeds(bad):
 def test_empty_axis_rejected():
     with pytest.raises(ValueError, match="size 0"):
         rotate(mx.ones((3, 0)), 1)
+
+
+@pytest.mark.parametrize(
+    "n",
+    [1, 2, 3, 5, 12, 20, 28, 24, 40, 56, 33, 100, 768, 1000, 1280, 1792, 5120, 5632, 7168,
+     11008, 14336, 18944, 4096, 16384, 3 * 16384, 12 * 8192 * 2],
+)
+def test_host_rotation_is_bit_identical(n):
+    # encode's host path (numpy for the 12/20/28 and dense factors) must give rotate()'s bits
+    from turboquant.stages.rotate import rotate_np
+
+    x = mx.array(np.random.default_rng(n).standard_normal((3, n), dtype=np.float32))
+    x = x.at[0, 0].multiply(0.0)  # a signed zero on the way
+    want = np.array(rotate(x, 2**64 - 3))
+    got = rotate_np(x, 2**64 - 3)
+    assert got.dtype == np.float32 and got.shape == (3, n)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "n", [1, 3, 32, 64, 100, 128, 768, 1000, 1280, 1792, 2048, 5120, 5632, 8192, 11008, 16384]
+)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_group_major_rotation_is_bit_identical(n, group_size, rows):
+    # rotate(), zero-padded to whole groups, in encode's layout (group_size, a, rows, b)
+    from turboquant.stages.rotate import rotate_groups_np
+
+    x = np.random.default_rng(n).standard_normal((rows, n), dtype=np.float32)
+    got = rotate_groups_np(x, 99, group_size)
+    k, a, r, b = got.shape
+    assert k == group_size and r == rows and got.dtype == np.float32
+    groups = -(-n // group_size)
+    assert a * b == groups
+    want = np.zeros((rows, groups * group_size), np.float32)
+    want[:, :n] = np.array(rotate(mx.array(x), 99))
+    want = want.reshape(rows, a, b, group_size).transpose(3, 1, 0, 2)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

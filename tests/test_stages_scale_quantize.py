@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from turboquant.stages import (
+    code_values,
     codebook_values,
     group_rms,
     lloyd_max_levels,
@@ -12,6 +13,7 @@ from turboquant.stages import (
     refit_scales,
     ternary_levels,
 )
+from turboquant.stages.codebook import midpoints
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -66,3 +68,61 @@ def test_ternary_codes():
     np.testing.assert_array_equal(np.array(nearest_codes(x, "ternary")), [0, 0, 1, 1, 1, 2, 2])
     values = np.array(codebook_values("ternary"))[np.array(nearest_codes(x, "ternary"))]
     np.testing.assert_allclose(values, [-c, -c, 0, 0, 0, c, c], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
+@pytest.mark.parametrize("cols", [999, 1000])  # odd rows: one lookup a code; even: a pair
+def test_numpy_twins_match_mlx_exactly(bits, cols):
+    from turboquant.stages.quantize import code_values_np, nearest_codes_np
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, cols)) * 1.3).astype(np.float32)
+    # entries exactly on the thresholds, and signed zeros
+    x[0, : len(midpoints(bits))] = np.array(midpoints(bits), dtype=np.float32)
+    x[1, :2] = [0.0, -0.0]
+    codes = nearest_codes_np(x, bits)
+    assert codes.dtype == np.uint8
+    np.testing.assert_array_equal(codes, np.array(nearest_codes(mx.array(x), bits)))
+    values = code_values_np(codes, bits)
+    assert values.dtype == np.float32
+    want = np.array(code_values(mx.array(codes), bits))
+    np.testing.assert_array_equal(values.view(np.uint32), want.view(np.uint32))
+
+
+def test_numpy_sums_and_scales_match_mlx_exactly():
+    from turboquant.stages.scale import (
+        group_energy,
+        group_energy_np,
+        refit_sums,
+        refit_sums_np,
+        rms_from_energy,
+        rms_from_energy_np,
+        scales_from_sums,
+        scales_from_sums_np,
+    )
+
+    rng = np.random.default_rng(5)
+    rows, groups, gs = 6, 40, 64
+    w = (rng.standard_normal((rows, groups * gs)) * np.exp(2 * rng.standard_normal((rows, 1))))
+    w = w.astype(np.float32)
+    w[0] = 0.0
+    w[1, :gs] = -0.0
+    w[2] *= 1e-7  # float16 subnormal scales
+    q = np.array(codebook_values(3))[rng.integers(0, 8, size=w.shape)]
+    q[3, :gs] = -0.0
+    wt = np.ascontiguousarray(w.reshape(-1, gs).T)  # group axis first
+    qt = np.ascontiguousarray(q.reshape(-1, gs).T)
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+    energy = group_energy_np(wt).reshape(rows, groups)
+    same(energy, group_energy(mx.array(w), gs))
+    same(rms_from_energy_np(energy, gs, valid=2500), rms_from_energy(mx.array(energy), gs, 2500))
+    wq, qq = (a.reshape(rows, groups) for a in refit_sums_np(wt, qt))
+    want_wq, want_qq = refit_sums(mx.array(w), mx.array(q), gs)
+    same(wq, want_wq)
+    same(qq, want_qq)
+    same(scales_from_sums_np(wq, qq), scales_from_sums(want_wq, want_qq))
