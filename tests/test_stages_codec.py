@@ -208,7 +208,13 @@ def test_quantized_tensor_checks_shapes():
 
 
 def _reference_encode(w, bits, group_size, seed, refit=True):
-    """encode as the plain MLX stages spell it (the codec before its host fast path)."""
+    """encode as the plain MLX stages spell it (the codec before its host fast path), on
+    MLX's CPU backend (whose sums and float32 matmul add in order, as encode does)."""
+    with mx.stream(mx.cpu):
+        return _plain_mlx_encode(w, bits, group_size, seed, refit)
+
+
+def _plain_mlx_encode(w, bits, group_size, seed, refit):
     from turboquant.stages import (
         code_values,
         group_rms,
@@ -231,7 +237,9 @@ def _reference_encode(w, bits, group_size, seed, refit=True):
     if refit:
         q = code_values(codes, bits) * (mx.arange(padded) < n)
         scales = refit_scales(x, q, group_size)
-    return pack_codes(codes, bits), scales
+    packed = pack_codes(codes, bits)
+    mx.eval(packed, scales)
+    return packed, scales
 
 
 @given(
