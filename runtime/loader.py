@@ -386,20 +386,16 @@ def _weights(repo: Repo, plan: Plan, dtype, streamed=frozenset()) -> dict[str, m
 def _check_complete(model: nn.Module, weights: dict, repo: Repo) -> None:
     """Name the first missing or unexpected tensor before mlx's generic strict check."""
     params = dict(tree_flatten(model.parameters()))
-    unexpected = sorted(set(weights) - set(params))
-    if unexpected:
-        raise RepoError(
-            f"{repo.path}: unexpected tensor {unexpected[0]}"
-            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-            + f": the {config_type(repo)} model has no such parameter"
-        )
-    missing = sorted(set(params) - set(weights))
-    if missing:
-        raise RepoError(
-            f"{repo.path}: missing tensor {missing[0]}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + f": the {config_type(repo)} model needs it and the repo does not have it"
-        )
+    kind = config_type(repo)
+    for names, what, why in (
+        (set(weights) - set(params), "unexpected", f"the {kind} model has no such parameter"),
+        (set(params) - set(weights), "missing",
+         f"the {kind} model needs it and the repo does not have it"),
+    ):
+        if names:
+            first, more = sorted(names)[0], len(names) - 1
+            raise RepoError(f"{repo.path}: {what} tensor {first}"
+                            + (f" (and {more} more)" if more else "") + f": {why}")
     for k, v in weights.items():
         if tuple(v.shape) != tuple(params[k].shape):
             raise RepoError(
