@@ -25,6 +25,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 from turboquant.kernels import dispatch
+from turboquant.runtime.fuse import group_linears
 from turboquant.runtime.layers import TQLinear, padded
 from turboquant.kernels.reference import words_per_row
 
@@ -42,7 +43,7 @@ def build(variant: str, bits: int = 3) -> nn.Module:
         nn.quantize(model, group_size=64, bits=int(variant[-1]),
                     class_predicate=lambda p, m: isinstance(m, nn.Linear) and p != "lm_head")
     elif variant.startswith("tq"):
-        b = int(variant[-1])
+        b = int(variant[2])
 
         def swap(path, m):
             if not isinstance(m, nn.Linear) or path == "lm_head":
@@ -61,6 +62,8 @@ def build(variant: str, bits: int = 3) -> nn.Module:
                 parent_path, _, name = path.rpartition(".")
                 parent = model if not parent_path else dict(model.named_modules())[parent_path]
                 setattr(parent, name, new)
+        if not variant.endswith("-single"):
+            group_linears(model)  # q/k/v and gate/up as one kernel, as runtime.load does on CUDA
     mx.eval(model.parameters())
     return model
 
@@ -93,9 +96,12 @@ def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--variants", default="bf16,affine4,tq3,tq4")
+    ap.add_argument("--variants", default="bf16,affine4,tq3,tq4,tq3-single",
+                    help="tqN: grouped q/k/v and gate/up (as loaded); tqN-single: one kernel per linear")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the host side of decoding (first variant only), top 30 by own time")
     args = ap.parse_args()
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}")
     for b in (2, 3, 4):
@@ -107,6 +113,14 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = build(variant)
         decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
+        if args.profile:
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as prof:
+                decode_tps(model, 32)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            return
         tps = decode_tps(model, args.tokens)
         results[variant] = tps
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB)",

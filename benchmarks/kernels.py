@@ -120,12 +120,128 @@ def bench_shape(out_f: int, in_f: int) -> dict:
     return row
 
 
+# one Llama-3-8B decoder layer's linears: (input width, outputs read from that input)
+LAYER = [("q/k/v", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+         ("gate/up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
+
+
+def _tq_members(in_f: int, outs, bits: int, seed: int):
+    from turboquant.kernels import group
+    from turboquant.kernels.reference import words_per_row
+
+    members = []
+    for i, o in enumerate(outs):
+        codes = mx.random.randint(0, 2**31 - 1, (o, words_per_row(in_f, bits))).astype(mx.uint32) * 2 + 1
+        scales = (mx.random.uniform(shape=(o, in_f // 64)) * 0.02 + 0.01).astype(mx.float16)
+        members.append(group.Member(codes, scales, bits, 64, in_f, o, in_f, seed * 7 + i))
+    return tuple(members)
+
+
+def bench_layer(bits: int = 3) -> list[dict]:
+    """Whole linears as the runtime calls them, x in bf16: TurboQuant (rotation kernel +
+    GEMV, one group per shared input) vs mlx-lm's affine (one quantized_matmul per linear,
+    4 bits and the same bits) and bf16 matmuls."""
+    from turboquant.kernels import group
+
+    rows = []
+    for name, in_f, outs in LAYER:
+        x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
+        row = {"linears": name, "shape": f"{'+'.join(map(str, outs))}x{in_f}"}
+        nbytes = sum(o * in_f for o in outs) * 2
+        ws = [[mx.random.normal((o, in_f)).astype(mx.bfloat16) * 0.02 for o in outs]
+              for _ in range(_copies(nbytes))]
+        mx.eval(ws)
+        row["bf16"] = _time(lambda: [x @ w.T for i in range(PER_EVAL) for w in ws[i % len(ws)]])
+        for b in sorted({4, bits}):
+            qs = [[mx.quantize(w, group_size=64, bits=b) for w in copy] for copy in ws]
+            mx.eval(qs)
+            row[f"affine{b}"] = _time(lambda: [
+                mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=b)
+                for i in range(PER_EVAL) for q in qs[i % len(qs)]])
+            del qs
+        del ws
+        groups = [_tq_members(in_f, outs, bits, seed=c) for c in range(_copies(nbytes * bits // 16 + 1))]
+        mx.eval([[m.codes, m.scales] for g in groups for m in g])
+        row[f"tq{bits}"] = _time(lambda: [group.tq_linear_group(x, groups[i % len(groups)])
+                                          for i in range(PER_EVAL)])
+        singles = [tuple((m,) for m in g) for g in groups]
+        row[f"tq{bits}_single"] = _time(lambda: [
+            group.tq_linear_group(x, one) for i in range(PER_EVAL) for one in singles[i % len(singles)]])
+        rows.append(row)
+        del groups, singles
+    return rows
+
+
+def breakdown(bits: int = 3) -> None:
+    """Where a TurboQuant linear's time goes: host-side graph building vs device time,
+    rotation kernel vs GEMV, next to mlx-lm's affine call (x bf16, 4096x4096 and q/k/v)."""
+    from turboquant.kernels import cuda, cuda_gemv as g, cuda_rotate, group
+
+    for in_f, outs in ((4096, (4096,)), (4096, (4096, 1024, 1024)), (14336, (4096,))):
+        x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
+        members = _tq_members(in_f, outs, bits, seed=1)
+        seeds = tuple(m.seed for m in members)
+        xr = cuda_rotate.rotate(x, seeds, in_f)
+        low, high, scales, _ = cuda._repack_group(members)
+        ends = tuple(np.cumsum(outs).tolist())
+        e, r = cuda._pair_arrays(1)
+        lv = cuda._levels(bits)
+        q = mx.quantize(mx.random.normal((sum(outs), in_f)).astype(mx.bfloat16), group_size=64, bits=4)
+        mx.eval(xr, q)
+        steps = {
+            "rotate": lambda: cuda_rotate.rotate(x, seeds, in_f),
+            "gemv": lambda: g.gemv(xr if len(outs) > 1 else xr[0], low, high, scales, lv, e, r,
+                                   bits=bits, group_size=64, out_features=ends[-1],
+                                   out_dtype=mx.bfloat16, ends=ends if len(outs) > 1 else ()),
+            "group": lambda: group.tq_linear_group(x, members),
+            "affine4": lambda: mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4),
+        }
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(200):
+                out = step()
+            host = (time.perf_counter() - t0) / 200
+            mx.eval(out)
+            total = _time(lambda: [step() for _ in range(PER_EVAL)])
+            print(f"{'+'.join(map(str, outs))}x{in_f} {name:>8}: host {host * 1e6:6.1f} us/call, "
+                  f"host+device {total * 1e6:6.1f} us/call", flush=True)
+
+
+def print_layer(rows: list[dict], bits: int) -> None:
+    print(f"microseconds per call of a Llama-3-8B layer's linears, x bf16 (rotation included for TQ)")
+    cols = ["bf16", "affine4", f"affine{bits}", f"tq{bits}_single", f"tq{bits}"]
+    cols = list(dict.fromkeys(cols))
+    print(f"{'linears':>8} {'shape':>18} " + " ".join(f"{c:>10}" for c in cols) + "  aff4/tq")
+    total = {c: 0.0 for c in cols}
+    for r in rows:
+        for c in cols:
+            total[c] += r[c]
+        print(f"{r['linears']:>8} {r['shape']:>18} " + " ".join(f"{r[c] * 1e6:10.1f}" for c in cols)
+              + f"  {r['affine4'] / r[f'tq{bits}']:6.2f}")
+    print(f"{'layer':>8} {'':>18} " + " ".join(f"{total[c] * 1e6:10.1f}" for c in cols)
+          + f"  {total['affine4'] / total[f'tq{bits}']:6.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--sweep", action="store_true", help="time rows-per-warp choices first")
+    ap.add_argument("--layer", action="store_true",
+                    help="also time a decoder layer's linears end to end (rotation, grouping)")
+    ap.add_argument("--layer-only", action="store_true", help="only the --layer timing")
+    ap.add_argument("--breakdown", action="store_true", help="host vs device time per step")
     args = ap.parse_args()
+    if args.breakdown:
+        breakdown()
+    if args.layer or args.layer_only:
+        rows = bench_layer(3)
+        print_layer(rows, 3)
+        if args.layer_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"layer": rows}, f, indent=1)
+            return
     print(f"device: {mx.default_device()}  mlx {mx.__version__}")
     errs = check()
     print("kernel vs reference, max rel. error:", {b: f"{e:.2e}" for b, e in errs.items()})

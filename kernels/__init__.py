@@ -14,6 +14,7 @@ from .dispatch import (
     tq_gather,
     tq_linear,
 )
+from .group import Member, tq_linear_group
 from .reference import (
     dequantize,
     tq_embedding,
@@ -25,6 +26,7 @@ from .reference import (
 )
 
 __all__ = [
+    "Member",
     "add_op",
     "backend",
     "dequantize",
@@ -36,6 +38,7 @@ __all__ = [
     "tq_gather",
     "tq_gather_matmul",
     "tq_linear",
+    "tq_linear_group",
     "tq_matmul",
     "tq_matvec",
     "unpack",

@@ -20,12 +20,14 @@ Rows are padded to a multiple of 64 codes (padding codes meet zero activations).
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import mlx.core as mx
 import numpy as np
 
 GROUP_CODES = 64  # codes a lane handles per step
 ROWS_PER_WARP = 8
+WARPS_WANTED = 2048  # about 16 warps per SM on an H100/H200: enough loads in flight
 WARPS_PER_BLOCK = 4
 
 _HEADER = r"""
@@ -95,8 +97,14 @@ _SOURCE = r"""
   uint32_t t[8];
   tq_tables(levels, 1 << BITS, t);
 
+  // a group of linears sharing one input: rows [END_{s-1}, END_s) are member s, which
+  // reads x block s (its own rotation) and writes output s
+  int seg = 0;
+  if (SEGS > 1) seg += row0 >= END0;
+  if (SEGS > 2) seg += row0 >= END1;
   const int expert = pair_expert[pair];
-  const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)pair_row[pair] * PADDED);
+  const uint4* xr = reinterpret_cast<const uint4*>(
+      x + ((size_t)seg * XROWS + pair_row[pair]) * PADDED);
   constexpr int GROUPS = PADDED / 64;
   
   float total[ROWS_PER_WARP];
@@ -179,20 +187,45 @@ _SOURCE = r"""
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int row = row0 + r;
-    if (lane == 0 && row < OUT) out[(size_t)pair * OUT + row] = (OutT)v;
+    if (lane == 0 && row < OUT) {
+      if (HAS_BIAS) v += static_cast<float>(bias[row]);
+      TQ_STORE
+    }
   }
 """
 
+# Where a finished row goes: output s holds rows [END_{s-1}, END_s) of the group.
+_STORES = {
+    1: "out0[(size_t)pair * OUT + row] = (OutT)v;",
+    2: "if (seg == 0) out0[(size_t)pair * END0 + row] = (OutT)v;\n"
+       "      else out1[(size_t)pair * (OUT - END0) + row - END0] = (OutT)v;",
+    3: "if (seg == 0) out0[(size_t)pair * END0 + row] = (OutT)v;\n"
+       "      else if (seg == 1) out1[(size_t)pair * (END1 - END0) + row - END0] = (OutT)v;\n"
+       "      else out2[(size_t)pair * (OUT - END1) + row - END1] = (OutT)v;",
+}
+
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernel(segments: int = 1):
+    # the source's hash in the name: MLX caches built kernels on disk by name and template
+    tag = hashlib.sha256((_HEADER + _SOURCE + _STORES[segments]).encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(
-        name="tq_gemv",
-        input_names=["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row"],
-        output_names=["out"],
-        source=_SOURCE,
+        name=f"tq_gemv{segments}_{tag}",
+        input_names=["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row",
+                     "bias"],
+        output_names=[f"out{s}" for s in range(segments)],
+        source=_SOURCE.replace("TQ_STORE", _STORES[segments]),
         header=_HEADER,
     )
+
+
+def rows_per_warp_for(out_features: int) -> int:
+    """Most rows per warp (8, 4, 2, 1) that still gives the GPU `WARPS_WANTED` warps: small
+    matrices need more, shorter warps to keep enough loads in flight."""
+    for rpw in (8, 4, 2):
+        if out_features // rpw >= WARPS_WANTED:
+            return rpw
+    return 1
 
 
 def x_permutation(bits: int, padded: int) -> np.ndarray:
@@ -257,20 +290,38 @@ def gemv(
     out_features: int,
     out_dtype=mx.float16,
     rows_per_warp: int = ROWS_PER_WARP,
-) -> mx.array:
+    ends: tuple[int, ...] = (),
+    bias: mx.array | None = None,
+    add_bias: bool | None = None,
+) -> mx.array | list[mx.array]:
     """(pairs, out_features): for each pair p, W[pair_expert[p]] @ x[pair_row[p]].
 
     x_perm: (rows_x, padded) float16, rotated and zero-padded, in natural order (`repack`
     already placed each code where the kernel meets its activation).
     codes/hplane: from `repack`; scales: (E*out, padded // group_size) float16, padded.
+
+    A group (`ends` given): the rows are the members' weights stacked, member s owning
+    rows [ends[s-1], ends[s]) (`ends[-1] == out_features`, every boundary a multiple of
+    `rows_per_warp`), x_perm is (members, rows_x, padded), one rotation per member, and
+    the result is one array per member. `bias` (out_features,) is added before the store
+    (`add_bias=False` passes an array without adding it: a compiled caller's placeholder).
     """
+    add_bias = bias is not None if add_bias is None else add_bias
     padded = x_perm.shape[-1]
     pairs = pair_expert.shape[0]
+    segments = len(ends) or 1
+    if segments > len(_STORES):
+        raise ValueError(f"at most {len(_STORES)} members in a group, got {segments}")
+    bounds = list(ends[:-1]) + [out_features] * 2
+    if any(b % rows_per_warp for b in bounds[: segments - 1]):
+        raise ValueError(f"group boundaries {ends} must be multiples of {rows_per_warp}")
+    widths = [e - b for b, e in zip([0, *ends[:-1]], ends)] if ends else [out_features]
     warps = -(-out_features // rows_per_warp)
     threads = 32 * WARPS_PER_BLOCK
     grid_x = -(-warps * 32 // threads) * threads
-    return _kernel()(
-        inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row],
+    outs = _kernel(segments)(
+        inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row,
+                bias if bias is not None else _no_bias()],
         template=[
             ("BITS", bits),
             ("GS", group_size),
@@ -278,10 +329,21 @@ def gemv(
             ("PADDED", padded),
             ("NSCALES", scales.shape[-1]),
             ("ROWS_PER_WARP", rows_per_warp),
+            ("SEGS", segments),
+            ("END0", bounds[0]),
+            ("END1", bounds[1]),
+            ("XROWS", x_perm.shape[-2] if x_perm.ndim == 3 else 0),
+            ("HAS_BIAS", add_bias),
             ("OutT", out_dtype),
         ],
         grid=(grid_x, pairs, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(pairs, out_features)],
-        output_dtypes=[out_dtype],
-    )[0]
+        output_shapes=[(pairs, w) for w in widths],
+        output_dtypes=[out_dtype] * segments,
+    )
+    return outs if ends else outs[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _no_bias() -> mx.array:
+    return mx.zeros((1,), dtype=mx.float32)

@@ -13,6 +13,7 @@ reference, after which backends can register it too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -60,6 +61,11 @@ def backend() -> str:
     """'cuda', 'metal' or 'cpu': where kernels run for `mx.default_device()`."""
     if mx.default_device().type != mx.gpu:
         return "cpu"
+    return _gpu_backend()
+
+
+@functools.cache
+def _gpu_backend() -> str:
     if mx.metal.is_available():
         return "metal"
     cuda = getattr(mx, "cuda", None)

@@ -120,19 +120,20 @@ class TQLinear(_TQBase):
         """The dense decoded weight (out, in), float32. Materialises the whole matrix."""
         return self._decode_rows(self["codes"], self["scales"])
 
+    def member(self) -> kernels.Member:
+        """This weight as a member of a kernel group (`kernels.tq_linear_group`)."""
+        return kernels.Member(
+            self["codes"], self["scales"], self.bits, self.group_size, self.input_dims,
+            self.output_dims, self.padded_in, self.seed, self.get("bias"),
+        )
+
     def __call__(self, x: mx.array) -> mx.array:
-        y = kernels.tq_linear(
-            self.rotate_input(x),
-            self["codes"],
-            self["scales"],
-            self.bits,
-            self.group_size,
-            self.output_dims,
-            self.padded_in,
-        ).astype(x.dtype)
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+        if x.shape[-1] != self.input_dims:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs with last axis {self.input_dims}, "
+                f"got {tuple(x.shape)}"
+            )
+        return kernels.tq_linear_group(x, (self.member(),))[0]
 
 
 class TQSwitchLinear(_TQBase):

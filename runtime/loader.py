@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from turboquant import kernels
+
 from .layers import TQEmbedding, TQLinear, TQSwitchLinear
 from .repo import Repo, RepoError, Row, open_repo, resolve
 
@@ -97,12 +99,17 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
         from .experts import start_cache
 
         start_cache(model, repo, stream, wrapped)
+    groups = 0
+    if kernels.backend() == "cuda":  # where a kernel runs q/k/v and gate/up as one
+        from .fuse import group_linears
+
+        groups = group_linears(model)
     tq_types = (TQLinear, TQSwitchLinear, TQEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(
-        "loaded %s (%s): %d TurboQuant layers, %d of them expert layers, dtype %s",
-        repo.path, config.get("model_type"), len(layers),
-        sum(isinstance(m, TQSwitchLinear) for m in layers), target or "as stored",
+        "loaded %s (%s): %d TurboQuant layers, %d of them expert layers, %d kernel groups, "
+        "dtype %s", repo.path, config.get("model_type"), len(layers),
+        sum(isinstance(m, TQSwitchLinear) for m in layers), groups, target or "as stored",
     )
     return model, config
 

@@ -1,0 +1,185 @@
+"""CUDA activation side of a TurboQuant linear: sign flip, Hadamard, fp16 cast, zero pad.
+
+One kernel turns x (rows, n) in any float dtype into the GEMV's input: for each of S
+rotation seeds, T(s * x) in float16, zero-padded to a width the GEMV reads. It replaces
+the five to eight MLX ops (cast, multiply, hadamard_transform, pad, cast, ...) that each
+TurboQuant linear paid for on its activations, and rotates once for all the members of a
+group (q/k/v, gate/up), each with its own seed.
+
+Every rotation of `stages.rotate` has the form n = A * P with P a power of two: the
+Hadamard over P runs on each of the A contiguous segments, and an A x A matrix then mixes
+the segments column by column:
+
+- P <= 8192 and no other factor: A = 1;
+- n = m * P with m in 12, 20, 28: the m-factor of mx.hadamard_transform;
+- n = d * P with d odd (or too few factors of two): the seeded dense orthogonal factor;
+- a power of two above 8192: A = n / 8192 and a Sylvester Hadamard over the outer axis.
+
+`operands` builds the signs and the mixing matrices on the host (the overall scale folded
+into the matrix); the block of one (row, seed) keeps the whole row in shared memory in
+float32, runs the radix-2 stages there, then each thread mixes its columns in registers.
+`emulate` does the same arithmetic in numpy, so the CPU tests check the decomposition.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from turboquant.stages.rotate import _MLX_MAX_POW2, _hadamard_signs, _plan
+
+THREADS = 512
+MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
+MAX_FACTOR = 32  # a thread holds this many segment values in registers
+
+_SOURCE = r"""
+  extern __shared__ float buf[];
+  const int row = blockIdx.x;
+  const int s = blockIdx.y;
+  const int t = threadIdx.x;
+  const InT* xr = x + (size_t)row * N;
+  const float* sg = signs + (size_t)s * N;
+  for (int i = t; i < N; i += THREADS) buf[i] = static_cast<float>(xr[i]) * sg[i];
+  __syncthreads();
+  // radix-2 stages of the Hadamard over P, on every segment at once
+  for (int lh = 0; (1 << lh) < P; ++lh) {
+    const int h = 1 << lh;
+    for (int k = t; k < N / 2; k += THREADS) {
+      const int i = ((k >> lh) << (lh + 1)) | (k & (h - 1));
+      const float a = buf[i], b = buf[i + h];
+      buf[i] = a + b;
+      buf[i + h] = a - b;
+    }
+    __syncthreads();
+  }
+  __half* o = out + ((size_t)s * gridDim.x + row) * OUTW;
+  const float* mix_s = mix + (size_t)s * A * A;
+  for (int j = t; j < P; j += THREADS) {
+    float v[A];
+    #pragma unroll
+    for (int k = 0; k < A; ++k) v[k] = buf[k * P + j];
+    #pragma unroll
+    for (int a = 0; a < A; ++a) {
+      float acc = 0.f;
+      #pragma unroll
+      for (int k = 0; k < A; ++k) acc += mix_s[a * A + k] * v[k];
+      o[a * P + j] = __float2half_rn(acc);
+    }
+  }
+  for (int i = N + t; i < OUTW; i += THREADS) o[i] = __float2half_rn(0.f);
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(shared_bytes: int):
+    # the source's hash in the name: MLX caches built kernels on disk by name and template
+    tag = hashlib.sha256(_SOURCE.encode()).hexdigest()[:10]
+    return mx.fast.cuda_kernel(
+        name=f"tq_rotate_{tag}",
+        input_names=["x", "signs", "mix"],
+        output_names=["out"],
+        source=_SOURCE,
+        header="#include <cuda_fp16.h>\n",
+        shared_memory=shared_bytes,
+    )
+
+
+def factors(n: int, seed: int) -> tuple[int, int]:
+    """(A, P) of the rotation of size n: A segments of a power-of-two P. Raises
+    NotImplementedError for the one shape the kernel leaves to MLX (m * 2^k, 2^k > 8192)."""
+    _, dense, m, p = _plan(seed, n)
+    if dense is not None:
+        return dense.shape[0], p
+    if p > _MLX_MAX_POW2:
+        if m > 1:
+            raise NotImplementedError(f"rotation of size {n}: {m} x {p} has no CUDA path")
+        return p // _MLX_MAX_POW2, _MLX_MAX_POW2
+    return m, p
+
+
+def _mixing(seed: int, n: int) -> np.ndarray:
+    """The A x A segment mix of one rotation, the whole scale folded in, float32."""
+    _, dense, m, p = _plan(seed, n)
+    if dense is not None:  # Hadamard over p scaled by 1/sqrt(p), then Q
+        return np.asarray(dense, dtype=np.float64) / math.sqrt(p)
+    if p > _MLX_MAX_POW2:  # (outer, 8192): Sylvester Hadamard over the outer axis
+        outer = p // _MLX_MAX_POW2
+        return _sylvester(outer) / math.sqrt(p)
+    if m == 1:
+        return np.ones((1, 1)) / math.sqrt(p)
+    with mx.stream(mx.cpu):  # MLX's CUDA hadamard_transform does not build for 2^0 * m
+        signs = _hadamard_signs(m)
+    return signs.astype(np.float64) / math.sqrt(m * p)
+
+
+def _sylvester(k: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < k:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def operands(seeds: tuple[int, ...], n: int) -> tuple[mx.array, mx.array, int, int]:
+    """(signs (S, n), mix (S, A, A), A, P) for rotating one input with each seed."""
+    shapes = {factors(n, s) for s in seeds}
+    if len(shapes) != 1:
+        raise NotImplementedError(f"seeds {seeds} split size {n} differently: {shapes}")
+    a, p = shapes.pop()
+    if a > MAX_FACTOR or 4 * n > MAX_SHARED_BYTES:
+        raise NotImplementedError(f"rotation of size {n} ({a} x {p}) is too large for one block")
+    signs = np.stack([np.asarray(_plan(s, n)[0]) for s in seeds]).astype(np.float32)
+    mix = np.stack([_mixing(s, n) for s in seeds]).astype(np.float32)
+    return mx.array(signs), mx.array(mix), a, p
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_operands(seeds: tuple[int, ...], n: int):
+    signs, mix, a, p = operands(seeds, n)
+    mx.eval(signs, mix)
+    return signs, mix, a, p
+
+
+def rotate(x: mx.array, seeds: tuple[int, ...], width: int) -> mx.array:
+    """x (rows, n) -> (S, rows, width) float16: each seed's rotation, zero-padded."""
+    signs, mix, a, p = _cached_operands(tuple(seeds), x.shape[-1])
+    return rotate_with(x, signs, mix, a, p, width)
+
+
+def rotate_with(x: mx.array, signs: mx.array, mix: mx.array, a: int, p: int,
+                width: int) -> mx.array:
+    """`rotate` on operands from `operands` (what a compiled caller passes in)."""
+    rows, n = x.shape
+    if width < n:
+        raise ValueError(f"width {width} is narrower than the input ({n})")
+    seeds = signs.shape[0]
+    return _kernel(4 * n)(
+        inputs=[x, signs, mix],
+        template=[("InT", x.dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
+                  ("THREADS", THREADS)],
+        grid=(rows * THREADS, seeds, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(seeds, rows, width)],
+        output_dtypes=[mx.float16],
+    )[0]
+
+
+def emulate(x: np.ndarray, signs: np.ndarray, mix: np.ndarray, a: int, p: int,
+            width: int) -> np.ndarray:
+    """The kernel's arithmetic in numpy (float32): (rows, n) -> (S, rows, width)."""
+    rows, n = x.shape
+    out = np.zeros((len(signs), rows, width), dtype=np.float32)
+    for s in range(len(signs)):
+        buf = (x.astype(np.float32) * signs[s]).reshape(rows, n)
+        for lh in range(int(math.log2(p))):
+            h = 1 << lh
+            k = np.arange(n // 2)
+            i = ((k >> lh) << (lh + 1)) | (k & (h - 1))
+            u, v = buf[:, i].copy(), buf[:, i + h].copy()
+            buf[:, i], buf[:, i + h] = u + v, u - v
+        seg = buf.reshape(rows, a, p)
+        out[s, :, :n] = np.einsum("ak,rkj->raj", mix[s], seg).reshape(rows, n)
+    return out

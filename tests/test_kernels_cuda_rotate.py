@@ -1,0 +1,47 @@
+"""The CUDA rotation kernel's decomposition, checked on the CPU.
+
+`kernels/cuda_rotate.py` rotates activations as A segments of a power-of-two Hadamard
+mixed by an A x A matrix, with signs and matrices built on the host. `emulate` runs the
+kernel's index arithmetic in numpy; it must agree with `stages.rotate` for every kind of
+size (power of two, 12/20/28 factor, dense odd factor, above 8192). The kernel itself is
+compared with the reference on the GPU (tests/test_kernels_cuda_linear.py).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.kernels import cuda_rotate
+from turboquant.stages import rotate
+
+SIZES = [64, 96, 100, 768, 1280, 1728, 1792, 4096, 5120, 13824, 14336, 16384]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_emulated_kernel_matches_rotate(n):
+    seeds = (3, 11, 2**63 + 5)
+    x = np.random.default_rng(n).standard_normal((2, n)).astype(np.float32)
+    signs, mix, a, p = cuda_rotate.operands(seeds, n)
+    assert a * p == n and p & (p - 1) == 0
+    width = -(-n // 64) * 64 + 64
+    got = cuda_rotate.emulate(x, np.array(signs), np.array(mix), a, p, width)
+    for s, seed in enumerate(seeds):
+        want = np.array(rotate(mx.array(x), seed))
+        np.testing.assert_allclose(got[s, :, :n], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        assert not got[s, :, n:].any()  # zero padding
+
+
+def test_factors_by_kind():
+    assert cuda_rotate.factors(4096, 1) == (1, 4096)
+    assert cuda_rotate.factors(14336, 1) == (28, 512)  # 7 * 2048 -> m = 28
+    assert cuda_rotate.factors(13824, 1) == (27, 512)  # dense factor
+    assert cuda_rotate.factors(32768, 1) == (4, 8192)  # above MLX's largest power of two
+
+
+def test_sizes_beyond_one_block_fall_back():
+    with pytest.raises(NotImplementedError):
+        cuda_rotate.operands((1,), 12 * 16384)  # m-factor with 2^k > 8192
+    with pytest.raises(NotImplementedError):
+        cuda_rotate.operands((1,), 65536)  # 256 KiB of float32: over one block's shared memory
+    with pytest.raises(NotImplementedError):
+        cuda_rotate.operands((1,), 1000)  # 125 x 8: too many segments for one thread's registers

@@ -1,0 +1,115 @@
+"""Grouped q/k/v and gate/up linears (runtime/fuse.py): same results, fewer kernel calls.
+
+On the CPU the group runs the reference member by member, so logits must be identical to
+the ungrouped model's; the count of `tq_linear_group` calls shows the grouping (on CUDA one
+call is one rotation launch and one GEMV launch). The CUDA kernels themselves are compared
+with the reference in tests/test_kernels_cuda_linear.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_runtime_fixtures import default_codec, make_checkpoint, write_repo
+
+from turboquant import kernels
+from turboquant.kernels import group
+from turboquant.runtime import load
+from turboquant.runtime.fuse import TQGroupedLinear, group_linears
+
+PROMPT = mx.array([[1, 5, 70, 33, 200, 9, 12, 250, 3, 4]])  # 10 tokens: prefill path
+
+
+def _decode(model, steps: int = 3) -> list[mx.array]:
+    """Logits of the prompt, then of `steps` single-token steps with a KV cache."""
+    cache = make_prompt_cache(model)
+    out = [model(PROMPT, cache=cache)]
+    tok = mx.argmax(out[-1][:, -1:], axis=-1)
+    for _ in range(steps):
+        out.append(model(tok, cache=cache))
+        tok = mx.argmax(out[-1][:, -1:], axis=-1)
+    mx.eval(out)
+    return out
+
+
+def _repo(tmp_path, kind, codec=None):
+    config, weights = make_checkpoint(kind, seed=3)
+    write_repo(tmp_path / kind, config, weights, bits=3, codec=codec)
+    return tmp_path / kind
+
+
+@pytest.mark.parametrize("kind, groups", [("llama", 4), ("qwen2_moe", 4)])
+def test_grouping_keeps_every_logit(tmp_path, kind, groups):
+    model, _ = load(_repo(tmp_path, kind))
+    before = _decode(model)
+    assert group_linears(model) == groups  # per layer: q/k/v and gate/up (qwen2_moe's shared expert)
+    after = _decode(model)
+    for a, b in zip(before, after):
+        assert mx.array_equal(a, b)
+    attn = model.layers[0].self_attn
+    assert all(isinstance(getattr(attn, n), TQGroupedLinear) for n in ("q_proj", "k_proj", "v_proj"))
+    assert "bias" in attn.q_proj or kind == "llama"  # qwen2's biased q/k/v group too
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls = []
+    real = kernels.tq_linear_group
+
+    def counting(x, members):
+        calls.append(len(members))
+        return real(x, members)
+
+    monkeypatch.setattr(kernels, "tq_linear_group", counting)
+    return calls
+
+
+def test_one_call_per_group_when_decoding(tmp_path, monkeypatch):
+    model, _ = load(_repo(tmp_path, "llama"))
+    cache = make_prompt_cache(model)
+    mx.eval(model(PROMPT, cache=cache))
+    calls = _count_calls(monkeypatch)
+    mx.eval(model(PROMPT[:, :1], cache=cache))
+    assert calls == [1] * 15  # 2 layers x 7 linears, lm_head
+    group_linears(model)
+    calls.clear()
+    mx.eval(model(PROMPT[:, :1], cache=cache))
+    assert calls == [3, 1, 2, 1] * 2 + [1]  # qkv, o, gate/up, down; lm_head
+    calls.clear()
+    mx.eval(model(PROMPT, cache=cache))  # prefill: each linear on its own
+    assert calls == [1] * 15
+
+
+def test_members_with_other_codecs_stay_apart(tmp_path, monkeypatch):
+    def codec(name, v):
+        return 4 if name.endswith("v_proj.weight") else default_codec(name, v, 3)
+
+    model, _ = load(_repo(tmp_path, "llama", codec=codec))
+    before = _decode(model, steps=1)
+    assert group_linears(model) == 4  # q/k and gate/up in each layer
+    assert type(model.layers[0].self_attn.v_proj).__name__ == "TQLinear"
+    calls = _count_calls(monkeypatch)
+    after = _decode(model, steps=1)
+    assert calls[-11:] == [2, 1, 1, 2, 1] * 2 + [1]  # the decode step: q/k, v, o, gate/up, down
+    for a, b in zip(before, after):
+        assert mx.array_equal(a, b)
+
+
+def _member(out_features, bits=3, bias=None, padded_in=128):
+    return group.Member(mx.zeros((out_features, 12), dtype=mx.uint32),
+                        mx.zeros((out_features, 2), dtype=mx.float16), bits, 64, 128,
+                        out_features, padded_in, 0, bias)
+
+
+def test_fusable_rules():
+    assert group.fusable((_member(64), _member(16), _member(16)))
+    assert group.fusable((_member(64), _member(20)))  # only the last may end mid-block
+    assert not group.fusable((_member(20), _member(64)))
+    assert not group.fusable((_member(64), _member(64, bits=4)))
+    assert not group.fusable((_member(64), _member(64, bias=mx.zeros((64,)))))
+    assert not group.fusable((_member(64, bits="ternary"),))
+
+
+def test_group_checks_the_input_width():
+    with pytest.raises(ValueError, match="last axis"):
+        kernels.tq_linear_group(mx.zeros((1, 96)), (_member(64),))
