@@ -21,18 +21,25 @@ CPU part (default), on the reference models (reference/models/pystd-dense, pystd
 The models are cast to float32 (MLX's CPU gather_mm needs it for the MoE), so the
 uncompressed baseline cache holds float32; sizes are counted for fp16.
 
-GPU part (--gpu-decode, for the GPU machine): decode tokens/s of an 8B-shaped random
-Llama at 1K-32K context, the fp16 cache against TurboQuant caches. See `gpu_decode`.
+GPU part (for the GPU machine):
+
+- --gpu-decode: decode tokens/s of an 8B-shaped random Llama at 1K-32K context, the fp16
+  cache against TurboQuant caches through the CUDA decode kernel (kernels/cuda_kv.py) and,
+  for the configs named with ":ref", through the pure-MLX reference. See `gpu_decode`.
+- --gpu-attention: one layer's decode attention alone (8B shape: 32 query heads, 8 KV
+  heads, head_dim 128), MLX's fused SDPA over the bf16 cache against the kernel and the
+  reference over the compressed one, microseconds per call. See `gpu_attention`.
 
 Reproduce:
     .venv/bin/python benchmarks/kv.py                       # CPU, both reference models
     .venv/bin/python benchmarks/kv.py --models pystd-dense --chunks 2 --trials 10
-    python benchmarks/kv.py --gpu-decode                    # GPU machine
+    python benchmarks/kv.py --gpu-decode --gpu-attention    # GPU machine
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import re
@@ -58,7 +65,8 @@ class CacheSpec:
     """One cache to measure, parsed from names like "K4V3", "K4V3:raw:p2:w128", "affine4".
 
     TurboQuant options: raw (no norm correction), p<n> (protect the first and last n KV
-    layers at 8 bits), w<n> (fp16 window of n tokens instead of --window).
+    layers at 8 bits), w<n> (fp16 window of n tokens instead of --window), ref (decode
+    through the pure-MLX reference even where a decode kernel is registered).
     """
 
     name: str
@@ -68,6 +76,7 @@ class CacheSpec:
     norm_correction: bool = True
     protect: int = 0
     window: int | None = None
+    reference: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -79,7 +88,8 @@ class CacheSpec:
         head, *opts = name.split(":")
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
-                f"cache spec {name!r}: use fp16, affine8, affine4 or K<b>V<b>[:raw][:p<n>][:w<n>]"
+                f"cache spec {name!r}: use fp16, affine8, affine4 or "
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -90,6 +100,8 @@ class CacheSpec:
                 kw["protect"] = int(o[1:])
             elif o.startswith("w"):
                 kw["window"] = int(o[1:])
+            elif o == "ref":
+                kw["reference"] = True
             else:
                 raise ValueError(f"cache spec {name!r}: unknown option {o!r}")
         return cls(name, "tq", int(bk), int(bv), **kw)
@@ -300,9 +312,25 @@ LLAMA_8B = dict(
 )
 
 
+def _attention_path(spec: CacheSpec):
+    """A context in which TurboQuant attention takes the path `spec` asks for."""
+    from turboquant.runtime import kv_attention
+
+    return kv_attention.reference_only() if spec.reference else contextlib.nullcontext()
+
+
+def _kernel_name() -> str:
+    from turboquant.kernels import dispatch
+    from turboquant.runtime import kv_attention
+
+    backend = dispatch.backend()
+    fn = None if backend == "cpu" else kv_attention.kernel_for(backend)
+    return "reference (no kernel)" if fn is None else f"{fn.__module__}.{fn.__name__}"
+
+
 def gpu_decode(
     contexts=(1024, 4096, 16384, 32768),
-    configs=("fp16", "K4V3", "K8V3", "K4V3:p2"),
+    configs=("fp16", "K4V3", "K4V3:ref", "K8V3", "K4V3:p2"),
     steps: int = 64,
     sink: int = 4,
     window: int = 128,
@@ -315,11 +343,13 @@ def gpu_decode(
     mlx_lm.generate does); each cache starts from that prefill's K/V (`seeded`) and
     `steps` greedy tokens are timed (one mx.eval per token, like generation).
     Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
-    whatever kernel runtime/kv_attention.py has registered, else the pure-MLX reference.
+    the kernel runtime/kv_attention.py finds for the backend (on CUDA kernels/cuda_kv.py);
+    configs with ":ref" force the pure-MLX reference, so both paths are timed in one run.
     `shape` overrides LLAMA_8B's fields (a smaller model for a smoke test).
     """
     from mlx_lm.models import llama
 
+    log(f"TurboQuant decode attention: {_kernel_name()}; ':ref' configs: the pure-MLX reference")
     args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **{**LLAMA_8B, **(shape or {})})
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
@@ -333,16 +363,18 @@ def gpu_decode(
             mx.eval([c.state for c in prefix])
         row = {"context": ctx}
         for name in configs:
-            cache = seeded(CacheSpec.parse(name), model, prefix, sink, window, block=64)
+            spec = CacheSpec.parse(name)
+            cache = seeded(spec, model, prefix, sink, window, block=64)
             y = prompt[-1:]
-            for _ in range(3):  # warm up (and compress what left the window)
-                y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
-                mx.eval(y)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
-                mx.eval(y)
-            row[name] = steps / (time.perf_counter() - t0)
+            with _attention_path(spec):
+                for _ in range(3):  # warm up (and compress what left the window)
+                    y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
+                    mx.eval(y)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
+                    mx.eval(y)
+                row[name] = steps / (time.perf_counter() - t0)
             row[name + ":GB"] = sum(c.nbytes for c in cache) / 1e9
             del cache
             mx.clear_cache()
@@ -356,7 +388,114 @@ def gpu_decode(
         cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}"
                  for c in configs]
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    log("\nKV cache GB (ratio fp16 / cache)")
+    for r in rows:
+        cells = [f"{r[c + ':GB']:8.3g} ({r['fp16:GB'] / r[c + ':GB']:.2f}x)" if "fp16" in r
+                 else f"{r[c + ':GB']:8.3g}" for c in configs]
+        log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    _reproduce(log)
     return rows
+
+
+ATTN_PER_EVAL = 20  # calls per mx.eval: amortises MLX's per-evaluation overhead
+L2_BYTES = 50 * 2**20  # H200
+
+
+def _time_calls(fn, reps: int = 10) -> float:
+    """Median seconds per call of `fn()`, which builds ATTN_PER_EVAL calls."""
+    mx.eval(fn())
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        samples.append((time.perf_counter() - t0) / ATTN_PER_EVAL)
+    return float(sorted(samples)[len(samples) // 2])
+
+
+def gpu_attention(
+    contexts=(1024, 4096, 16384, 32768),
+    configs=("K4V3", "K8V3"),
+    batch: int = 1,
+    heads: int = 32,
+    kv_heads: int = 8,
+    dim: int = 128,
+    reference: bool = True,
+    log=print,
+) -> list[dict]:
+    """One layer's one-token attention, microseconds per call, at each context.
+
+    fp16: `mx.fast.scaled_dot_product_attention` over bf16 K/V (B, KV, ctx, D) with GQA.
+    Per TurboQuant config: a TurboQuantKVCache (sink 4, window 128) filled with the same
+    K/V, then the CUDA kernel (`cuda_kv.decode_attention`) and, with `reference`, the
+    pure-MLX `tq_attention` over the view a decode step sees. Several copies of the data
+    rotate through the calls so that the 50 MB L2 does not hold it between them.
+    """
+    from turboquant.kernels import cuda_kv
+    from turboquant.kernels.kv_reference import KVParts, PackedKV, tq_attention
+    from turboquant.runtime.kvcache import TurboQuantKVCache
+
+    scale = dim ** -0.5
+    rows = []
+    for ctx in contexts:
+        key = mx.random.key(ctx)
+        k1, k2, k3 = mx.random.split(key, 3)
+        k = mx.random.normal((batch, kv_heads, ctx, dim), key=k1).astype(mx.bfloat16)
+        v = mx.random.normal((batch, kv_heads, ctx, dim), key=k2).astype(mx.bfloat16)
+        q = mx.random.normal((batch, heads, 1, dim), key=k3).astype(mx.bfloat16)
+        mx.eval(k, v, q)
+        n = max(1, min(ATTN_PER_EVAL, math.ceil(3 * L2_BYTES / (k.nbytes + v.nbytes))))
+        kvs = [(k, v)] + [(k + 0, v + 0) for _ in range(n - 1)]
+        mx.eval(kvs)
+        row = {"context": ctx}
+        row["fp16"] = _time_calls(lambda: [
+            mx.fast.scaled_dot_product_attention(q, *kvs[i % n], scale=scale)
+            for i in range(ATTN_PER_EVAL)])
+        del kvs
+        for name in configs:
+            spec = CacheSpec.parse(name)
+            cache = TurboQuantKVCache(spec.bits_k, spec.bits_v, sink=4, window=128, block=64)
+            for a in range(0, ctx - 1, 2048):
+                cache.update_and_fetch(k[:, :, a : min(a + 2048, ctx - 1)],
+                                       v[:, :, a : min(a + 2048, ctx - 1)])
+            p, _ = cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+            pk = p.packed
+            nbytes = pk.k_codes.nbytes + pk.v_codes.nbytes + pk.k_norms.nbytes + pk.v_norms.nbytes
+            n = max(1, min(ATTN_PER_EVAL, math.ceil(3 * L2_BYTES / nbytes)))
+            views = [p] + [KVParts(p.sink_k, p.sink_v, PackedKV(
+                pk.k_codes + 0, pk.k_norms + 0, pk.v_codes + 0, pk.v_norms + 0, pk.bits_k,
+                pk.bits_v, pk.seed, pk.k_dim, pk.v_dim), p.tail_k, p.tail_v)
+                for _ in range(n - 1)]
+            mx.eval([[x for x in (w.sink_k, w.sink_v, w.tail_k, w.tail_v, w.packed.k_codes,
+                                  w.packed.v_codes, w.packed.k_norms, w.packed.v_norms)
+                      if x is not None] for w in views])
+            row[name] = _time_calls(lambda: [
+                cuda_kv.decode_attention(q, views[i % n], scale) for i in range(ATTN_PER_EVAL)])
+            row[name + ":GB/s"] = nbytes / row[name] / 1e9
+            if reference:
+                row[name + ":ref"] = _time_calls(lambda: [
+                    tq_attention(q, views[i % n], scale) for i in range(ATTN_PER_EVAL)], reps=3)
+            del cache, views
+            mx.clear_cache()
+        rows.append(row)
+        log("  " + "  ".join(f"{c}={x * 1e6:.1f}us" if isinstance(x, float) and not
+                             c.endswith("GB/s") else f"{c}={x:.4g}" for c, x in row.items()))
+    cols = ["fp16"] + [c for name in configs
+                       for c in (name, *((name + ":ref",) if reference else ()))]
+    log(f"\none layer's decode attention, us per call (fp16 time / this), "
+        f"B={batch} H={heads} KV={kv_heads} D={dim}")
+    log(f"{'context':>8} " + " ".join(f"{c:>17}" for c in cols))
+    for r in rows:
+        cells = [f"{r[c] * 1e6:7.1f} ({r['fp16'] / r[c]:5.2f}x)" for c in cols]
+        log(f"{r['context']:>8} " + " ".join(f"{c:>17}" for c in cells))
+    log("kernel bandwidth over the packed span, GB/s: " + ", ".join(
+        f"{r['context']}: " + "/".join(f"{r[n + ':GB/s']:.0f}" for n in configs) for r in rows))
+    _reproduce(log)
+    return rows
+
+
+def _reproduce(log=print):
+    cmd = " ".join([sys.executable.replace(str(ROOT) + "/", ""), "benchmarks/kv.py", *sys.argv[1:]])
+    log(f"reproduce: {cmd}")
 
 
 # ---------------------------------------------------------------------------- report
@@ -434,8 +573,7 @@ def report(results: dict, specs, args, log=print):
         "(float32 baseline on CPU,\nsinks and window in float32 too); x fp16: fp16 bytes over "
         "B/tok;\nretr: retrieval hit rate; =fp: same hit/miss as fp16; tokacc, logp: the value's "
         "tokens, teacher forced")
-    cmd = " ".join([sys.executable.replace(str(ROOT) + "/", ""), "benchmarks/kv.py", *sys.argv[1:]])
-    log(f"reproduce: {cmd}")
+    _reproduce(log)
 
 
 def main(argv=None):
@@ -454,11 +592,22 @@ def main(argv=None):
     ap.add_argument("--gpu-decode", action="store_true",
                     help="decode tokens/s, 8B shape (GPU machine)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
-    ap.add_argument("--gpu-configs", nargs="+", default=["fp16", "K4V3", "K8V3", "K4V3:p2"])
+    ap.add_argument("--gpu-configs", nargs="+",
+                    default=["fp16", "K4V3", "K4V3:ref", "K8V3", "K4V3:p2"],
+                    help="caches for --gpu-decode (':ref': the pure-MLX reference path)")
     ap.add_argument("--gpu-steps", type=int, default=64)
+    ap.add_argument("--gpu-attention", action="store_true",
+                    help="one layer's decode attention: fp16 SDPA vs kernel vs reference (GPU)")
+    ap.add_argument("--attention-configs", nargs="+", default=["K4V3", "K8V3"])
+    ap.add_argument("--no-reference", action="store_true",
+                    help="--gpu-attention: skip timing the pure-MLX reference")
     args = ap.parse_args(argv)
+    if args.gpu_attention:
+        gpu_attention(tuple(args.contexts), tuple(args.attention_configs),
+                      reference=not args.no_reference)
     if args.gpu_decode:
         gpu_decode(tuple(args.contexts), tuple(args.gpu_configs), steps=args.gpu_steps)
+    if args.gpu_attention or args.gpu_decode:
         return
     run_cpu(args)
 

@@ -17,11 +17,16 @@ hook, and models that call `mx.fast.scaled_dot_product_attention` themselves byp
 
 Kernels: `register_kernel(backend, fn)` installs a fused decode kernel ("cuda", "metal")
 with `tq_attention`'s signature; it runs for single-token decode on that backend and may
-raise NotImplementedError to fall back to the pure-MLX reference.
+raise NotImplementedError to fall back to the pure-MLX reference. The built-in CUDA kernel
+(kernels/cuda_kv.py) is imported on the first decode step that runs on CUDA, unless a
+kernel was registered (or unregistered) for that backend before. `reference_only()`
+turns kernels off for a while (benchmarks, debugging).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from typing import Callable
 
 import mlx.core as mx
@@ -30,6 +35,9 @@ from turboquant.kernels import dispatch
 from turboquant.kernels.kv_reference import KVParts, tq_attention
 
 _KERNELS: dict[str, Callable] = {}
+_BUILTIN = {"cuda": ("turboquant.kernels.cuda_kv", "decode_attention")}  # loaded lazily
+_SETTLED: set[str] = set()  # backends whose kernel was loaded, registered or unregistered
+_OFF = [0]  # reference_only() depth
 _ORIGINAL = "_turboquant_original"
 
 
@@ -38,12 +46,42 @@ def register_kernel(backend: str, fn: Callable) -> None:
     if backend not in ("cuda", "metal"):
         raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'metal'")
     _KERNELS[backend] = fn
+    _SETTLED.add(backend)
+
+
+def builtin_kernel(backend: str) -> Callable | None:
+    """The kernel this package ships for `backend` (imported now), or None."""
+    if backend not in _BUILTIN:
+        return None
+    module, name = _BUILTIN[backend]
+    return getattr(importlib.import_module(module), name)
+
+
+def kernel_for(backend: str) -> Callable | None:
+    """The decode kernel used on `backend`: registered, else the built-in one (loaded once)."""
+    if backend not in _SETTLED:
+        _SETTLED.add(backend)
+        fn = builtin_kernel(backend)
+        if fn is not None:
+            _KERNELS.setdefault(backend, fn)
+    return _KERNELS.get(backend)
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Within this block, TurboQuant attention runs the pure-MLX reference everywhere."""
+    _OFF[0] += 1
+    try:
+        yield
+    finally:
+        _OFF[0] -= 1
 
 
 def turboquant_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
     """Attention over a TurboQuant cache view: a decode kernel if one fits, else the reference."""
-    if queries.shape[2] == 1 and _KERNELS:
-        fn = _KERNELS.get(dispatch.backend())
+    if queries.shape[2] == 1 and not _OFF[0]:
+        backend = dispatch.backend()
+        fn = None if backend == "cpu" else kernel_for(backend)
         if fn is not None:
             try:
                 return fn(queries, parts, scale, mask)
@@ -99,12 +137,17 @@ def uninstall() -> None:
 
 
 def unregister_kernel(backend: str) -> None:
+    """No decode kernel on `backend` (the built-in one is not loaded again)."""
     _KERNELS.pop(backend, None)
+    _SETTLED.add(backend)
 
 
 __all__ = [
+    "builtin_kernel",
     "install",
     "installed",
+    "kernel_for",
+    "reference_only",
     "register_kernel",
     "turboquant_attention",
     "uninstall",

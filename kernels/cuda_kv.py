@@ -1,0 +1,621 @@
+"""CUDA decode attention over the TurboQuant KV cache (`mx.fast.cuda_kernel`).
+
+`decode_attention(queries, parts, scale, mask)` has `kv_reference.tq_attention`'s
+signature and computes the same thing for one query position (L = 1), split-K
+("flash-decoding") style, in three launches:
+
+1. `tq_kv_prep`, a block per (batch, query head): the query in float32, twice: rotated
+   (q @ rotate(I)) times scale / sqrt(k_dim), for the compressed span, and times scale
+   for the fp16 parts (sinks and tail).
+2. `tq_kv_partial`, grid (chunks, batch * kv_heads), 128 threads: each block walks its
+   chunk of tokens in tiles of 128 with an online softmax for the R = H / KV query heads
+   of its KV head (GQA: a KV head is decoded once for its group). Scores: a thread per
+   token, `knorm * sum_i q_rot[i] * levels_k[code_i]` (codes unpacked from the stored
+   words, 32 codes = BITS words at a time); values: a thread per output dim,
+   `sum_t p_t * vnorm_t / sqrt(v_dim) * levels_v[code_t,d]`, accumulated in the rotated
+   domain. The last FPCH chunks of the grid walk the fp16 sink + tail tokens instead
+   (plain dot products, original domain). It writes per chunk (max, sum) and the
+   unnormalised accumulator.
+3. `tq_kv_merge`, a block per (batch, query head): log-sum-exp merge of the chunks, the
+   compressed accumulator un-rotated once (times unrotate(I)), plus the fp16 one, / sum.
+
+Lengths are read at run time from the inputs' shapes (`<name>_shape`), so a growing cache
+does not recompile; template arguments are the model's constants (dims, bits, heads) and
+a few flags. The cache's parts are slices of bigger buffers: the kernels index them
+through their strides (`<name>_strides`, `ensure_row_contiguous=False`), so nothing is
+copied. Masks: None, "causal", or an mlx-lm mask array that is the same for every head
+(bool or additive, one row per batch or one for all).
+
+Raises NotImplementedError (the caller falls back to the reference) for: more than one
+query position, nothing compressed yet, per-head masks, sink and tail of different
+dtypes, and shapes too large for the kernel's shared memory / registers.
+`tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
+`tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from turboquant.stages import rotate, unrotate
+
+from .kv_reference import NEG, KVParts, kv_levels, kv_words
+
+NT = 128  # threads per block in every kernel
+TILE = 128  # tokens a partial block scores at once (one per thread)
+TARGET_BLOCKS = 1024  # partial blocks to aim for (H200: 132 SMs, several blocks each)
+MAX_CHUNKS = 1024  # chunks per (batch, KV head); the merge keeps one weight each in smem
+FP_TOKENS_PER_CHUNK = 256  # fp16 (sink + tail) tokens per fp chunk
+MAX_FP_CHUNKS = 8
+SMEM_LIMIT = 40 * 1024  # bytes of static shared memory the partial kernel may take
+MAX_ACC = 64  # accumulators per thread (R * value dims per thread)
+
+_HEADER = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define TQ_NEG (-1e30f)
+#define TQ_NEG_INF (__uint_as_float(0xff800000u))
+
+// Code j (0..31) of a block of 32 codes held in BITS words (the stored packing: 2/4/8 bits
+// code j at bit BITS * (j % (32 / BITS)) of word j / (32 / BITS); 3 bits at bit 3j of the
+// 96 bits w0 | w1 << 32 | w2 << 64, codes 10 and 21 straddling two words).
+template <int BITS>
+__device__ __forceinline__ uint32_t tq_block_code(const uint32_t* w, int j) {
+  if (BITS == 3) {
+    const int bit = 3 * j, k = bit >> 5, s = bit & 31;
+    uint32_t c = w[k] >> s;
+    if (s > 29) c |= w[k < 2 ? k + 1 : 2] << (32 - s);
+    return c & 7u;
+  } else {
+    const int per = 32 / BITS;
+    return (w[j / per] >> ((j % per) * BITS)) & ((1u << BITS) - 1u);
+  }
+}
+
+// Where code i of a packed head vector sits: word index and bit shift.
+template <int BITS>
+__device__ __forceinline__ void tq_code_pos(int i, int& word, int& shift) {
+  if (BITS == 3) {
+    const int bit = 3 * (i & 31);
+    word = 3 * (i >> 5) + (bit >> 5);
+    shift = bit & 31;
+  } else {
+    const int per = 32 / BITS;
+    word = i / per;
+    shift = (i % per) * BITS;
+  }
+}
+
+// The code at (word, shift) of a row whose words are ws elements apart.
+template <int BITS>
+__device__ __forceinline__ uint32_t tq_code_at(const uint32_t* row, long long ws, int word,
+                                               int shift) {
+  uint32_t c = row[word * ws] >> shift;
+  if (BITS == 3 && shift > 29) c |= row[(word + 1) * ws] << (32 - shift);
+  return c & ((1u << BITS) - 1u);
+}
+
+__device__ __forceinline__ float tq_warp_max(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float tq_warp_sum(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+"""
+
+# queries (B, H, 1, KD) any float dtype, strided; rot (KD, KD) f32; params [scale, kscale]
+# -> qcat (B * H, 2, KD) f32: [0] rotated * kscale, [1] original * scale.
+_PREP = r"""
+  const int tid = threadIdx.x;
+  const int row = blockIdx.x;  // b * H + head
+  const int b = row / H, hd = row % H;
+  __shared__ float q[KD];
+  const long long base = b * queries_strides[0] + hd * queries_strides[1];
+  for (int i = tid; i < KD; i += NT) q[i] = (float)queries[base + i * queries_strides[3]];
+  __syncthreads();
+  const float scale = params[0], kscale = params[1];
+  for (int j = tid; j < KD; j += NT) {
+    float s = 0.f;
+    for (int i = 0; i < KD; ++i) s += q[i] * rot[i * KD + j];
+    qcat[((size_t)row * 2) * KD + j] = s * kscale;
+    qcat[((size_t)row * 2 + 1) * KD + j] = q[j] * scale;
+  }
+"""
+
+# One block per (chunk, b * KV + kv head). Chunks [0, ncc) walk the compressed span,
+# [ncc, ncc + FPCH) the fp16 tokens (sinks then tail). Outputs per (bk, chunk, r):
+# part_ml = (max, sum of exp), part_acc = sum of exp * value (rotated domain for compressed
+# chunks, original for fp16 chunks).
+_PARTIAL = r"""
+  constexpr int NWARPS = NT / 32;
+  constexpr int NBK = (KD + 31) / 32;      // 32-code blocks of a key
+  constexpr int VSLOT = DV < NT ? DV : NT;  // threads per value group
+  constexpr int VG = DV < NT ? NT / DV : 1; // token groups in the value phase
+  constexpr int DPT = (DV + NT - 1) / NT;   // value dims per thread
+
+  __shared__ __align__(16) float qs[R * KD];
+  __shared__ __align__(16) float sc[TILE * R];  // scores, then p * value scale
+  __shared__ float vn[TILE];
+  __shared__ float lk[1 << BK];
+  __shared__ float lv[1 << BV];
+  __shared__ float m_s[R], l_s[R], a_s[R];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunk = blockIdx.x, bk = blockIdx.y;
+  const int b = bk / KV, h = bk % KV;
+  const int nch = gridDim.x;
+  const int ncc = nch - FPCH;
+  const bool fp = chunk >= ncc;
+
+  const int C = k_codes_shape[2];
+  const int S = HAS_SINK ? sink_k_shape[2] : 0;
+  const int TT = HAS_TAIL ? tail_k_shape[2] : 0;
+  const int n_tok = fp ? S + TT : C;
+  const int n_chunks = fp ? FPCH : ncc;
+  const int c_idx = fp ? chunk - ncc : chunk;
+  const int tiles = (n_tok + TILE - 1) / TILE;
+  const int tpc = (tiles + n_chunks - 1) / n_chunks;
+  const int tile0 = c_idx * tpc;
+  const int tile1 = min(tiles, tile0 + tpc);
+
+  for (int i = tid; i < R * KD; i += NT)
+    qs[i] = qcat[((size_t)(bk * R + i / KD) * 2 + (fp ? 1 : 0)) * KD + i % KD];
+  for (int i = tid; i < (1 << BK); i += NT) lk[i] = levels_k[i];
+  for (int i = tid; i < (1 << BV); i += NT) lv[i] = levels_v[i];
+  if (tid < R) { m_s[tid] = TQ_NEG; l_s[tid] = 0.f; }
+
+  const long long kc_base = b * k_codes_strides[0] + h * k_codes_strides[1];
+  const long long kn_base = b * k_norms_strides[0] + h * k_norms_strides[1];
+  const long long vc_base = b * v_codes_strides[0] + h * v_codes_strides[1];
+  const long long vn_base = b * v_norms_strides[0] + h * v_norms_strides[1];
+  const long long sk_base = b * sink_k_strides[0] + h * sink_k_strides[1];
+  const long long sv_base = b * sink_v_strides[0] + h * sink_v_strides[1];
+  const long long tk_base = b * tail_k_strides[0] + h * tail_k_strides[1];
+  const long long tv_base = b * tail_v_strides[0] + h * tail_v_strides[1];
+  const long long mrow = HAS_MASK ? (long long)(MASK_PER_BATCH ? b : 0) * mask_shape[1] : 0;
+  const float v_scale = 1.f / sqrtf((float)DV);
+
+  // value phase: thread -> (token group, dims vd + k * VSLOT)
+  const int vg = tid / VSLOT, vd = tid % VSLOT;
+  int vword[DPT], vshift[DPT];
+  #pragma unroll
+  for (int k = 0; k < DPT; ++k) tq_code_pos<BV>(vd + k * VSLOT, vword[k], vshift[k]);
+  float acc[DPT][R];
+  #pragma unroll
+  for (int k = 0; k < DPT; ++k) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) acc[k][r] = 0.f;
+  }
+  __syncthreads();
+
+  for (int tile = tile0; tile < tile1; ++tile) {
+    // ---- scores: one token per thread
+    const int t = tile * TILE + tid;
+    const bool valid = t < n_tok;
+    float s[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
+    float vscale = 0.f, bias = 0.f;
+    if (valid) {
+      int col;
+      if (!fp) {
+        const uint32_t* krow = k_codes + kc_base + (long long)t * k_codes_strides[2];
+        const long long ws = k_codes_strides[3];
+        #pragma unroll
+        for (int blk = 0; blk < NBK; ++blk) {
+          uint32_t w[BK];
+          #pragma unroll
+          for (int k = 0; k < BK; ++k) w[k] = blk * BK + k < WK ? krow[(blk * BK + k) * ws] : 0u;
+          #pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int i = blk * 32 + j;
+            if (i < KD) {
+              const float x = lk[tq_block_code<BK>(w, j)];
+              #pragma unroll
+              for (int r = 0; r < R; ++r) s[r] += qs[r * KD + i] * x;
+            }
+          }
+        }
+        const float kn = (float)k_norms[kn_base + (long long)t * k_norms_strides[2]];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) s[r] *= kn;
+        vscale = (float)v_norms[vn_base + (long long)t * v_norms_strides[2]] * v_scale;
+        col = S + t;
+      } else {
+        const FpT* krow;
+        long long ks;
+        if (t < S) {
+          krow = sink_k + sk_base + (long long)t * sink_k_strides[2];
+          ks = sink_k_strides[3];
+          col = t;
+        } else {
+          krow = tail_k + tk_base + (long long)(t - S) * tail_k_strides[2];
+          ks = tail_k_strides[3];
+          col = C + t;  // S + C + (t - S)
+        }
+        for (int i = 0; i < KD; ++i) {
+          const float x = (float)krow[i * ks];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) s[r] += qs[r * KD + i] * x;
+        }
+        vscale = 1.f;
+      }
+      if (HAS_MASK) bias = mask[mrow + col];
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) sc[tid * R + r] = valid ? s[r] + bias : TQ_NEG_INF;
+    vn[tid] = vscale;
+    __syncthreads();
+
+    // ---- online softmax, a warp per query row
+    for (int r = warp; r < R; r += NWARPS) {
+      float mx = TQ_NEG_INF;
+      for (int u = lane; u < TILE; u += 32) mx = fmaxf(mx, sc[u * R + r]);
+      mx = tq_warp_max(mx);
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(fmaxf(m_old, mx), TQ_NEG);
+      float sum = 0.f;
+      for (int u = lane; u < TILE; u += 32) {
+        const float p = expf(sc[u * R + r] - m_new);
+        sum += p;
+        sc[u * R + r] = p * vn[u];
+      }
+      sum = tq_warp_sum(sum);
+      if (lane == 0) {
+        const float a = expf(m_old - m_new);
+        a_s[r] = a;
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- values: a thread per output dim (and token group)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float a = a_s[r];
+      #pragma unroll
+      for (int k = 0; k < DPT; ++k) acc[k][r] *= a;
+    }
+    const int ntile = min(TILE, n_tok - tile * TILE);
+    if (vg < VG) {
+      for (int u = vg; u < ntile; u += VG) {
+        const int t2 = tile * TILE + u;
+        #pragma unroll
+        for (int k = 0; k < DPT; ++k) {
+          const int d = vd + k * VSLOT;
+          if (d < DV) {
+            float x;
+            if (!fp) {
+              const uint32_t* vrow = v_codes + vc_base + (long long)t2 * v_codes_strides[2];
+              x = lv[tq_code_at<BV>(vrow, v_codes_strides[3], vword[k], vshift[k])];
+            } else if (t2 < S) {
+              x = (float)sink_v[sv_base + (long long)t2 * sink_v_strides[2] + d * sink_v_strides[3]];
+            } else {
+              x = (float)tail_v[tv_base + (long long)(t2 - S) * tail_v_strides[2] + d * tail_v_strides[3]];
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[k][r] += sc[u * R + r] * x;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- token groups -> group 0 (sc is free: (VG - 1) * DV < TILE)
+  if (VG > 1) {
+    if (vg > 0 && vg < VG) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) sc[((vg - 1) * R + r) * DV + vd] = acc[0][r];
+    }
+    __syncthreads();
+    if (vg == 0) {
+      for (int g = 1; g < VG; ++g) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) acc[0][r] += sc[((g - 1) * R + r) * DV + vd];
+      }
+    }
+  }
+  const size_t prow = ((size_t)bk * nch + chunk) * R;
+  if (vg == 0) {
+    #pragma unroll
+    for (int k = 0; k < DPT; ++k) {
+      const int d = vd + k * VSLOT;
+      if (d < DV) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) part_acc[(prow + r) * DV + d] = acc[k][r];
+      }
+    }
+  }
+  if (tid < R) {
+    part_ml[(prow + tid) * 2] = m_s[tid];
+    part_ml[(prow + tid) * 2 + 1] = l_s[tid];
+  }
+"""
+
+# One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
+# (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (BKV * R, DV) OutT.
+_MERGE = r"""
+  constexpr int NWARPS = NT / 32;
+  __shared__ float w[MAXCH];
+  __shared__ float rot[DV];
+  __shared__ float red[NWARPS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;
+  const int bk = row / R, r = row % R;
+  const int nch = part_ml_shape[1];
+  const int ncc = nch - FPCH;
+
+  float mx = TQ_NEG;
+  for (int c = tid; c < nch; c += NT) mx = fmaxf(mx, part_ml[(((size_t)bk * nch + c) * R + r) * 2]);
+  mx = tq_warp_max(mx);
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = red[0];
+  for (int i = 1; i < NWARPS; ++i) mx = fmaxf(mx, red[i]);
+  __syncthreads();
+
+  float sum = 0.f;
+  for (int c = tid; c < nch; c += NT) {
+    const size_t i = (((size_t)bk * nch + c) * R + r) * 2;
+    const float e = expf(part_ml[i] - mx);
+    w[c] = e;
+    sum += part_ml[i + 1] * e;
+  }
+  sum = tq_warp_sum(sum);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int i = 0; i < NWARPS; ++i) sum += red[i];
+  const float inv = 1.f / sum;
+
+  for (int d = tid; d < DV; d += NT) {
+    float a = 0.f;
+    for (int c = 0; c < ncc; ++c) a += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
+    rot[d] = a * inv;
+  }
+  __syncthreads();
+  for (int d = tid; d < DV; d += NT) {
+    float o = 0.f;
+    for (int c = ncc; c < nch; ++c) o += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
+    o *= inv;
+    for (int i = 0; i < DV; ++i) o += rot[i] * unrot[i * DV + d];
+    out[(size_t)row * DV + d] = (OutT)o;
+  }
+"""
+
+PREP_INPUTS = ["queries", "rot", "params"]
+PARTIAL_INPUTS = ["qcat", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k", "sink_v",
+                  "tail_k", "tail_v", "mask", "levels_k", "levels_v"]
+MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
+SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile check wraps
+    "tq_kv_prep": (PREP_INPUTS, ["qcat"], _PREP),
+    "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
+    "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
+}
+HEADER = _HEADER
+
+
+def kernel_name(name: str) -> str:
+    """`name` plus a hash of its source: MLX caches compiled kernels on disk by name
+    (and template values) only, so an edited source must get a new name."""
+    inputs, outputs, source = SOURCES[name]
+    text = "\0".join([_HEADER, source, *inputs, *outputs]).encode()
+    return f"{name}_{hashlib.sha256(text).hexdigest()[:10]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
+    inputs, outputs, source = SOURCES[name]
+    return mx.fast.cuda_kernel(
+        name=kernel_name(name), input_names=inputs, output_names=outputs, source=source,
+        header=_HEADER,
+        ensure_row_contiguous=False,  # the cache's parts are strided slices: no copies
+    )
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def plan(b: int, kv: int, c_len: int, f_len: int) -> tuple[int, int]:
+    """(compressed chunks, fp16 chunks) of the partial kernel's grid for one call."""
+    tiles = -(-c_len // TILE)
+    fpch = 0 if f_len == 0 else min(MAX_FP_CHUNKS, -(-f_len // FP_TOKENS_PER_CHUNK))
+    ncc = max(1, min(tiles, TARGET_BLOCKS // (b * kv), MAX_CHUNKS - fpch))
+    return ncc, fpch
+
+
+def chunk_tiles(tiles: int, n_chunks: int, c_idx: int) -> tuple[int, int]:
+    """Tiles [first, end) that chunk c_idx of n_chunks walks (the kernel's arithmetic)."""
+    tpc = -(-tiles // n_chunks)
+    first = c_idx * tpc
+    return first, min(tiles, first + tpc)
+
+
+@functools.lru_cache(maxsize=512)
+def _rotations(seed: int, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
+    """(rotate(I_k), unrotate(I_v)) float32: q_rot = q @ rot, x = y @ unrot."""
+    rot = mx.contiguous(rotate(mx.eye(k_dim, dtype=mx.float32), seed))
+    unrot = mx.contiguous(unrotate(mx.eye(v_dim, dtype=mx.float32), seed))
+    mx.eval(rot, unrot)
+    return rot, unrot
+
+
+@functools.lru_cache(maxsize=64)
+def _params(scale: float, k_dim: int) -> mx.array:
+    p = mx.array([scale, scale / math.sqrt(k_dim)], dtype=mx.float32)
+    mx.eval(p)
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _levels(bits: int) -> mx.array:
+    lv = mx.contiguous(kv_levels(bits).astype(mx.float32))
+    mx.eval(lv)
+    return lv
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(dtype) -> mx.array:
+    """Stands in for an absent input (never read: its flag is off)."""
+    d = mx.zeros((1, 1, 1, 1), dtype=dtype) + 0  # a real buffer, not a broadcast
+    mx.eval(d)
+    return d
+
+
+def mask_bias(mask, b: int, total: int):
+    """(additive float32 bias (1 or B, total), per batch) for a mask, or (None, False).
+
+    Bool masks become 0 / NEG (what the reference's `where(mask, s, NEG)` gives, since
+    s + NEG == NEG in float32), additive masks are cast. Per-head or per-query masks
+    raise NotImplementedError.
+    """
+    if mask is None:
+        return None, False
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        return None, False  # one query sits at the last column: sees everything
+    m = mask
+    if m.shape[-1] != total:
+        raise NotImplementedError(f"mask has {m.shape[-1]} columns, the cache {total}")
+    if m.ndim == 1:
+        m = m[None]
+    elif m.ndim == 2:  # (L, T), L = 1
+        if m.shape[0] != 1:
+            raise NotImplementedError("mask rows must be 1 for one-token decode")
+    elif m.ndim == 3:  # (B, L, T)
+        if m.shape[1] != 1:
+            raise NotImplementedError("mask rows must be 1 for one-token decode")
+        m = m[:, 0]
+    elif m.ndim == 4:  # (B, H or 1, L, T)
+        if m.shape[1] != 1 or m.shape[2] != 1:
+            raise NotImplementedError("per-head masks are left to the reference")
+        m = m[:, 0, 0]
+    else:
+        raise NotImplementedError(f"mask of {m.ndim} dims")
+    if m.shape[0] not in (1, b):
+        raise NotImplementedError(f"mask batch {m.shape[0]} for batch {b}")
+    if m.dtype == mx.bool_:
+        bias = mx.where(m, mx.array(0.0, mx.float32), mx.array(NEG, mx.float32))
+    else:
+        bias = m.astype(mx.float32)
+    return mx.contiguous(bias), bool(m.shape[0] == b and b > 1)
+
+
+@dataclass
+class Launch:
+    """Everything the three kernels get for one call (the numpy emulation replays it)."""
+
+    prep_inputs: list
+    prep_template: list
+    partial_inputs: list
+    partial_template: list
+    merge_template: list
+    unrot: mx.array
+    b: int
+    h: int
+    kv: int
+    r: int
+    k_dim: int
+    v_dim: int
+    ncc: int
+    fpch: int
+    out_dtype: object
+
+    @property
+    def nch(self) -> int:
+        return self.ncc + self.fpch
+
+
+def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launch:
+    """Check that the kernels cover this call (else NotImplementedError) and lay it out."""
+    b, h, n_q, d = queries.shape
+    pk = parts.packed
+    if n_q != 1:
+        raise NotImplementedError("the decode kernel takes one query position")
+    if pk is None or pk.length == 0:
+        raise NotImplementedError("nothing compressed yet: the reference is cheap")
+    kv = pk.k_codes.shape[1]
+    if h % kv:
+        raise ValueError(f"{h} query heads do not group over {kv} KV heads")
+    if pk.k_codes.shape[0] != b or d != pk.k_dim:
+        raise NotImplementedError("queries and cache disagree on batch or head_dim")
+    r = h // kv
+    kd, dv = pk.k_dim, pk.v_dim
+    s_len, c_len, t_len = parts.lengths
+    fp = [x for x in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v) if x is not None]
+    fp_dtype = fp[0].dtype if fp else mx.float16
+    if any(x.dtype != fp_dtype for x in fp):
+        raise NotImplementedError("sink and tail of different dtypes")
+    if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
+    smem = 4 * (r * kd + TILE * r + TILE + (1 << pk.bits_k) + (1 << pk.bits_v) + 3 * r)
+    if smem > SMEM_LIMIT or r * -(-dv // NT) > MAX_ACC:
+        raise NotImplementedError(f"group of {r} heads x head_dim {kd}/{dv} is too large")
+    bias, per_batch = mask_bias(mask, b, s_len + c_len + t_len)
+    ncc, fpch = plan(b, kv, c_len, s_len + t_len)
+    rot, unrot = _rotations(pk.seed, kd, dv)
+    dummy = _dummy(fp_dtype)
+    pick = lambda x: dummy if x is None else x  # noqa: E731
+    return Launch(
+        prep_inputs=[queries, rot, _params(float(scale), kd)],
+        prep_template=[("KD", kd), ("H", h), ("NT", NT), ("QT", queries.dtype)],
+        partial_inputs=[None, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
+                        pick(parts.sink_k), pick(parts.sink_v), pick(parts.tail_k),
+                        pick(parts.tail_v), _dummy(mx.float32) if bias is None else bias,
+                        _levels(pk.bits_k), _levels(pk.bits_v)],
+        partial_template=[
+            ("KD", kd), ("DV", dv), ("WK", kv_words(kd, pk.bits_k)), ("BK", pk.bits_k),
+            ("BV", pk.bits_v), ("R", r), ("KV", kv), ("NT", NT), ("TILE", TILE),
+            ("FPCH", fpch), ("HAS_SINK", s_len > 0), ("HAS_TAIL", t_len > 0),
+            ("HAS_MASK", bias is not None), ("MASK_PER_BATCH", per_batch), ("FpT", fp_dtype),
+        ],
+        merge_template=[("DV", dv), ("R", r), ("NT", NT), ("FPCH", fpch),
+                        ("MAXCH", MAX_CHUNKS), ("OutT", queries.dtype)],
+        unrot=unrot, b=b, h=h, kv=kv, r=r, k_dim=kd, v_dim=dv, ncc=ncc, fpch=fpch,
+        out_dtype=queries.dtype,
+    )
+
+
+def run(launch: Launch) -> mx.array:
+    """The three kernels of a prepared call -> (B, H, 1, Dv)."""
+    L = launch
+    qcat = _kernel("tq_kv_prep")(
+        inputs=L.prep_inputs, template=L.prep_template,
+        grid=(L.b * L.h * NT, 1, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(L.b * L.h, 2, L.k_dim)], output_dtypes=[mx.float32],
+    )[0]
+    ml, acc = _kernel("tq_kv_partial")(
+        inputs=[qcat, *L.partial_inputs[1:]], template=L.partial_template,
+        grid=(L.nch * NT, L.b * L.kv, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(L.b * L.kv, L.nch, L.r, 2), (L.b * L.kv, L.nch, L.r, L.v_dim)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    out = _kernel("tq_kv_merge")(
+        inputs=[ml, acc, L.unrot], template=L.merge_template,
+        grid=(L.b * L.h * NT, 1, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(L.b * L.h, L.v_dim)], output_dtypes=[L.out_dtype],
+    )[0]
+    return out.reshape(L.b, L.h, 1, L.v_dim)
+
+
+def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
+    """`tq_attention` for one query position, on CUDA (NotImplementedError: use the reference)."""
+    return run(prepare(queries, parts, scale, mask))
+
+
+__all__ = ["HEADER", "Launch", "SOURCES", "chunk_tiles", "decode_attention", "kernel_name",
+           "mask_bias", "plan", "prepare", "run"]

@@ -1,0 +1,611 @@
+"""The CUDA KV decode kernels (kernels/cuda_kv.py), replayed on the CPU.
+
+No GPU here, so two checks stand in for running them:
+
+- a numpy emulation of the three kernels that follows their index arithmetic line by line
+  (block and thread ids, chunk and tile ranges, strided reads of the cache's slices, code
+  unpacking, shared-memory layouts, the online softmax, the merge), fed the very `Launch`
+  that `cuda_kv.prepare` builds, and compared with `tq_attention`. Every global read
+  checks its coordinates against the input's shape (an out-of-bounds read fails here
+  instead of corrupting a GPU run), and every output element is written exactly once;
+- the kernel sources wrapped the way `mx.fast.cuda_kernel` wraps them (signature from the
+  inputs' dtypes, `<name>_shape` / `<name>_strides` arguments, template arguments as
+  constexpr) and compiled with nvcc for sm_90, when nvcc is installed.
+
+tests/test_kernels_cuda_kv.py runs the real kernels against the reference on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.kernels import cuda_kv
+from turboquant.kernels.kv_reference import NEG, KVParts, PackedKV, kv_quantize, tq_attention
+
+F32 = np.float32
+
+
+# ---------------------------------------------------------------------------- kernel inputs
+
+
+class Arg:
+    """A kernel input as the kernel sees it: a flat buffer, an offset, shape, element strides."""
+
+    def __init__(self, buf: np.ndarray, index=()):
+        buf = np.ascontiguousarray(buf)
+        view = buf[index]
+        item = buf.itemsize
+        self.flat = buf.reshape(-1)
+        self.offset = (view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]) // item
+        self.shape = view.shape
+        self.strides = [s // item for s in view.strides]
+        self.view = view
+
+    def read(self, *coords, valid=None):
+        """flat[offset + sum(coord * stride)] where valid (0 elsewhere); coordinates checked."""
+        coords = np.broadcast_arrays(*[np.asarray(c, dtype=np.int64) for c in coords])
+        valid = np.ones(coords[0].shape, bool) if valid is None else np.broadcast_to(valid, coords[0].shape)
+        assert len(coords) == len(self.shape), (len(coords), self.shape)
+        idx = np.full(coords[0].shape, self.offset, dtype=np.int64)
+        for axis, (c, n, s) in enumerate(zip(coords, self.shape, self.strides)):
+            bad = valid & ((c < 0) | (c >= n))
+            assert not bad.any(), f"read out of bounds on axis {axis}: {c[bad][:4]} of {n}"
+            idx = idx + np.where(valid, c, 0) * s
+        out = np.zeros(coords[0].shape, dtype=self.flat.dtype)
+        out[valid] = self.flat[idx[valid]]
+        return out
+
+    def read_flat(self, index, valid=None):
+        """flat[offset + index] for a contiguous input indexed by hand in the kernel."""
+        assert self.view.flags.c_contiguous
+        index = np.asarray(index, dtype=np.int64)
+        valid = np.ones(index.shape, bool) if valid is None else np.broadcast_to(valid, index.shape)
+        bad = valid & ((index < 0) | (index >= self.view.size))
+        assert not bad.any(), f"flat read out of bounds: {index[bad][:4]} of {self.view.size}"
+        out = np.zeros(index.shape, dtype=self.flat.dtype)
+        out[valid] = self.flat[self.offset + index[valid]]
+        return out
+
+
+class Out:
+    """An output buffer that records how often each element is written."""
+
+    def __init__(self, shape):
+        self.data = np.full(int(np.prod(shape)), np.nan, dtype=F32)
+        self.writes = np.zeros(self.data.size, dtype=np.int64)
+        self.shape = shape
+
+    def write(self, index, values, valid=None):
+        index = np.asarray(index, dtype=np.int64)
+        values = np.broadcast_to(np.asarray(values, dtype=F32), index.shape)
+        valid = np.ones(index.shape, bool) if valid is None else np.broadcast_to(valid, index.shape)
+        i = index[valid]
+        assert ((i >= 0) & (i < self.data.size)).all(), "write out of bounds"
+        self.data[i] = values[valid]
+        np.add.at(self.writes, i, 1)
+
+    def done(self) -> np.ndarray:
+        assert (self.writes == 1).all(), f"{(self.writes != 1).sum()} elements not written exactly once"
+        return self.data.reshape(self.shape)
+
+
+# ---------------------------------------------------------------------------- code unpacking
+
+
+def block_code(w: list[np.ndarray], j: int, bits: int) -> np.ndarray:
+    """tq_block_code: code j of a 32-code block held in `bits` words."""
+    if bits == 3:
+        bit = 3 * j
+        k, s = bit >> 5, bit & 31
+        c = w[k] >> np.uint32(s)
+        if s > 29:
+            c = c | (w[k + 1 if k < 2 else 2] << np.uint32(32 - s))
+        return (c & np.uint32(7)).astype(np.int64)
+    per = 32 // bits
+    return ((w[j // per] >> np.uint32((j % per) * bits)) & np.uint32((1 << bits) - 1)).astype(np.int64)
+
+
+def code_pos(i: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """tq_code_pos: (word, shift) of code i."""
+    if bits == 3:
+        bit = 3 * (i & 31)
+        return 3 * (i >> 5) + (bit >> 5), bit & 31
+    per = 32 // bits
+    return i // per, (i % per) * bits
+
+
+def code_at(arg: Arg, b, h, t, word, shift, bits, valid) -> np.ndarray:
+    """tq_code_at over a strided (B, KV, T, words) input."""
+    c = arg.read(b, h, t, word, valid=valid) >> shift.astype(np.uint32)
+    if bits == 3:
+        straddle = valid & (shift > 29)
+        hi = arg.read(b, h, t, word + 1, valid=straddle)
+        sh = np.where(straddle, 32 - shift, 0).astype(np.uint32)
+        c = c | np.where(straddle, hi << sh, np.uint32(0))
+    return (c & np.uint32((1 << bits) - 1)).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------- the kernels
+
+
+def emulate_prep(L: cuda_kv.Launch, queries: Arg) -> np.ndarray:
+    t = dict(L.prep_template)
+    kd, h = t["KD"], t["H"]
+    rot, params = (np.asarray(x) for x in L.prep_inputs[1:])
+    qcat = Out((L.b * h, 2, kd))
+    for row in range(L.b * h):  # blockIdx.x
+        b, hd = divmod(row, h)
+        q = queries.read(b, hd, 0, np.arange(kd)).astype(F32)
+        j = np.arange(kd)
+        s = np.zeros(kd, F32)
+        for i in range(kd):
+            s += q[i] * rot.reshape(-1)[i * kd + j]
+        qcat.write((row * 2) * kd + j, s * params[1])
+        qcat.write((row * 2 + 1) * kd + j, q[j] * params[0])
+    return qcat.done()
+
+
+def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
+    T = dict(L.partial_template)
+    KD, DV, WK, BK, BV, R, KV = (T[k] for k in ("KD", "DV", "WK", "BK", "BV", "R", "KV"))
+    NT, TILE, FPCH = T["NT"], T["TILE"], T["FPCH"]
+    NBK = (KD + 31) // 32
+    VSLOT = DV if DV < NT else NT
+    VG = NT // DV if DV < NT else 1
+    DPT = (DV + NT - 1) // NT
+    nch = L.nch
+    grid_y = L.b * L.kv
+    qflat = qcat.reshape(-1)
+    lk, lv = np.asarray(L.partial_inputs[10]), np.asarray(L.partial_inputs[11])
+    part_ml = Out((grid_y, nch, R, 2))
+    part_acc = Out((grid_y, nch, R, DV))
+    tid = np.arange(NT)
+    r_ix = np.arange(R)[:, None]
+
+    C = args["k_codes"].shape[2]
+    S = args["sink_k"].shape[2] if T["HAS_SINK"] else 0
+    TT = args["tail_k"].shape[2] if T["HAS_TAIL"] else 0
+    v_scale = F32(1.0) / F32(math.sqrt(DV))
+    for bk in range(grid_y):  # blockIdx.y
+        b, h = divmod(bk, KV)
+        for chunk in range(nch):  # blockIdx.x
+            ncc = nch - FPCH
+            fp = chunk >= ncc
+            n_tok = S + TT if fp else C
+            n_chunks = FPCH if fp else ncc
+            c_idx = chunk - ncc if fp else chunk
+            tiles = (n_tok + TILE - 1) // TILE
+            tile0, tile1 = cuda_kv.chunk_tiles(tiles, n_chunks, c_idx)
+
+            i = np.arange(R * KD)
+            qs = qflat[((bk * R + i // KD) * 2 + (1 if fp else 0)) * KD + i % KD].reshape(R, KD)
+            m_s, l_s = np.full(R, F32(NEG), F32), np.zeros(R, F32)
+            mrow = ((b if T["MASK_PER_BATCH"] else 0) * args["mask"].shape[1]) if T["HAS_MASK"] else 0
+            vg, vd = tid // VSLOT, tid % VSLOT
+            vpos = [code_pos(vd + k * VSLOT, BV) for k in range(DPT)]
+            acc = np.zeros((DPT, R, NT), F32)
+
+            for tile in range(tile0, tile1):
+                t = tile * TILE + tid
+                valid = t < n_tok
+                s = np.zeros((R, NT), F32)
+                if not fp:
+                    for blk in range(NBK):
+                        w = [args["k_codes"].read(b, h, t, blk * BK + k, valid=valid)
+                             if blk * BK + k < WK else np.zeros(NT, np.uint32) for k in range(BK)]
+                        for j in range(32):
+                            if blk * 32 + j < KD:
+                                s += qs[:, blk * 32 + j : blk * 32 + j + 1] * lk[block_code(w, j, BK)]
+                    s *= args["k_norms"].read(b, h, t, valid=valid).astype(F32)
+                    vscale = args["v_norms"].read(b, h, t, valid=valid).astype(F32) * v_scale
+                    col = S + t
+                else:
+                    in_sink = t < S
+                    for k in range(KD):
+                        x = np.zeros(NT, F32)
+                        if T["HAS_SINK"]:
+                            x += args["sink_k"].read(b, h, t, k, valid=valid & in_sink).astype(F32)
+                        if T["HAS_TAIL"]:
+                            x += args["tail_k"].read(b, h, t - S, k, valid=valid & ~in_sink).astype(F32)
+                        s += qs[:, k : k + 1] * x
+                    vscale = np.ones(NT, F32)
+                    col = np.where(in_sink, t, C + t)
+                bias = np.zeros(NT, F32)
+                if T["HAS_MASK"]:
+                    assert (col[valid] < args["mask"].shape[1]).all(), "mask column out of range"
+                    bias = args["mask"].read_flat(mrow + col, valid=valid).astype(F32)
+                sc = np.zeros(TILE * R, F32)  # shared, [token * R + r]
+                sc[tid[None] * R + r_ix] = np.where(valid, s + bias, -np.inf)
+                vn = np.where(valid, vscale, F32(0))
+
+                a_s = np.zeros(R, F32)
+                for r in range(R):  # a warp per row
+                    u = np.arange(TILE)
+                    row = sc[u * R + r]
+                    m_new = max(max(m_s[r], row.max()), F32(NEG))
+                    with np.errstate(under="ignore"):
+                        p = np.exp(row - m_new).astype(F32)
+                    sc[u * R + r] = p * vn[u]
+                    a = np.exp(F32(m_s[r] - m_new))
+                    a_s[r], l_s[r], m_s[r] = a, l_s[r] * a + p.sum(dtype=F32), m_new
+                acc *= a_s[None, :, None]
+
+                ntile = min(TILE, n_tok - tile * TILE)
+                for step in range(-(-ntile // VG)):  # thread loop: u = vg, vg + VG, ...
+                    u = step * VG + vg
+                    active = (vg < VG) & (u < ntile)
+                    t2 = tile * TILE + u
+                    for k in range(DPT):
+                        d = vd + k * VSLOT
+                        act = active & (d < DV)
+                        if not fp:
+                            x = lv[code_at(args["v_codes"], b, h, t2, *vpos[k], BV, act)]
+                        else:
+                            x = np.zeros(NT, F32)
+                            if T["HAS_SINK"]:
+                                x += args["sink_v"].read(b, h, t2, d, valid=act & (t2 < S)).astype(F32)
+                            if T["HAS_TAIL"]:
+                                x += args["tail_v"].read(b, h, t2 - S, d, valid=act & (t2 >= S)).astype(F32)
+                        pv = sc[np.where(act, u, 0)[None] * R + r_ix]
+                        acc[k] += np.where(act, pv * x, F32(0))
+
+            if VG > 1:  # token groups reduce through sc
+                red = np.full(TILE * R, np.nan, F32)
+                for r in range(R):
+                    sel = (vg > 0) & (vg < VG)
+                    ix = ((vg - 1) * R + r) * DV + vd
+                    assert (ix[sel] < TILE * R).all(), "group reduction overflows sc"
+                    red[ix[sel]] = acc[0, r, sel]
+                for g in range(1, VG):
+                    for r in range(R):
+                        sel = vg == 0
+                        acc[0, r, sel] += red[((g - 1) * R + r) * DV + vd[sel]]
+            prow = (bk * nch + chunk) * R
+            for k in range(DPT):
+                d = vd + k * VSLOT
+                for r in range(R):
+                    part_acc.write((prow + r) * DV + d, acc[k, r], valid=(vg == 0) & (d < DV))
+            part_ml.write((prow + r_ix[:, 0]) * 2, m_s)
+            part_ml.write((prow + r_ix[:, 0]) * 2 + 1, l_s)
+    return part_ml.done(), part_acc.done()
+
+
+def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) -> np.ndarray:
+    T = dict(L.merge_template)
+    DV, R, FPCH = T["DV"], T["R"], T["FPCH"]
+    unrot = np.asarray(L.unrot).reshape(-1)
+    ml, acc = part_ml.reshape(-1), part_acc.reshape(-1)
+    nch = part_ml.shape[1]
+    assert nch <= T["MAXCH"]
+    ncc = nch - FPCH
+    out = Out((L.b * L.h, DV))
+    d = np.arange(DV)
+    for row in range(L.b * L.h):  # blockIdx.x
+        bk, r = divmod(row, R)
+        c = np.arange(nch)
+        m = ml[((bk * nch + c) * R + r) * 2]
+        mx_ = max(F32(NEG), m.max())
+        w = np.exp(m - mx_).astype(F32)
+        total = (ml[((bk * nch + c) * R + r) * 2 + 1] * w).sum(dtype=F32)
+        inv = F32(1) / total
+        rot = np.zeros(DV, F32)
+        for ci in range(ncc):
+            rot += acc[((bk * nch + ci) * R + r) * DV + d] * w[ci]
+        rot *= inv
+        o = np.zeros(DV, F32)
+        for ci in range(ncc, nch):
+            o += acc[((bk * nch + ci) * R + r) * DV + d] * w[ci]
+        o *= inv
+        for i in range(DV):
+            o += rot[i] * unrot[i * DV + d]
+        out.write(row * DV + d, o)
+    return out.done().reshape(L.b, L.h, 1, DV)
+
+
+def emulate(L: cuda_kv.Launch, args: dict[str, Arg]) -> np.ndarray:
+    """The three kernels of a prepared call; `args` holds the strided inputs by name."""
+    names = cuda_kv.PARTIAL_INPUTS
+    full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names[1:], L.partial_inputs[1:])}
+    qcat = emulate_prep(L, args.get("queries") or Arg(np.asarray(L.prep_inputs[0])))
+    ml, acc = emulate_partial(L, qcat, full)
+    return emulate_merge(L, ml, acc)
+
+
+# ---------------------------------------------------------------------------- cases
+
+
+def _np16(x: mx.array, dtype) -> np.ndarray:
+    return np.asarray(x.astype(mx.float32)).astype(dtype)
+
+
+def make_case(*, b=1, kv=2, r=2, kd=64, dv=None, bits=(4, 3), c=300, s=4, t=40, fp=np.float16,
+              seed=0, lo=5, spare=7, q_transposed=False):
+    """(queries, KVParts for the reference, strided Args for the emulation).
+
+    The compressed span and the tail are slices [lo, lo + n) of larger buffers (as in the
+    cache), so the kernel's strides and offsets are exercised; the queries can be a
+    transposed view as mlx-lm's attention hands them over.
+    """
+    dv = dv or kd
+    key = mx.random.key(seed)
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    h = kv * r
+    comp_k = mx.random.normal((b, kv, c, kd), key=k1) * 2.0
+    comp_v = mx.random.normal((b, kv, c, dv), key=k2)
+    rot_seed = 12345 + seed
+    kc, kn = kv_quantize(comp_k, bits[0], rot_seed, True)
+    vc, vn = kv_quantize(comp_v, bits[1], rot_seed, True)
+    args = {}
+
+    def slab(name, x: np.ndarray, n):
+        buf = np.zeros((b, kv, lo + n + spare, *x.shape[3:]), dtype=x.dtype)
+        buf[:, :, lo : lo + n] = x
+        args[name] = Arg(buf, np.s_[:, :, lo : lo + n])
+        return mx.array(args[name].view)
+
+    kc_m = slab("k_codes", np.asarray(kc), c)
+    kn_m = slab("k_norms", np.asarray(kn), c)
+    vc_m = slab("v_codes", np.asarray(vc), c)
+    vn_m = slab("v_norms", np.asarray(vn), c)
+    packed = PackedKV(kc_m, kn_m, vc_m, vn_m, bits[0], bits[1], rot_seed, kd, dv)
+    sink_k = sink_v = tail_k = tail_v = None
+    if s:
+        sk = _np16(mx.random.normal((b, kv, s, kd), key=k3) * 2.0, fp)
+        sv = _np16(mx.random.normal((b, kv, s, dv), key=k4), fp)
+        args["sink_k"], args["sink_v"] = Arg(sk), Arg(sv)
+        sink_k, sink_v = mx.array(sk), mx.array(sv)
+    if t:
+        tk = _np16(mx.random.normal((b, kv, t, kd), key=k4) * 2.0, fp)
+        tv = _np16(mx.random.normal((b, kv, t, dv), key=k3), fp)
+        tail_k, tail_v = slab("tail_k", tk, t), slab("tail_v", tv, t)
+    q = mx.random.normal((b, h, 1, kd), key=k5)
+    if q_transposed:  # (B, 1, H, D) memory, viewed as (B, H, 1, D)
+        qb = np.ascontiguousarray(np.asarray(q).transpose(0, 2, 1, 3))
+        args["queries"] = _transposed(qb)
+        q = mx.array(qb).transpose(0, 2, 1, 3)
+    parts = KVParts(sink_k, sink_v, packed, tail_k, tail_v)
+    return q, parts, args
+
+
+def _transposed(qb: np.ndarray) -> Arg:
+    a = Arg(qb)
+    a.view = qb.transpose(0, 2, 1, 3)
+    a.shape = a.view.shape
+    a.strides = [st // qb.itemsize for st in a.view.strides]
+    return a
+
+
+def check(q, parts, args, scale=0.125, mask=None, atol=2e-5):
+    launch = cuda_kv.prepare(q, parts, scale, mask)
+    got = emulate(launch, args)
+    want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
+    err = np.abs(got - want).max()
+    assert err < atol * max(1.0, np.abs(want).max()), (
+        f"emulated kernel vs tq_attention: max abs diff {err:.3g}, out {got.shape}, "
+        f"lengths {parts.lengths}, chunks {launch.ncc}+{launch.fpch}"
+    )
+    return launch
+
+
+CASES = {
+    "k4v3-d64-gqa2-b2": dict(b=2, kv=2, r=2, kd=64, bits=(4, 3)),
+    "k8v3-d128-gqa4": dict(kv=2, r=4, kd=128, bits=(8, 3), c=700, s=0, t=130),
+    "k3v3-d128-mha": dict(kv=2, r=1, kd=128, bits=(3, 3), c=200, s=4, t=0),
+    "k2v2-d80": dict(kv=1, r=3, kd=80, bits=(2, 2), c=150),
+    "k4v4-d256": dict(kv=1, r=2, kd=256, bits=(4, 4), c=140, t=20),
+    "k4v8-d96-fp32-parts": dict(kv=1, r=2, kd=96, bits=(4, 8), c=129, fp=np.float32),
+    "k8v8-kd64-dv128": dict(kv=1, r=2, kd=64, dv=128, bits=(8, 8), c=64, t=10),
+    "transposed-queries": dict(b=2, kv=1, r=4, kd=64, c=130, q_transposed=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulated_kernels_match_reference(name):
+    check(*make_case(**CASES[name], seed=len(name)))
+
+
+@pytest.mark.parametrize("rotating", [0, 256])
+def test_real_cache_layout(rotating):
+    # the view a TurboQuant cache hands to attention: slices of its own buffers
+    from turboquant.runtime.kvcache import TurboQuantKVCache, TurboQuantRotatingKVCache
+
+    kw = dict(bits_k=4, bits_v=3, window=32, block=16, seed=99)
+    cache = (TurboQuantRotatingKVCache(rotating, keep=4, **kw) if rotating
+             else TurboQuantKVCache(sink=4, **kw))
+    key = mx.random.key(5)
+    for n in (150, 200, 1, 1):
+        key, k1, k2 = mx.random.split(key, 3)
+        k = (mx.random.normal((1, 2, n, 64), key=k1) * 2).astype(mx.float16)
+        v = mx.random.normal((1, 2, n, 64), key=k2).astype(mx.float16)
+        parts, _ = cache.update_and_fetch(k, v)
+    s_len, c_len, t_len = parts.lengths
+    lo = cache._c_lo
+    assert c_len and t_len and (lo > 0) == bool(rotating)
+    names = ("k_codes", "k_norms", "v_codes", "v_norms")
+    args = {n: Arg(np.asarray(buf), np.s_[:, :, lo : lo + c_len]) for n, buf in zip(names, cache._comp)}
+    args["tail_k"] = Arg(np.asarray(cache._tail_k), np.s_[:, :, :t_len])
+    args["tail_v"] = Arg(np.asarray(cache._tail_v), np.s_[:, :, :t_len])
+    args["sink_k"], args["sink_v"] = Arg(np.asarray(parts.sink_k)), Arg(np.asarray(parts.sink_v))
+    assert args["k_codes"].offset > 0 if rotating else args["tail_k"].strides[1] > t_len * 64
+    q = mx.random.normal((1, 4, 1, 64), key=key)
+    check(q, parts, args, scale=0.125)
+
+
+def test_chunks_of_many_tiles_and_empty_chunks(monkeypatch):
+    # 5 compressed tiles over 4 chunks -> 2, 2, 1 tiles and an empty chunk;
+    # fp16 tokens over 3 chunks of one tile each
+    monkeypatch.setattr(cuda_kv, "TARGET_BLOCKS", 8)
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 128)
+    q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
+    launch = check(q, parts, args)
+    assert (launch.ncc, launch.fpch) == (4, 3)
+    assert [cuda_kv.chunk_tiles(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 5)]
+
+
+@pytest.mark.parametrize("kind", ["bool-1d", "bool-batch", "additive-inf", "hide-compressed"])
+def test_masks(kind):
+    q, parts, args = make_case(b=2, kv=1, r=2, kd=64, c=260, s=4, t=20)
+    total = parts.length
+    rng = np.random.default_rng(1)
+    if kind == "bool-1d":
+        mask = mx.array(rng.random(total) > 0.3)
+    elif kind == "bool-batch":
+        mask = mx.array(rng.random((2, 1, 1, total)) > 0.5)
+    elif kind == "additive-inf":
+        m = rng.standard_normal((1, total)).astype(F32)
+        m[0, ::3] = -np.inf
+        mask = mx.array(m)
+    else:  # every compressed column masked out: those chunks carry weight 0
+        keep = np.ones(total, bool)
+        keep[4 : 4 + 260] = False
+        mask = mx.array(keep)
+    launch = check(q, parts, args, mask=mask)
+    assert dict(launch.partial_template)["HAS_MASK"]
+
+
+def test_fp16_queries_and_output():
+    q, parts, args = make_case(kv=2, r=2, kd=64)
+    q16 = q.astype(mx.float16)
+    launch = cuda_kv.prepare(q16, parts, 0.125)
+    got = emulate(launch, {**args, "queries": Arg(np.asarray(q16))})
+    want = np.asarray(tq_attention(q16, parts, 0.125).astype(mx.float32))
+    assert launch.out_dtype == mx.float16
+    assert np.abs(got.astype(np.float16).astype(F32) - want).max() < 2e-3
+
+
+def test_declines_what_it_does_not_cover():
+    q, parts, _ = make_case(kv=2, r=2, kd=64)
+    with pytest.raises(NotImplementedError):  # prefill
+        cuda_kv.prepare(mx.concatenate([q, q], axis=2), parts, 0.1)
+    with pytest.raises(NotImplementedError):  # nothing compressed
+        cuda_kv.prepare(q, KVParts(parts.sink_k, parts.sink_v, None, parts.tail_k, parts.tail_v), 0.1)
+    with pytest.raises(NotImplementedError):  # per-head mask
+        cuda_kv.prepare(q, parts, 0.1, mx.ones((1, 4, 1, parts.length), dtype=mx.bool_))
+    with pytest.raises(NotImplementedError):  # too many heads per KV head for shared memory
+        big = mx.zeros((1, 2 * 80, 1, 64))
+        cuda_kv.prepare(big, parts, 0.1)
+    assert cuda_kv.prepare(q, parts, 0.1, "causal").partial_template  # one query: no mask
+
+
+def test_plan_covers_every_tile_once():
+    for b, kv in ((1, 1), (1, 8), (2, 8), (4, 32)):
+        for c in (1, 127, 128, 129, 1000, 32768, 131072, 10**6):
+            for f in (0, 1, 196, 5000):
+                ncc, fpch = cuda_kv.plan(b, kv, c, f)
+                assert 1 <= ncc and ncc + fpch <= cuda_kv.MAX_CHUNKS
+                assert (fpch == 0) == (f == 0)
+                for n_tok, n in ((c, ncc), (f, fpch)):
+                    tiles = -(-n_tok // cuda_kv.TILE)
+                    seen = []
+                    for i in range(n):
+                        a, e = cuda_kv.chunk_tiles(tiles, n, i)
+                        seen += range(a, e)
+                    assert seen == list(range(tiles)), (b, kv, c, f, n)
+
+
+def test_lazy_registration(monkeypatch):
+    from turboquant.kernels import dispatch
+    from turboquant.runtime import kv_attention
+
+    monkeypatch.setattr(kv_attention, "_KERNELS", {})
+    monkeypatch.setattr(kv_attention, "_SETTLED", set())
+    assert kv_attention.kernel_for("cuda") is cuda_kv.decode_attention
+    assert kv_attention.kernel_for("metal") is None
+    calls = []
+    kv_attention.register_kernel("cuda", lambda q, p, s, m: calls.append(1) or mx.zeros_like(q))
+    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+    q, parts, _ = make_case(kv=2, r=2, kd=64, c=64)
+    kv_attention.turboquant_attention(q, parts, 0.1)
+    with kv_attention.reference_only():
+        ref = kv_attention.turboquant_attention(q, parts, 0.1)
+    assert calls == [1] and mx.allclose(ref, tq_attention(q, parts, 0.1)).item()
+    kv_attention.unregister_kernel("cuda")
+    assert kv_attention.kernel_for("cuda") is None  # not loaded again once unregistered
+
+
+# ---------------------------------------------------------------------------- nvcc
+
+
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+               mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
+
+# stands in for mlx/backend/cuda/device/utils.cuh, which the CPU wheel does not ship
+_MLX_DEFAULT_HEADER = r"""
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+#define inf cuda::std::numeric_limits<float>::infinity()
+"""
+
+
+def mlx_kernel_source(func: str, kernel: str, input_dtypes, output_dtypes, template) -> str:
+    """What mx.fast.cuda_kernel (mlx/backend/cuda/custom_kernel.cpp, build_kernel) generates."""
+    inputs, outputs, source = cuda_kv.SOURCES[kernel]
+    s = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    s += f"__global__ void {func}(\n"
+    for name, dt in zip(inputs, input_dtypes):
+        s += f"    const {_CUDA_TYPES[dt]}* {name},\n"
+        if name + "_shape" in source:
+            s += f"    const __grid_constant__ Shape {name}_shape,\n"
+        if name + "_strides" in source:
+            s += f"    const __grid_constant__ Strides {name}_strides,\n"
+        if name + "_ndim" in source:
+            s += f"    const __grid_constant__ int {name}_ndim,\n"
+    s += ",\n".join(f"    {_CUDA_TYPES[dt]}* {n}" for n, dt in zip(outputs, output_dtypes))
+    s += ") {\n"
+    for k, v in template:
+        if isinstance(v, bool):
+            s += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            s += f"  constexpr int {k} = {v};\n"
+        else:
+            s += f"  using {k} = {_CUDA_TYPES[v]};\n"
+    return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
+    part_in = [mx.float32] + [x.dtype for x in L.partial_inputs[1:]]
+    return "".join([
+        mlx_kernel_source(f"prep_{tag}", "tq_kv_prep", [x.dtype for x in L.prep_inputs],
+                          [mx.float32], L.prep_template),
+        mlx_kernel_source(f"partial_{tag}", "tq_kv_partial", part_in,
+                          [mx.float32, mx.float32], L.partial_template),
+        mlx_kernel_source(f"merge_{tag}", "tq_kv_merge", [mx.float32] * 3, [L.out_dtype],
+                          L.merge_template),
+    ])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_sources_compile_with_nvcc(tmp_path):
+    launches = []
+    for name in ("k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k3v3-d128-mha", "k2v2-d80", "k4v4-d256",
+                 "k8v8-kd64-dv128"):
+        q, parts, _ = make_case(**CASES[name])
+        launches.append(cuda_kv.prepare(q.astype(mx.bfloat16), parts, 0.1))
+    q, parts, _ = make_case(b=2, kv=8, r=4, kd=128, c=200, s=4, t=140)
+    launches.append(cuda_kv.prepare(q, parts, 0.1, mx.ones((2, 1, 1, parts.length), mx.bool_)))
+    src = _MLX_DEFAULT_HEADER + cuda_kv.HEADER
+    src += "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
+    path = tmp_path / "tq_kv.cu"
+    path.write_text(src)
+    res = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "tq_kv.o"),
+         "-Xptxas", "-warn-spills"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
+    assert "spill" not in res.stderr, res.stderr[-2000:]
