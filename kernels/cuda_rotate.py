@@ -37,7 +37,7 @@ MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per blo
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 
 _SOURCE = r"""
-  extern __shared__ float buf[];
+  TQ_SHARED_BUFFER
   const int row = blockIdx.x;
   const int s = blockIdx.y;
   const int t = threadIdx.x;
@@ -74,17 +74,24 @@ _SOURCE = r"""
 """
 
 
+STATIC_SHARED_BYTES = 48 * 1024  # above this a block's buffer must be dynamic (opt-in)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(shared_bytes: int):
+def _kernel(dynamic_bytes: int):
+    """The kernel with its row buffer static (`dynamic_bytes` 0: rows up to 12288 values)
+    or dynamic shared memory of that many bytes (bigger rows)."""
+    buffer = "extern __shared__ float buf[];" if dynamic_bytes else "__shared__ float buf[N];"
+    source = _SOURCE.replace("TQ_SHARED_BUFFER", buffer)
     # the source's hash in the name: MLX caches built kernels on disk by name and template
-    tag = hashlib.sha256(_SOURCE.encode()).hexdigest()[:10]
+    tag = hashlib.sha256(source.encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(
         name=f"tq_rotate_{tag}",
         input_names=["x", "signs", "mix"],
         output_names=["out"],
-        source=_SOURCE,
+        source=source,
         header="#include <cuda_fp16.h>\n",
-        shared_memory=shared_bytes,
+        shared_memory=dynamic_bytes,
     )
 
 
@@ -156,7 +163,7 @@ def rotate_with(x: mx.array, signs: mx.array, mix: mx.array, a: int, p: int,
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
     seeds = signs.shape[0]
-    return _kernel(4 * n)(
+    return _kernel(4 * n if 4 * n > STATIC_SHARED_BYTES else 0)(
         inputs=[x, signs, mix],
         template=[("InT", x.dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
                   ("THREADS", THREADS)],

@@ -29,3 +29,17 @@ def test_unknown_command_exits_2(capsys):
 
     assert main(["no-such-command"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_decoding_commands_start_without_cuda_graphs_unless_told():
+    from turboquant import cli
+
+    env = {}
+    cli.apply_decode_env("generate", env)
+    assert env == {"MLX_USE_CUDA_GRAPHS": "0"}
+    env = {"MLX_USE_CUDA_GRAPHS": "1"}
+    cli.apply_decode_env("serve", env)
+    assert env == {"MLX_USE_CUDA_GRAPHS": "1"}  # the user's choice wins
+    env = {}
+    cli.apply_decode_env("convert", env)
+    assert env == {}
