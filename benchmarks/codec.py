@@ -10,6 +10,7 @@ TurboQuant's encode also measures its own error without decoding (`QuantizedTens
 the last column is its relative difference from the decoded error.
 
     .venv/bin/python benchmarks/codec.py            # ~1 minute on a 2-core CPU
+    TURBOQUANT_NO_NUMBA=1 .venv/bin/python benchmarks/codec.py   # encode without numba
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from turboquant.stages import decode, encode, lloyd_max_mse, ternary_mse
+from turboquant.stages import decode, encode, fast_hadamard, lloyd_max_mse, ternary_mse
 
 
 def make_matrices(rows: int, cols: int, seed: int) -> tuple[dict[str, mx.array], mx.array]:
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"mlx {mx.__version__} on {mx.default_device()} ({platform.machine()}), "
-        f"{args.rows}x{args.cols} bf16 matrices, group {args.group_size}"
+        f"{args.rows}x{args.cols} bf16 matrices, group {args.group_size}, encode through "
+        + ("numba kernels (stages/fast_*.py)" if fast_hadamard.AVAILABLE
+           else "numpy/MLX (no numba, or TURBOQUANT_NO_NUMBA=1)")
     )
     print(
         "reference: Lloyd-Max MSE for N(0,1) "

@@ -32,6 +32,7 @@ from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD  # noqa: E4
 
 from .convert import (ConvertOptions, JobRunner, Prepared, Summary, finish,  # noqa: E402
                       output_lock, prepare_output, release_sources, validate)
+from .flow_api import local_api  # noqa: E402
 from .job import JobContext, JobResult, run_job  # noqa: E402
 from .ledger import WORK  # noqa: E402
 from .plan import Job  # noqa: E402
@@ -145,10 +146,11 @@ def convert_flow(
 
 
 def run_convert_flow(opts: ConvertOptions) -> Summary:
-    """Run `convert_flow` with a task runner bounded to `opts.workers` threads."""
+    """Run `convert_flow` with a task runner bounded to `opts.workers` threads, against
+    PREFECT_API_URL or, when none is set, Prefect's API served in this process (flow_api.py)."""
     runner = ThreadPoolTaskRunner(max_workers=max(1, opts.workers))
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     # Prefect's result records (its cache) live with the output they describe
     store = Path(opts.output).resolve() / WORK / "prefect"
-    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
+    with local_api(), temporary_settings({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
         return convert_flow.with_options(task_runner=runner)(**fields)

@@ -11,7 +11,11 @@ is numpy: the 12/20/28 and dense rotation factors and every group sum (energy, <
 <q, q>) are sums taken in order from 0.0, as MLX's CPU kernels take them, and the rest
 (normalize, compare with thresholds, look up levels, pack) is exact. The steps after the
 rotation work on groups laid out group-axis first, (group_size, groups), so each is one
-contiguous op. tests/test_stages_golden.py pins the bytes to those of the plain MLX stages.
+contiguous op. Where numba is installed, stages/fast_hadamard.py (the rotation, and each
+group's energy) and fast_quantize.py (normalize, codes, levels, refit sums, 2/3/4-bit
+packing) do the same float32 operations in the same order as compiled loops, several times
+faster. tests/test_stages_golden.py pins the bytes of both paths to those of the plain MLX
+stages.
 
 encode also returns the coding error without decoding: the rotation is orthogonal and the
 padding is zero on both sides, so ||W - decode(qt)||^2 = sum over groups of
@@ -27,18 +31,19 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import fast_quantize
 from .pack import pack_codes_np, pack_groups_np, unpack_codes, words_per_row
-from .quantize import code_values, code_values_np, nearest_codes_np
+from .quantize import code_tables_np, code_values, code_values_np, nearest_codes_np
 from .rotate import rotate_groups_np, unrotate
 from .scale import (
     check_group_size,
-    group_energy_np,
     refit_sums_np,
     rms_from_energy_np,
     scales_from_sums_np,
 )
 
 SUPPORTED_BITS = (2, 3, 4, "ternary")
+_COMPILED = fast_quantize.AVAILABLE  # per-group coding through numba (same bits); tests flip it
 _CHUNK_ELEMENTS = 1 << 20  # rows per chunk ~ this many weights (4 MiB as float32: cache-friendly)
 
 
@@ -216,37 +221,46 @@ def _encode_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
 def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
     rows, n, gs = w.shape[0], spec.in_features, spec.group_size
     groups = spec.groups_per_row
-    # group axis first, (gs, a, rows, b): every step below is one contiguous op over all
+    # group axis first, (gs, a, b, rows): every step below is one contiguous op over all
     # groups; per-group results come back to (rows, groups) order at the end
-    y = rotate_groups_np(w, spec.seed, gs)
-    a, b = y.shape[1], y.shape[3]
+    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True)
+    a, b = y.shape[1], y.shape[2]
     xt = y.reshape(gs, -1)
 
     def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups)
-        return v.reshape(a, rows, b, *v.shape[1:]).swapaxes(0, 1).reshape(rows, groups, -1)
+        return np.moveaxis(v.reshape(a * b, rows, -1), 1, 0).reshape(rows, groups, -1)
 
-    energy = per_row(group_energy_np(xt))[..., 0]
+    energy = per_row(energy)[..., 0]
     rms = rms_from_energy_np(energy, gs, valid=n)
     if not np.isfinite(rms).all():  # NaN/Inf anywhere in a row makes its energies non-finite
         return None
     # normalize by the float16 scale; a group with scale 0 codes as 0.0
-    s = rms.reshape(rows, a, b).swapaxes(0, 1).astype(np.float32).reshape(-1)
-    u = xt / np.where(s > 0, s, np.float32(1.0))
-    if not rms.all():
-        np.copyto(u, np.float32(0.0), where=s == 0)
-    codes = nearest_codes_np(u, spec.bits)
-    del u
-    q = code_values_np(codes, spec.bits)
-    if spec.padded_in > n:  # padding decodes to zero (a = 1 here)
-        q.reshape(gs, rows, groups)[n - (groups - 1) * gs :, :, groups - 1] = 0.0
-    wq, qq = (per_row(v)[..., 0] for v in refit_sums_np(xt, q))
+    s = rms.T.astype(np.float32).reshape(-1)
+    pad_g = n - (groups - 1) * gs  # padding decodes to zero (a = 1 where there is any)
+    if _COMPILED:  # the same values in one compiled pass (stages/fast_quantize.py)
+        mids, levels = code_tables_np(spec.bits)
+        codes, wq, qq = fast_quantize.code_groups(xt, s, mids, levels, pad_g,
+                                                  (groups - 1) * rows, spec.bits)
+    else:
+        u = xt / np.where(s > 0, s, np.float32(1.0))
+        if not rms.all():
+            np.copyto(u, np.float32(0.0), where=s == 0)
+        codes = nearest_codes_np(u, spec.bits)
+        del u
+        q = code_values_np(codes, spec.bits)
+        if pad_g < gs:
+            q.reshape(gs, groups, rows)[pad_g:, groups - 1] = 0.0
+        wq, qq = refit_sums_np(xt, q)
+    wq, qq = per_row(wq)[..., 0], per_row(qq)[..., 0]
     scales = scales_from_sums_np(wq, qq) if spec.refit else rms
     # per group ||x - s q||^2 = ||x||^2 - 2 s <x, q> + s^2 <q, q>, in float64 from the sums
     xx, sc, xq, q2 = (a64.astype(np.float64) for a64 in (energy, scales, wq, qq))
     sq_error = np.maximum((xx - 2.0 * sc * xq + sc * sc * q2).sum(axis=1), 0.0)
     if spec.bits == "ternary":  # 20 trits a word: words straddle groups, pack the rows
-        rowwise = codes.reshape(gs, a, rows, b).transpose(2, 1, 3, 0).reshape(rows, -1)
+        rowwise = codes.reshape(gs, groups, rows).transpose(2, 1, 0).reshape(rows, -1)
         packed = pack_codes_np(rowwise, "ternary")
+    elif _COMPILED:  # packed already: (words per group, groups)
+        packed = per_row(codes.T).reshape(rows, -1)
     else:  # whole words per group
         packed = per_row(pack_groups_np(codes, spec.bits)).reshape(rows, -1)
     return _Rows(packed, scales, sq_error, xx.sum(axis=1))

@@ -80,6 +80,12 @@ def _host_tables(bits: int | str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array(midpoints(bits), dtype=np.float32), levels, pairs.view(np.uint64).ravel()
 
 
+def code_tables_np(bits: int | str) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 decision thresholds, float32 levels) of a width, as the host path uses them."""
+    mids, levels, _ = _host_tables(bits)
+    return mids, levels
+
+
 def nearest_codes_np(x: np.ndarray, bits: int | str) -> np.ndarray:
     """nearest_codes on a float32 numpy array: the number of thresholds below each entry."""
     mids = _host_tables(bits)[0]

@@ -15,20 +15,23 @@ s = 1 - 2 * rng.integers(0, 2, size=n); then, if d > 1, q, r = qr(rng.standard_n
 and Q = q * sign(diag(r)). With x viewed as (..., d, m * p): T(x) = Q @ H(x), H acting on the
 last axis. Sign vectors and dense factors are cached per (seed, n).
 
-`rotate_np` is rotate() for encode, on the host: MLX's hadamard_transform for the power-of-two
-factor, numpy for the m x m Hadamard factor and the dense factor. Those two are sums of m
+`rotate_np` is rotate() for encode, on the host: with numba, stages/fast_hadamard.py's kernel
+(below); without, MLX's hadamard_transform for the power-of-two factor and numpy for the
+m x m Hadamard factor and the dense factor. Those two are sums of m
 (or d) terms; MLX's CPU kernels (hadamard_m, and the reference BLAS behind its float32
 matmul) add them in order from 0.0 in float32, and numpy does the same on whole slabs, so
 the values are bit for bit those of rotate() on MLX's CPU backend, at a fraction of the time.
 
 `rotate_groups_np` gives the same values padded to whole groups and laid out group-axis
 first, the layout encode works in. With n = a * p (a the 12/20/28 or dense factor, or 1, and
-p the power of two) and b = p / group_size, it is (group_size, a, rows, b): column j of
-block i of a row is at [j % group_size, i, row, j // group_size]. The Hadamard over p is
-split at group_size: the butterflies of stride < group_size run in numpy over the first
-axis (each one contiguous op over all groups), then mx.hadamard_transform does the rest on
-the last axis; the a-factor then mixes whole slabs of the second axis. The stages, their
-order and the scales are those of rotate(), so the values are the same.
+p the power of two) and b = p / group_size, it is (group_size, a, b, rows): column j of
+block i of a row is at [j % group_size, i, j // group_size, row]. Where numba is installed,
+stages/fast_hadamard.py computes it in one compiled pass with the same float32 operations in
+the same order (its module notes say how). Without numba: the Hadamard over p is split at
+group_size: the butterflies of stride < group_size run in numpy over the first axis (each
+one contiguous op over all groups), then mx.hadamard_transform does the rest on a last axis
+of b; the a-factor then mixes whole slabs of the second axis. The stages, their order and
+the scales are those of rotate(), so the values are the same.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ import re
 import mlx.core as mx
 import numpy as np
 
+from . import fast_hadamard
+from .scale import group_energy_np
+
 _MLX_MAX_POW2 = 8192  # largest power-of-two factor passed to mx.hadamard_transform
 _MLX_M = (1, 12, 20, 28)  # non-power-of-two factors mx.hadamard_transform supports
 _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
 _SEED_DOMAIN = b"turboquant/rotation/v1"
+_COMPILED = fast_hadamard.AVAILABLE  # encode's rotation through numba (same bits); tests flip it
 
 
 def tensor_seed(model_seed: int, name: str) -> int:
@@ -84,8 +91,13 @@ def _split(n: int) -> tuple[int, int, int]:
 
 @functools.cache
 def _hadamard_factor(m: int) -> mx.array:
-    """The m x m matrix B_m (scaled to be orthogonal) that mx.hadamard_transform uses."""
-    return mx.hadamard_transform(mx.eye(m, dtype=mx.float32), scale=1.0 / math.sqrt(m))
+    """The m x m matrix B_m (scaled to be orthogonal) that mx.hadamard_transform uses.
+
+    Built on the CPU: MLX's CUDA hadamard_transform does not compile for a size of m alone."""
+    with mx.stream(mx.cpu):
+        b = mx.hadamard_transform(mx.eye(m, dtype=mx.float32), scale=1.0 / math.sqrt(m))
+        mx.eval(b)
+    return b
 
 
 def _hadamard(x: mx.array, m: int, p: int, inverse: bool) -> mx.array:
@@ -141,8 +153,10 @@ def _cached_plan(seed: int, n: int) -> tuple[mx.array, mx.array | None, int, int
 
 @functools.cache
 def _hadamard_signs(m: int) -> np.ndarray:
-    """The +-1 matrix behind mx.hadamard_transform's m-factor (the rows it adds and subtracts)."""
-    return np.array(mx.hadamard_transform(mx.eye(m, dtype=mx.float32), scale=1.0)).T.copy()
+    """The +-1 matrix behind mx.hadamard_transform's m-factor (the rows it adds and subtracts),
+    built on the CPU like `_hadamard_factor`."""
+    with mx.stream(mx.cpu):
+        return np.array(mx.hadamard_transform(mx.eye(m, dtype=mx.float32), scale=1.0)).T.copy()
 
 
 def _mix_np(y: np.ndarray, mat: np.ndarray, scale: float | None = None) -> np.ndarray:
@@ -181,7 +195,14 @@ def rotate_np(x: mx.array, seed: int) -> np.ndarray:
     gives the same bytes on every machine.
     """
     with mx.stream(mx.cpu):
-        return _rotate_np(_as_float(x).astype(mx.float32), seed)
+        x = _as_float(x).astype(mx.float32)
+        if _COMPILED:
+            rows, n = x.shape
+            args = _compiled_plan(seed, n)
+            if args is not None:  # laid out (n, rows) by the kernel
+                y = fast_hadamard.rotate_groups(np.asarray(x), *args, 1, 1)
+                return np.ascontiguousarray(y.reshape(n, rows).T)
+        return _rotate_np(x, seed)
 
 
 def _rotate_np(x: mx.array, seed: int) -> np.ndarray:
@@ -204,9 +225,27 @@ def _rotate_np(x: mx.array, seed: int) -> np.ndarray:
     return y.reshape(rows, n)
 
 
-def rotate_groups_np(x: np.ndarray, seed: int, group_size: int) -> np.ndarray:
+def rotate_groups_np(x: np.ndarray, seed: int, group_size: int, energy: bool = False):
     """rotate(x, seed) of float32 rows (rows, n), zero-padded to whole groups, laid out
-    (group_size, a, rows, b) as the module notes say (a = 1 where n has no such split)."""
+    (group_size, a, b, rows) as the module notes say (a = 1 where n has no such split).
+
+    With `energy`, (rotated, energies): also each group's sum of squares, (a, b, rows)
+    float32, the values of scale.group_energy_np.
+    """
+    rows, n = x.shape
+    signs, dense, m, p = _plan(seed, n)
+    args = _compiled_plan(seed, n) if _COMPILED and p >= group_size else None
+    if args is not None:
+        blocks = 1 if p > _MLX_MAX_POW2 else (m if dense is None else dense.shape[0])
+        return fast_hadamard.rotate_groups(x, *args, group_size, blocks, energy)
+    y = _rotate_groups_host(x, seed, group_size)
+    if not energy:
+        return y
+    return y, group_energy_np(y.reshape(group_size, -1)).reshape(y.shape[1:])
+
+
+def _rotate_groups_host(x: np.ndarray, seed: int, group_size: int) -> np.ndarray:
+    """rotate_groups_np without numba: numpy, and MLX's hadamard_transform."""
     rows, n = x.shape
     signs, dense, m, p = _plan(seed, n)
     if p > _MLX_MAX_POW2 or p < group_size:
@@ -214,11 +253,11 @@ def rotate_groups_np(x: np.ndarray, seed: int, group_size: int) -> np.ndarray:
         groups = -(-n // group_size)
         if groups * group_size > n:
             y = np.pad(y, [(0, 0), (0, groups * group_size - n)])
-        y = y.reshape(rows, 1, groups, group_size).transpose(3, 1, 0, 2)
+        y = y.reshape(rows, 1, groups, group_size).transpose(3, 1, 2, 0)
         return np.ascontiguousarray(y)
     a = m if dense is None else dense.shape[0]
     b = p // group_size
-    # signs, and the move to the new layout, in one pass
+    # signs, and the move to a layout with b last (for the transform over b), in one pass
     s = np.asarray(signs).reshape(a, b, group_size).transpose(2, 0, 1)[:, :, None, :]
     y = np.empty((group_size, a, rows, b), dtype=np.float32)
     np.multiply(x.reshape(rows, a, b, group_size).transpose(3, 1, 0, 2), s, out=y)
@@ -235,7 +274,25 @@ def rotate_groups_np(x: np.ndarray, seed: int, group_size: int) -> np.ndarray:
         y = _mix_blocks_np(y, np.asarray(dense))
     elif m > 1:
         y = _mix_blocks_np(y, _hadamard_signs(m), 1.0 / math.sqrt(m * p))
-    return y
+    return np.ascontiguousarray(y.transpose(0, 1, 3, 2))
+
+
+def _compiled_plan(seed: int, n: int) -> tuple | None:
+    """fast_hadamard.rotate_groups' arguments for rotate(., seed) of size n, the scales and the
+    split at 8192 being those of _hadamard (None: no compiled path for this split)."""
+    signs, dense, m, p = _plan(seed, n)
+    if m > 1 and p > _MLX_MAX_POW2:
+        return None
+    split = min(p, _MLX_MAX_POW2)
+    if m > 1:
+        mat, scales = _hadamard_signs(m), (1.0, 1.0, 1.0 / math.sqrt(m * p))
+    elif p > split:  # MLX's transform in two: over 8192, then over p // 8192
+        mat = None if dense is None else np.asarray(dense)
+        scales = (1.0 / math.sqrt(split), 1.0 / math.sqrt(p // split), 1.0)
+    else:
+        mat = None if dense is None else np.asarray(dense)
+        scales = (1.0, 1.0 / math.sqrt(p), 1.0)
+    return np.asarray(signs), mat, p, split, scales
 
 
 def _butterflies_np(y: np.ndarray, stages: int) -> np.ndarray:

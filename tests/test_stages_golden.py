@@ -5,7 +5,8 @@ group RMS, nearest code, gathered levels, least-squares refit, pack). Any faster
 give the same codes and scales, bit for bit, at every width, group size and kind of size
 (powers of two, 12/20/28 * 2^k, a dense factor, > 8192, padding, zero rows).
 A mismatch means the format changed: find the step whose rounding differs, do not update
-the digests.
+the digests. Every case runs twice: through the numba kernels (stages/fast_hadamard.py,
+fast_quantize.py) and through the numpy/MLX path that is used without numba.
 """
 
 import hashlib
@@ -14,7 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.stages import encode
+from turboquant.stages import encode, fast_hadamard
+
+PATHS = ["compiled", "host"]
 
 WIDTHS = (2, 3, 4, "ternary")
 
@@ -108,8 +111,22 @@ def _weight(index, name, rows, cols, dist, dtype):
     return w
 
 
+@pytest.fixture(params=PATHS)
+def codec_path(request, monkeypatch):
+    """Encode through the numba kernels, or through the numpy/MLX path."""
+    import importlib
+
+    compiled = request.param == "compiled"
+    if compiled and not fast_hadamard.AVAILABLE:
+        pytest.skip("numba is not installed (or TURBOQUANT_NO_NUMBA is set)")
+    for module in ("rotate", "codec"):
+        monkeypatch.setattr(importlib.import_module(f"turboquant.stages.{module}"), "_COMPILED",
+                            compiled)
+    return request.param
+
+
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
-def test_golden_bytes(index):
+def test_golden_bytes(index, codec_path):
     name, rows, cols, gs, dist, dtype, refit = CASES[index]
     w = _weight(index, name, rows, cols, dist, dtype)
     digests = []

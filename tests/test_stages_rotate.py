@@ -174,16 +174,16 @@ def test_host_rotation_is_bit_identical(n):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_group_major_rotation_is_bit_identical(n, group_size, rows):
-    # rotate(), zero-padded to whole groups, in encode's layout (group_size, a, rows, b)
+    # rotate(), zero-padded to whole groups, in encode's layout (group_size, a, b, rows)
     from turboquant.stages.rotate import rotate_groups_np
 
     x = np.random.default_rng(n).standard_normal((rows, n), dtype=np.float32)
     got = rotate_groups_np(x, 99, group_size)
-    k, a, r, b = got.shape
+    k, a, b, r = got.shape
     assert k == group_size and r == rows and got.dtype == np.float32
     groups = -(-n // group_size)
     assert a * b == groups
     want = np.zeros((rows, groups * group_size), np.float32)
     want[:, :n] = np.array(rotate(mx.array(x), 99))
-    want = want.reshape(rows, a, b, group_size).transpose(3, 1, 0, 2)
+    want = want.reshape(rows, a, b, group_size).transpose(3, 1, 2, 0)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

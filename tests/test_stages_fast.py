@@ -1,0 +1,89 @@
+"""The numba kernels of encode (stages/fast_hadamard.py, fast_quantize.py) against the numpy/MLX
+path: the same bytes for every kind of size, width and group size, and the switches around them."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.stages import encode, fast_hadamard
+
+rotate_mod = importlib.import_module("turboquant.stages.rotate")
+codec_mod = importlib.import_module("turboquant.stages.codec")
+
+needs_numba = pytest.mark.skipif(not fast_hadamard.AVAILABLE,
+                                 reason="numba is not installed (or TURBOQUANT_NO_NUMBA is set)")
+
+
+def _set_path(monkeypatch, compiled: bool) -> None:
+    monkeypatch.setattr(rotate_mod, "_COMPILED", compiled)
+    monkeypatch.setattr(codec_mod, "_COMPILED", compiled)
+
+
+def _bytes(qt) -> tuple[bytes, bytes, bytes]:
+    return (np.array(qt.codes).tobytes(), np.array(qt.scales).tobytes(),
+            qt.row_sq_error.tobytes())
+
+
+# power of two, 12/20/28 * 2^k, a dense factor, > 8192 (split), dense with > 8192, a 12-factor
+# with > 8192 (no compiled split: MLX), p < group size (padding), rows not a multiple of a tile
+SHAPES = [(37, 2048), (16, 768), (21, 1280), (18, 1792), (40, 5632), (3, 2880), (5, 16384),
+          (2, 9 * 16384), (2, 12 * 16384), (7, 1000), (5, 100), (33, 64), (1, 4096)]
+
+
+@needs_numba
+@pytest.mark.parametrize("rows,n", SHAPES, ids=[f"{r}x{n}" for r, n in SHAPES])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_compiled_encode_is_bit_identical(monkeypatch, rows, n, group_size):
+    rng = np.random.default_rng(n + rows)
+    w = (rng.standard_t(4, size=(rows, n)) * 0.02).astype(np.float32)
+    w[0, : n // 3] = 0.0  # zero groups (scale 0), and a signed zero
+    w[-1, -1] = -0.0
+    for bits in (2, 3, 4, "ternary"):
+        _set_path(monkeypatch, True)
+        fast = encode(w, bits, group_size=group_size, seed=n, refit=bits != 3)
+        _set_path(monkeypatch, False)
+        host = encode(w, bits, group_size=group_size, seed=n, refit=bits != 3)
+        assert _bytes(fast) == _bytes(host), (bits, group_size)
+
+
+@needs_numba
+@pytest.mark.parametrize("n", [1, 3, 12, 24, 100, 1000, 2048, 2880, 5632, 7168, 16384,
+                               9 * 16384])
+def test_compiled_rotate_np_is_bit_identical(monkeypatch, n):
+    x = mx.array(np.random.default_rng(n).standard_normal((19, n), dtype=np.float32))
+    _set_path(monkeypatch, True)
+    fast = rotate_mod.rotate_np(x, 7)
+    _set_path(monkeypatch, False)
+    host = rotate_mod.rotate_np(x, 7)
+    assert fast.shape == (19, n) and fast.dtype == np.float32
+    np.testing.assert_array_equal(fast.view(np.uint32), host.view(np.uint32))
+
+
+@needs_numba
+def test_encode_uses_the_kernels_when_numba_is_installed():
+    assert rotate_mod._COMPILED and codec_mod._COMPILED
+    encode(np.ones((4, 256), np.float32), 4, seed=1)
+    assert fast_hadamard._compiled  # compile_kernels() ran: the numba versions are in place
+    assert hasattr(fast_hadamard._rotate_kernel, "py_func")
+
+
+def _python(code: str, **env) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env={**os.environ, **env}).stdout.strip()
+
+
+def test_import_does_not_load_numba():
+    # the CLI's own process and the runtime import the stages but never encode
+    assert _python("import sys, turboquant.stages; print('numba' in sys.modules)") == "False"
+
+
+def test_no_numba_switch_keeps_the_host_path():
+    code = ("import sys, numpy as np; from turboquant.stages import encode, fast_hadamard; "
+            "encode(np.ones((4, 256), np.float32), 3, seed=1); "
+            "print(fast_hadamard.AVAILABLE, 'numba' in sys.modules)")
+    assert _python(code, TURBOQUANT_NO_NUMBA="1") == "False False"
