@@ -9,16 +9,17 @@
 Ternary, prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) and gathered experts
 fall back to the reference. The GEMV reads codes in its own layout (3-bit codes as two
 planes, codes placed next to their activations), prepared once per weight (or group) on
-first use and kept beside the stored codes.
+first use and kept beside the stored codes: in the caller's `prepared` dict when it passes
+one (runtime layers do), else in a cache keyed on the code arrays and freed with them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
 import weakref
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -90,63 +91,80 @@ def _pair_arrays(rows: int) -> tuple[mx.array, mx.array]:
     return expert, row
 
 
-@dataclass(frozen=True)
-class _GroupPlan:
-    """What a group's kernels need besides x: built once per set of weights."""
+class _Plan:
+    """A group's operands in the kernels' layout and its launches per input shape: what
+    every token reuses, so a call is two kernel launches and a few lines of Python."""
 
-    static: tuple  # (bits, group_size, n, width, a, p, ends, has_bias): the compile key
-    operands: tuple  # signs, mix, low, high, scales, levels, bias
-
-
-def _group_plan(members) -> _GroupPlan:
-    def build():
+    def __init__(self, members):
         first = members[0]
-        if not group.fusable(members):
-            return None
-        signs, mix, a, p = cuda_rotate.operands(tuple(m.seed for m in members),
-                                                first.in_features)
-        low, high, scales, bias = _repack_group(members)
-        ends = tuple(itertools.accumulate(m.out_features for m in members))
-        static = (first.bits, first.group_size, first.in_features, _padded64(first.padded_in),
-                  a, p, ends, bias is not None)
-        return _GroupPlan(static, (signs, mix, low, high, scales, _levels(first.bits),
-                                   bias if bias is not None else cuda_gemv._no_bias()))
+        self.n = first.in_features
+        seeds = tuple(m.seed for m in members)
+        self.signs, self.mix, self.a, self.p = cuda_rotate.operands(seeds, self.n)
+        self.low, self.high, self.scales, bias = _repack_group(members)
+        self.has_bias = bias is not None
+        self.bias = bias if bias is not None else cuda_gemv._no_bias()
+        self.levels = _levels(first.bits)
+        self.bits, self.group_size = first.bits, first.group_size
+        self.ends = tuple(itertools.accumulate(m.out_features for m in members))
+        self.widths = tuple(m.out_features for m in members)
+        self.width = _padded64(first.padded_in)
+        self.launches: dict[tuple, tuple] = {}
+        mx.eval(self.signs, self.mix, self.low, self.high, self.scales, self.bias)
 
-    return _cached(tuple(m.codes for m in members), build, evaluate=lambda v: v.operands)
-
-
-@functools.lru_cache(maxsize=512)
-def _compiled_group(static: tuple, out_dtype):
-    """One compiled function per group shape: MLX replays the two launches without
-    rebuilding them, which is most of a launch's host-side cost."""
-    bits, group_size, n, width, a, p, ends, has_bias = static
-
-    def run(x, signs, mix, low, high, scales, levels, bias, expert, row):
-        xr = cuda_rotate.rotate_with(x, signs, mix, a, p, width)
-        ys = cuda_gemv.gemv(
-            xr if len(ends) > 1 else xr[0], low, high, scales, levels, expert, row,
-            bits=bits, group_size=group_size, out_features=ends[-1], out_dtype=out_dtype,
-            ends=ends if len(ends) > 1 else (), bias=bias, add_bias=has_bias,
-            rows_per_warp=cuda_gemv.rows_per_warp_for(ends[-1]),
+    def _launches(self, lead: tuple, dtype):
+        tokens = math.prod(lead)
+        grouped = len(self.ends) > 1
+        out_dtype = dtype if dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+        rotate = cuda_rotate.launch(self.n, self.a, self.p, self.width, len(self.ends), tokens,
+                                    dtype, squeeze=True)
+        gemv = cuda_gemv.launch(
+            bits=self.bits, group_size=self.group_size, out_features=self.ends[-1],
+            padded=self.width, nscales=self.scales.shape[-1], pairs=tokens,
+            out_dtype=out_dtype, rows_per_warp=cuda_gemv.rows_per_warp_for(self.ends[-1]),
+            ends=self.ends if grouped else (), x_rows=tokens if grouped else 0,
+            add_bias=self.has_bias,
         )
-        return ys if len(ends) > 1 else [ys]
+        # outputs in the caller's leading shape: the kernel writes row-major either way
+        gemv = dataclasses.replace(gemv, shapes=[(*lead, w) for w in self.widths])
+        expert, row = _pair_arrays(tokens)
+        return rotate, gemv, expert, row, grouped
 
-    return mx.compile(run)
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        key = (x.shape[:-1], x.dtype)
+        hit = self.launches.get(key)
+        if hit is None:
+            hit = self.launches[key] = self._launches(*key)
+        rotate, gemv, expert, row, grouped = hit
+        xr = rotate(x, self.signs, self.mix)
+        ys = gemv(xr, self.low, self.high, self.scales, self.levels, expert, row, self.bias)
+        return ys if grouped else [ys]
 
 
-def linear_group(x, members):
-    tokens = x.size // max(1, x.shape[-1])
-    if tokens > dispatch.MATVEC_MAX_TOKENS:
-        raise NotImplementedError
-    plan = _group_plan(members)
+_UNFUSABLE = object()  # members one stacked GEMV cannot serve: the reference runs them
+
+
+def _plan(members):
+    if not group.fusable(members):
+        return _UNFUSABLE
+    try:
+        return _Plan(members)
+    except NotImplementedError:  # a rotation the kernel does not cover (cuda_rotate.operands)
+        return _UNFUSABLE
+
+
+def linear_group(x, members, prepared=None):
+    if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
+        raise NotImplementedError  # prefill: the reference GEMM
+    plan = None if prepared is None else prepared.get("cuda")
     if plan is None:
+        if prepared is None:  # no caller-held cache: one per set of weights, freed with them
+            plan = _cached(tuple(m.codes for m in members), lambda: _plan(members),
+                           evaluate=lambda v: [])
+        else:
+            plan = prepared["cuda"] = _plan(members)
+    if plan is _UNFUSABLE:
         raise NotImplementedError
-    out_dtype = x.dtype if x.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
-    expert, row = _pair_arrays(tokens)
-    x2 = x.reshape(tokens, x.shape[-1])
-    ys = _compiled_group(plan.static, out_dtype)(x2, *plan.operands, expert, row)
-    lead = x.shape[:-1]
-    return [y.reshape(*lead, m.out_features) for y, m in zip(ys, members)]
+    return plan(x)
 
 
 def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -276,6 +277,71 @@ def repack(codes_u8: mx.array, bits: int, padded: int) -> tuple[mx.array, mx.arr
     return low, hplane
 
 
+@dataclass(frozen=True)
+class Launch:
+    """Everything of one GEMV launch but its arrays: built once, called per token."""
+
+    kernel: object
+    template: tuple
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    shapes: tuple[tuple[int, int], ...]
+    dtypes: tuple
+    single: bool  # one output array, not a list
+
+    def __call__(self, x_perm, codes, hplane, scales, levels, pair_expert, pair_row, bias):
+        outs = self.kernel(
+            inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row, bias],
+            template=self.template, grid=self.grid, threadgroup=self.threads,
+            output_shapes=self.shapes, output_dtypes=self.dtypes,
+        )
+        return outs[0] if self.single else outs
+
+
+def launch(
+    *,
+    bits: int,
+    group_size: int,
+    out_features: int,
+    padded: int,
+    nscales: int,
+    pairs: int,
+    out_dtype=mx.float16,
+    rows_per_warp: int = ROWS_PER_WARP,
+    ends: tuple[int, ...] = (),
+    x_rows: int = 0,
+    add_bias: bool = False,
+) -> Launch:
+    """The launch `gemv` makes, for callers that keep it (see `gemv` for the arguments;
+    `x_rows` is the number of rows in each member's block of a group's x)."""
+    segments = len(ends) or 1
+    if segments > len(_STORES):
+        raise ValueError(f"at most {len(_STORES)} members in a group, got {segments}")
+    bounds = list(ends[:-1]) + [out_features] * 2
+    if any(b % rows_per_warp for b in bounds[: segments - 1]):
+        raise ValueError(f"group boundaries {ends} must be multiples of {rows_per_warp}")
+    widths = [e - b for b, e in zip([0, *ends[:-1]], ends)] if ends else [out_features]
+    warps = -(-out_features // rows_per_warp)
+    threads = 32 * WARPS_PER_BLOCK
+    grid_x = -(-warps * 32 // threads) * threads
+    template = (
+        ("BITS", bits),
+        ("GS", group_size),
+        ("OUT", out_features),
+        ("PADDED", padded),
+        ("NSCALES", nscales),
+        ("ROWS_PER_WARP", rows_per_warp),
+        ("SEGS", segments),
+        ("END0", bounds[0]),
+        ("END1", bounds[1]),
+        ("XROWS", x_rows),
+        ("HAS_BIAS", bool(add_bias)),
+        ("OutT", out_dtype),
+    )
+    return Launch(_kernel(segments), list(template), (grid_x, pairs, 1), (threads, 1, 1),
+                  [(pairs, w) for w in widths], [out_dtype] * segments, not ends)
+
+
 def gemv(
     x_perm: mx.array,
     codes: mx.array,
@@ -292,7 +358,6 @@ def gemv(
     rows_per_warp: int = ROWS_PER_WARP,
     ends: tuple[int, ...] = (),
     bias: mx.array | None = None,
-    add_bias: bool | None = None,
 ) -> mx.array | list[mx.array]:
     """(pairs, out_features): for each pair p, W[pair_expert[p]] @ x[pair_row[p]].
 
@@ -303,45 +368,16 @@ def gemv(
     A group (`ends` given): the rows are the members' weights stacked, member s owning
     rows [ends[s-1], ends[s]) (`ends[-1] == out_features`, every boundary a multiple of
     `rows_per_warp`), x_perm is (members, rows_x, padded), one rotation per member, and
-    the result is one array per member. `bias` (out_features,) is added before the store
-    (`add_bias=False` passes an array without adding it: a compiled caller's placeholder).
+    the result is one array per member. `bias` (out_features,) is added before the store.
     """
-    add_bias = bias is not None if add_bias is None else add_bias
-    padded = x_perm.shape[-1]
-    pairs = pair_expert.shape[0]
-    segments = len(ends) or 1
-    if segments > len(_STORES):
-        raise ValueError(f"at most {len(_STORES)} members in a group, got {segments}")
-    bounds = list(ends[:-1]) + [out_features] * 2
-    if any(b % rows_per_warp for b in bounds[: segments - 1]):
-        raise ValueError(f"group boundaries {ends} must be multiples of {rows_per_warp}")
-    widths = [e - b for b, e in zip([0, *ends[:-1]], ends)] if ends else [out_features]
-    warps = -(-out_features // rows_per_warp)
-    threads = 32 * WARPS_PER_BLOCK
-    grid_x = -(-warps * 32 // threads) * threads
-    outs = _kernel(segments)(
-        inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row,
-                bias if bias is not None else _no_bias()],
-        template=[
-            ("BITS", bits),
-            ("GS", group_size),
-            ("OUT", out_features),
-            ("PADDED", padded),
-            ("NSCALES", scales.shape[-1]),
-            ("ROWS_PER_WARP", rows_per_warp),
-            ("SEGS", segments),
-            ("END0", bounds[0]),
-            ("END1", bounds[1]),
-            ("XROWS", x_perm.shape[-2] if x_perm.ndim == 3 else 0),
-            ("HAS_BIAS", add_bias),
-            ("OutT", out_dtype),
-        ],
-        grid=(grid_x, pairs, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(pairs, w) for w in widths],
-        output_dtypes=[out_dtype] * segments,
+    run = launch(
+        bits=bits, group_size=group_size, out_features=out_features, padded=x_perm.shape[-1],
+        nscales=scales.shape[-1], pairs=pair_expert.shape[0], out_dtype=out_dtype,
+        rows_per_warp=rows_per_warp, ends=ends,
+        x_rows=x_perm.shape[-2] if x_perm.ndim == 3 else 0, add_bias=bias is not None,
     )
-    return outs if ends else outs[0]
+    return run(x_perm, codes, hplane, scales, levels, pair_expert, pair_row,
+               bias if bias is not None else _no_bias())
 
 
 @functools.lru_cache(maxsize=None)

@@ -158,20 +158,30 @@ def rotate(x: mx.array, seeds: tuple[int, ...], width: int) -> mx.array:
 
 def rotate_with(x: mx.array, signs: mx.array, mix: mx.array, a: int, p: int,
                 width: int) -> mx.array:
-    """`rotate` on operands from `operands` (what a compiled caller passes in)."""
+    """`rotate` on operands from `operands`."""
     rows, n = x.shape
+    return launch(n, a, p, width, signs.shape[0], rows, x.dtype)(x, signs, mix)
+
+
+def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
+           squeeze: bool = False):
+    """The launch `rotate_with` makes, as a function of (x, signs, mix): built once by
+    callers that keep it (a TurboQuant linear on every token). x may have any leading
+    shape with `rows` rows in all; `squeeze` drops the seed axis of a single seed."""
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
-    seeds = signs.shape[0]
-    return _kernel(4 * n if 4 * n > STATIC_SHARED_BYTES else 0)(
-        inputs=[x, signs, mix],
-        template=[("InT", x.dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
-                  ("THREADS", THREADS)],
-        grid=(rows * THREADS, seeds, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(seeds, rows, width)],
-        output_dtypes=[mx.float16],
-    )[0]
+    kernel = _kernel(4 * n if 4 * n > STATIC_SHARED_BYTES else 0)
+    template = [("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
+                ("THREADS", THREADS)]
+    grid, threads = (rows * THREADS, seeds, 1), (THREADS, 1, 1)
+    shapes = [(rows, width)] if squeeze and seeds == 1 else [(seeds, rows, width)]
+    dtypes = [mx.float16]
+
+    def run(x: mx.array, signs: mx.array, mix: mx.array) -> mx.array:
+        return kernel(inputs=[x, signs, mix], template=template, grid=grid,
+                      threadgroup=threads, output_shapes=shapes, output_dtypes=dtypes)[0]
+
+    return run
 
 
 def emulate(x: np.ndarray, signs: np.ndarray, mix: np.ndarray, a: int, p: int,

@@ -30,6 +30,7 @@ _REFERENCE: dict[str, Callable] = {
     "embedding": reference.tq_embedding,
 }
 _TABLE: dict[tuple[str, str], Callable] = {}
+_WRAPPED: dict[tuple[str, str], Callable] = {}  # _TABLE's kernels with their fallback
 _LOADED: set[str] = set()
 
 
@@ -51,10 +52,12 @@ def register(backend: str, op: str, fn: Callable) -> None:
     if op not in _REFERENCE:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()} (add_op adds one)")
     _TABLE[(backend, op)] = fn
+    _WRAPPED.pop((backend, op), None)
 
 
 def unregister(backend: str, op: str) -> None:
     _TABLE.pop((backend, op), None)
+    _WRAPPED.pop((backend, op), None)
 
 
 def backend() -> str:
@@ -94,9 +97,13 @@ def get(op: str, device_backend: str | None = None) -> Callable:
     name = device_backend or backend()
     if name != "cpu":
         _load_backend(name)
-        fn = _TABLE.get((name, op))
-        if fn is not None:
-            return _with_fallback(fn, _REFERENCE[op])
+        wrapped = _WRAPPED.get((name, op))
+        if wrapped is None:
+            fn = _TABLE.get((name, op))
+            if fn is None:
+                return _REFERENCE[op]
+            wrapped = _WRAPPED[(name, op)] = _with_fallback(fn, _REFERENCE[op])
+        return wrapped
     return _REFERENCE[op]
 
 

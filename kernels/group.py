@@ -40,8 +40,8 @@ def rotated_input(x: mx.array, m: Member) -> mx.array:
     return xr
 
 
-def reference_group(x: mx.array, members: tuple[Member, ...]) -> list[mx.array]:
-    """Each member on its own: rotate, GEMV or GEMM, cast, bias."""
+def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None) -> list[mx.array]:
+    """Each member on its own: rotate, GEMV or GEMM, cast, bias (`prepared` is unused)."""
     outs = []
     for m in members:
         y = dispatch.tq_linear(
@@ -79,7 +79,12 @@ def fusable(members: tuple[Member, ...], rows_per_block: int = 8) -> bool:
 dispatch.add_op("linear_group", reference_group)
 
 
-def tq_linear_group(x: mx.array, members: tuple[Member, ...]) -> list[mx.array]:
-    """[x W_i^T + b_i for each member], in x's dtype, on the device's best kernel."""
+def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None
+                    ) -> list[mx.array]:
+    """[x W_i^T + b_i for each member], in x's dtype, on the device's best kernel.
+
+    `prepared`: a dict the caller keeps with these members (and clears when their arrays
+    change), where a backend keeps what it derived from them (kernel layouts, launches);
+    without it the backend keeps them in a cache of its own, keyed on the arrays."""
     check_members(x, members)
-    return dispatch.get("linear_group")(x, members)
+    return dispatch.get("linear_group")(x, members, prepared)

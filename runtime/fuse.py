@@ -2,7 +2,7 @@
 
 mlx-lm's attention calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` on the same x, and its MLPs
 `gate_proj(x)` and `up_proj(x)`. `group_linears(model)` turns such siblings into
-`TQGroupedLinear`s sharing a `_Group`: the first of them called with a new x computes
+`TQGroupedLinear`s sharing a `layers.LinearGroup`: the first of them called with a new x computes
 every member's output in one `kernels.tq_linear_group` call (on CUDA: one rotation launch
 for all seeds and one GEMV over the stacked rows), the others return their share for that
 same x. Parameters, their names and the results are unchanged; only the launches are
@@ -17,39 +17,15 @@ import mlx.nn as nn
 from turboquant import kernels
 from turboquant.kernels import dispatch, group
 
-from .layers import TQLinear
+from .layers import LinearGroup, TQLinear
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class _Group:
-    """The member layers and the last input they ran on (a plain object, not a Module,
-    so its layers are not parameters twice)."""
-
-    def __init__(self, layers: list[TQLinear]):
-        self.layers = layers
-        self.members: tuple[kernels.Member, ...] = ()
-        self.last: tuple[mx.array, list[mx.array]] | None = None
-
-    def outputs(self, x: mx.array) -> list[mx.array]:
-        if self.last is None or self.last[0] is not x:
-            if not self._current():  # weights replaced (load_weights): describe them anew
-                self.members = tuple(layer.member() for layer in self.layers)
-            self.last = (x, kernels.tq_linear_group(x, self.members))
-        return self.last[1]
-
-    def _current(self) -> bool:
-        return len(self.members) == len(self.layers) and all(
-            m.codes is layer["codes"] and m.scales is layer["scales"]
-            and m.bias is layer.get("bias")
-            for m, layer in zip(self.members, self.layers)
-        )
 
 
 class TQGroupedLinear(TQLinear):
     """A TQLinear that, for a few tokens, takes its output from its group's shared call."""
 
-    def join(self, shared: _Group, index: int) -> None:
+    def join(self, shared: LinearGroup, index: int) -> None:
         self._group, self._index = shared, index
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -84,7 +60,7 @@ def group_linears(model: nn.Module) -> int:
                 continue
             for batch in _batches(layers):
                 grouped = [layers[i] for i in batch]
-                shared = _Group(grouped)
+                shared = LinearGroup(grouped)
                 for k, layer in enumerate(grouped):
                     layer.__class__ = TQGroupedLinear  # same state, grouped forward
                     layer.join(shared, k)

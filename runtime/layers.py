@@ -133,7 +133,42 @@ class TQLinear(_TQBase):
                 f"{type(self).__name__} expects inputs with last axis {self.input_dims}, "
                 f"got {tuple(x.shape)}"
             )
-        return kernels.tq_linear_group(x, (self.member(),))[0]
+        alone = self.__dict__.get("_alone")
+        if alone is None:
+            alone = self._alone = LinearGroup([self])
+        return alone.outputs(x)[0]
+
+
+class LinearGroup:
+    """TQLinears that read the same input, run as one `kernels.tq_linear_group` call.
+
+    Keeps the members' description and what a backend prepared for them (kernel layouts,
+    launch arguments) until a layer's arrays are replaced, and the last input with its
+    outputs, so the members called after the first on that same x take their share. A
+    plain object, not a Module: the layers' parameters are not listed twice.
+    """
+
+    def __init__(self, layers: list[TQLinear]):
+        self.layers = layers
+        self.members: tuple[kernels.Member, ...] = ()
+        self.prepared: dict = {}
+        self.last: tuple[mx.array, list[mx.array]] | None = None
+
+    def outputs(self, x: mx.array) -> list[mx.array]:
+        if self.last is None or self.last[0] is not x:
+            if not self._current():  # new or replaced weights: describe them anew
+                self.members = tuple(layer.member() for layer in self.layers)
+                self.prepared = {}
+            ys = kernels.tq_linear_group(x, self.members, self.prepared)
+            self.last = (x, ys)
+        return self.last[1]
+
+    def _current(self) -> bool:
+        return len(self.members) == len(self.layers) and all(
+            m.codes is layer["codes"] and m.scales is layer["scales"]
+            and m.bias is layer.get("bias")
+            for m, layer in zip(self.members, self.layers)
+        )
 
 
 class TQSwitchLinear(_TQBase):
@@ -281,4 +316,4 @@ class TQEmbedding(_TQBase):
         ).astype(x.dtype)
 
 
-__all__ = ["TQEmbedding", "TQLinear", "TQSwitchLinear", "padded"]
+__all__ = ["LinearGroup", "TQEmbedding", "TQLinear", "TQSwitchLinear", "padded"]

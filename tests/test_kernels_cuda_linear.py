@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import group, reference
+from turboquant.kernels import cuda, group, reference
 from turboquant.stages import encode
 
 CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
@@ -45,7 +45,7 @@ CASES = [
     (4096, (4096, 1024, 1024)),  # Llama-3-8B q/k/v
     (4096, (2048, 2048)),  # gate/up shaped
     (14336, (512,)),  # down_proj: 28 x 512 rotation
-    (1000, (64, 40)),  # padded input, last member not a multiple of 8 rows
+    (992, (64, 40)),  # 31 x 32 rotation, padded input, last member not a multiple of 8 rows
     (13824, (256,)),  # dense 27 x 512 rotation
     (16384, (128,)),  # two 8192 halves
 ]
@@ -56,9 +56,11 @@ CASES = [
 def test_group_matches_reference(bits, in_f, outs):
     members = _members(in_f, outs, bits)
     assert group.fusable(members)
+    prepared = {}
     for tokens, dtype in ((1, mx.bfloat16), (3, mx.float16), (2, mx.float32)):
         x = mx.random.normal((tokens, in_f), key=mx.random.key(tokens)).astype(dtype)
-        got = kernels.tq_linear_group(x, members)
+        got = kernels.tq_linear_group(x, members, prepared)
+        assert isinstance(prepared["cuda"], cuda._Plan)  # the kernels ran, not a fallback
         want = _reference(x, members)
         for g, w, m in zip(got, want, members):
             assert g.shape == (tokens, m.out_features) and g.dtype == dtype

@@ -56,9 +56,9 @@ def _count_calls(monkeypatch) -> list[int]:
     calls = []
     real = kernels.tq_linear_group
 
-    def counting(x, members):
+    def counting(x, members, prepared=None):
         calls.append(len(members))
-        return real(x, members)
+        return real(x, members, prepared)
 
     monkeypatch.setattr(kernels, "tq_linear_group", counting)
     return calls
