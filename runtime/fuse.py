@@ -33,7 +33,7 @@ class TQGroupedLinear(TQLinear):
         shared = getattr(self, "_group", None)
         if shared is None or tokens > dispatch.MATVEC_MAX_TOKENS:
             return super().__call__(x)
-        return shared.outputs(x)[self._index]
+        return shared.output(x, self._index)
 
 
 def _batches(layers: list[TQLinear]) -> list[list[int]]:

@@ -136,32 +136,38 @@ class TQLinear(_TQBase):
         alone = self.__dict__.get("_alone")
         if alone is None:
             alone = self._alone = LinearGroup([self])
-        return alone.outputs(x)[0]
+        return alone.output(x, 0)
 
 
 class LinearGroup:
     """TQLinears that read the same input, run as one `kernels.tq_linear_group` call.
 
     Keeps the members' description and what a backend prepared for them (kernel layouts,
-    launch arguments) until a layer's arrays are replaced, and the last input with its
-    outputs, so the members called after the first on that same x take their share. A
-    plain object, not a Module: the layers' parameters are not listed twice.
+    launch arguments) until a layer's arrays are replaced. The first member called with a
+    new x computes every output; the others take theirs for that same x, and the outputs
+    are let go once every member has taken its own (nothing outlives the forward pass).
+    A plain object, not a Module: the layers' parameters are not listed twice.
     """
 
     def __init__(self, layers: list[TQLinear]):
         self.layers = layers
         self.members: tuple[kernels.Member, ...] = ()
         self.prepared: dict = {}
-        self.last: tuple[mx.array, list[mx.array]] | None = None
+        self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
 
-    def outputs(self, x: mx.array) -> list[mx.array]:
-        if self.last is None or self.last[0] is not x:
+    def output(self, x: mx.array, index: int) -> mx.array:
+        """Member `index`'s output for x."""
+        if self.pending is None or self.pending[0] is not x:
             if not self._current():  # new or replaced weights: describe them anew
                 self.members = tuple(layer.member() for layer in self.layers)
                 self.prepared = {}
             ys = kernels.tq_linear_group(x, self.members, self.prepared)
-            self.last = (x, ys)
-        return self.last[1]
+            self.pending = (x, ys, set(range(len(ys))))
+        _, ys, waiting = self.pending
+        waiting.discard(index)
+        if not waiting:
+            self.pending = None
+        return ys[index]
 
     def _current(self) -> bool:
         return len(self.members) == len(self.layers) and all(

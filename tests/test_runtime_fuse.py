@@ -113,3 +113,19 @@ def test_fusable_rules():
 def test_group_checks_the_input_width():
     with pytest.raises(ValueError, match="last axis"):
         kernels.tq_linear_group(mx.zeros((1, 96)), (_member(64),))
+
+
+def test_no_output_outlives_the_forward_pass(tmp_path):
+    """Groups hand each member its output once; nothing is held after the step (a held
+    prefill output per layer would be gigabytes on a big model)."""
+    from turboquant.runtime.layers import LinearGroup
+
+    model, _ = load(_repo(tmp_path, "llama"))
+    group_linears(model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(PROMPT, cache=cache))  # prefill: layers one by one
+    mx.eval(model(PROMPT[:, :1], cache=cache))  # decode: grouped
+    groups = {id(g): g for _, m in model.named_modules()
+              for g in (m.__dict__.get("_alone"), m.__dict__.get("_group")) if g is not None}
+    assert groups and all(isinstance(g, LinearGroup) for g in groups.values())
+    assert all(g.pending is None for g in groups.values())
