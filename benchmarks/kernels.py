@@ -208,7 +208,7 @@ def breakdown(bits: int = 3) -> None:
 
 
 def print_layer(rows: list[dict], bits: int) -> None:
-    print(f"microseconds per call of a Llama-3-8B layer's linears, x bf16 (rotation included for TQ)")
+    print("microseconds per call of a Llama-3-8B layer's linears, x bf16 (rotation included for TQ)")
     cols = ["bf16", "affine4", f"affine{bits}", f"tq{bits}_single", f"tq{bits}"]
     cols = list(dict.fromkeys(cols))
     print(f"{'linears':>8} {'shape':>18} " + " ".join(f"{c:>10}" for c in cols) + "  aff4/tq")

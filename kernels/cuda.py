@@ -31,6 +31,7 @@ from . import cuda_gemv, cuda_rotate, dispatch, group
 # goes when any of its sources is freed, so a dropped model takes its layouts with it
 _PREPARED: dict[tuple, tuple] = {}
 
+
 def _padded64(padded_in: int) -> int:
     return math.ceil(padded_in / 64) * 64
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from turboquant import kernels
 from turboquant.kernels import dispatch, group
 
 from .layers import LinearGroup, TQLinear

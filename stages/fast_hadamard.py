@@ -211,7 +211,6 @@ def _rotate_kernel(x, signs, mat, p, split, s_split, s_p, s_mix, tile, out, ener
     than the literal ones where one loop both reads and writes the same buffer."""
     rows, n = x.shape
     gs, big_a, big_b = out.shape[0], out.shape[1], out.shape[2]
-    block = n // big_a
     want_energy = energy.shape[2] == rows
     # with no a-factor the last scale is applied on the way out (x * 1.0 is exact)
     scale = s_p if n == p else np.float32(1.0)
