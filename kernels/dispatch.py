@@ -1,9 +1,9 @@
-"""Pick a kernel implementation for the current device: CUDA, Metal, or the MLX reference.
+"""Pick a kernel implementation for the current device: CUDA, Metal, CPU, or the reference.
 
-A backend module (`kernels/cuda.py`, `kernels/metal.py`) calls `register(backend, op, fn)`
-for the ops it implements, with the reference's signature. `get(op)` returns the backend's
-kernel when `mx.default_device()` is a GPU of that kind and one is registered, and the
-reference otherwise, so a backend may implement only some ops (say, the 4-bit GEMV) and
+A backend module (`kernels/cuda.py`, `kernels/metal.py`, `kernels/cpu.py`) calls
+`register(backend, op, fn)` for the ops it implements, with the reference's signature.
+`get(op)` returns the backend's kernel for `mx.default_device()` (a GPU of that kind, or
+the CPU) when one is registered, and the pure-MLX reference otherwise, so a backend may implement only some ops (say, the 4-bit GEMV) and
 fall back for the rest by raising `NotImplementedError`.
 
 Ops: "matvec" (GEMV), "matmul" (GEMM), "gather_matmul" (experts), "embedding" (row decode);
@@ -45,10 +45,13 @@ def add_op(op: str, reference_fn: Callable) -> None:
     _REFERENCE[op] = reference_fn
 
 
+BACKENDS = ("cpu", "cuda", "metal")
+
+
 def register(backend: str, op: str, fn: Callable) -> None:
-    """Make `fn` the `op` kernel on `backend` ("cuda" or "metal")."""
-    if backend not in ("cuda", "metal"):
-        raise ValueError(f"unknown backend {backend!r}: use 'cuda' or 'metal'")
+    """Make `fn` the `op` kernel on `backend` ("cpu", "cuda" or "metal")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
     if op not in _REFERENCE:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()} (add_op adds one)")
     _TABLE[(backend, op)] = fn
@@ -95,16 +98,14 @@ def get(op: str, device_backend: str | None = None) -> Callable:
     if op not in _REFERENCE:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
     name = device_backend or backend()
-    if name != "cpu":
-        _load_backend(name)
-        wrapped = _WRAPPED.get((name, op))
-        if wrapped is None:
-            fn = _TABLE.get((name, op))
-            if fn is None:
-                return _REFERENCE[op]
-            wrapped = _WRAPPED[(name, op)] = _with_fallback(fn, _REFERENCE[op])
-        return wrapped
-    return _REFERENCE[op]
+    _load_backend(name)
+    wrapped = _WRAPPED.get((name, op))
+    if wrapped is None:
+        fn = _TABLE.get((name, op))
+        if fn is None:
+            return _REFERENCE[op]
+        wrapped = _WRAPPED[(name, op)] = _with_fallback(fn, _REFERENCE[op])
+    return wrapped
 
 
 def _with_fallback(fn: Callable, ref: Callable) -> Callable:
@@ -121,8 +122,7 @@ def _with_fallback(fn: Callable, ref: Callable) -> Callable:
 def describe() -> dict[str, str]:
     """op -> 'backend' or 'reference' for the current device (for logs and docs)."""
     name = backend()
-    if name != "cpu":
-        _load_backend(name)
+    _load_backend(name)
     return {op: (name if (name, op) in _TABLE else "reference") for op in _REFERENCE}
 
 

@@ -26,7 +26,9 @@ by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does n
     whose attention is fused) + 28 x hidden x T, plus the MLP tiles below;
   * prefill MLP: (8 x hidden + 24 x ffn) x T + the decode tiles of one layer's MLP
     (or of one expert), ffn = the dense MLP width, or top-k x expert width + shared experts;
-  * decode: the tiles of one layer's top-k experts (or dense MLP), or of the lm_head.
+  * decode: the tiles of one layer's top-k experts (or dense MLP), or of the lm_head;
+    none on Metal, and only the experts' where a GEMV kernel runs the dense linears
+    (CUDA; the CPU with numba).
   T = min(prefill chunk, context) (mlx-lm prefills 2048 tokens at a time), S = context.
   A "tile" is what the reference kernels decode at once: min(weights, 4 x 4Mi) x 8.15
   bytes (2 and 4 bits, ternary) or x 20.1 bytes (3 bits: the unpacking needs more).
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+from turboquant.stages.fast_hadamard import AVAILABLE as NUMBA
 
 from .fit_model import ModelShape, max_position, model_shape, round_up
 from .fit_weights import Inventory, Weight
@@ -386,8 +390,15 @@ class _Tiles:
         # seen to overlap the last layer's last MLP tile
         self.head = head if has_head else emb
         decode = max(body, self.head + single) if self.head else body
-        # Metal decodes one token with its GEMV kernels: no decoded tiles
-        self.decode = 0.0 if backend_name == "metal" else decode
+        # Metal decodes one token with its GEMV kernels: no decoded tiles. CUDA and the CPU
+        # (with numba) have GEMV kernels for the dense linears; their experts still decode
+        # the gathered rows' tiles
+        if backend_name == "metal":
+            self.decode = 0.0
+        elif backend_name == "cuda" or (backend_name == "cpu" and NUMBA):
+            self.decode = max((gathered.get(i, 0) for i in layers), default=0.0)
+        else:
+            self.decode = decode
 
 
 def _phases(shape: ModelShape, tiles: _Tiles, context: int, act: int, backend_name: str,

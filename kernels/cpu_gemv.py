@@ -1,0 +1,140 @@
+"""A compiled CPU GEMV for TurboQuant weights (numba): decode and dot in one pass.
+
+On MLX's CPU backend the pure-MLX reference decodes a whole weight matrix per token in a
+dozen array ops (unpack, gather, multiply, two sums); this does, per row, the unpack into a
+row of levels and the per-group dot products with every activation row, rows spread over
+the cores (`numba.prange`). Same algorithm and layout as the reference (docs/FORMAT.md):
+
+    y[m, r] = sum_g scale[r, g] * sum_j levels[code[r, g*gs + j]] * x[m, g*gs + j]
+
+- 2/4 bits: code i of a word at bit width*i; 3 bits: 32 codes in 3 words, code k at bit 3k
+  of the 96 (code 21 straddles words 1 and 2); ternary: 20 base-3 trits a word, least
+  significant first;
+- float16 scales are read as their bits and widened in the kernel (no float32 copy kept);
+- sums in float32; the dot products may be reordered (fast-math), so results equal the
+  reference to float32 rounding, not bit for bit.
+
+`available()` is False without numba (or with TURBOQUANT_NO_NUMBA=1): the reference runs.
+Compiled on first use and cached on disk by numba.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from turboquant.stages.fast_hadamard import AVAILABLE
+
+ROWS_PER_TASK = 16  # rows one parallel task decodes (one levels buffer each)
+_LOCK = threading.Lock()
+_KERNEL = []
+
+
+def available() -> bool:
+    return AVAILABLE
+
+
+def _half_to_float(h):
+    """An IEEE float16 given as its 16 bits, widened to float32 exactly."""
+    sign = (h >> 15) & 1
+    exp = (h >> 10) & 0x1F
+    frac = h & 0x3FF
+    if exp == 0:
+        v = np.float32(frac) * np.float32(2.0**-24)
+    elif exp == 31:
+        v = np.float32(np.inf) if frac == 0 else np.float32(np.nan)
+    else:
+        v = np.float32(1.0 + frac / 1024.0) * np.float32(2.0 ** (exp - 15))
+    return -v if sign else v
+
+
+def _decode_row(words, bits, book, out):
+    """Levels of one packed row into out (padded_in,)."""
+    n = out.shape[0]
+    if bits == 3:
+        for b in range(words.shape[0] // 3):
+            lo = np.uint64(words[3 * b]) | (np.uint64(words[3 * b + 1]) << np.uint64(32))
+            hi = np.uint64(words[3 * b + 2])
+            for k in range(32):
+                j = 32 * b + k
+                if j >= n:
+                    return
+                bit = 3 * k
+                if bit < 62:
+                    c = (lo >> np.uint64(bit)) & np.uint64(7)
+                elif bit == 63:
+                    c = ((lo >> np.uint64(63)) | (hi << np.uint64(1))) & np.uint64(7)
+                else:
+                    c = (hi >> np.uint64(bit - 64)) & np.uint64(7)
+                out[j] = book[c]
+    elif bits == 0:  # ternary
+        for w in range(words.shape[0]):
+            v = words[w]
+            for t in range(20):
+                j = 20 * w + t
+                if j >= n:
+                    return
+                out[j] = book[v % 3]
+                v //= 3
+    else:
+        per = 32 // bits
+        mask = (1 << bits) - 1
+        for w in range(words.shape[0]):
+            v = words[w]
+            for i in range(per):
+                j = per * w + i
+                if j >= n:
+                    return
+                out[j] = book[(v >> (bits * i)) & mask]
+
+
+def _gemv(x, codes, scales, book, bits, group_size, out):
+    """out (M, R) = TurboQuant rows (codes (R, W), scales (R, G) as uint16) times x (M, P)."""
+    rows = codes.shape[0]
+    m_rows, padded = x.shape
+    groups = padded // group_size
+    tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in _prange(tasks):
+        levels = np.empty(padded, dtype=np.float32)
+        for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+            _decode_row(codes[r], bits, book, levels)
+            for m in range(m_rows):
+                acc = np.float32(0.0)
+                for g in range(groups):
+                    s = np.float32(0.0)
+                    base = g * group_size
+                    for i in range(group_size):
+                        s += levels[base + i] * x[m, base + i]
+                    acc += s * _half_to_float(scales[r, g])
+                out[m, r] = acc
+
+
+def _prange(n):  # numba.prange once compiled
+    return range(n)
+
+
+def _compiled():
+    with _LOCK:
+        if not _KERNEL:
+            import numba
+
+            scope = globals()
+            opts = dict(cache=True, nogil=True, error_model="numpy")
+            scope["_half_to_float"] = numba.njit(**opts)(_half_to_float)
+            scope["_decode_row"] = numba.njit(**opts)(_decode_row)
+            scope["_prange"] = numba.prange
+            _KERNEL.append(numba.njit(parallel=True, fastmath=True, **opts)(_gemv))
+    return _KERNEL[0]
+
+
+def gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, book: np.ndarray, bits,
+         group_size: int) -> np.ndarray:
+    """(M, R) float32 for x (M, padded_in) float32, codes (R, words) uint32, scales (R,
+    groups) float16, book the codebook (float32), bits 2/3/4 or "ternary"."""
+    out = np.empty((x.shape[0], codes.shape[0]), dtype=np.float32)
+    _compiled()(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
+                np.ascontiguousarray(scales).view(np.uint16),
+                np.ascontiguousarray(book, dtype=np.float32),
+                0 if bits == "ternary" else int(bits), int(group_size), out)
+    return out
