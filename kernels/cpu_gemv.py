@@ -3,7 +3,7 @@
 On MLX's CPU backend the pure-MLX reference decodes a whole weight matrix per token in a
 dozen array ops (unpack, gather, multiply, two sums); this does, per row, the unpack into a
 row of levels and the per-group dot products with every activation row, rows spread over
-the cores (`numba.prange`). Same algorithm and layout as the reference (docs/FORMAT.md):
+the cores (`numba.prange`). Same algorithm and layout as the reference (docs/FORMAT.md), for one token or a prefill's many:
 
     y[m, r] = sum_g scale[r, g] * sum_j levels[code[r, g*gs + j]] * x[m, g*gs + j]
 
@@ -96,18 +96,28 @@ def _gemv(x, codes, scales, book, bits, group_size, out):
     groups = padded // group_size
     tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in _prange(tasks):
-        levels = np.empty(padded, dtype=np.float32)
-        for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
-            _decode_row(codes[r], bits, book, levels)
-            for m in range(m_rows):
+        r0 = task * ROWS_PER_TASK
+        count = min(rows, r0 + ROWS_PER_TASK) - r0
+        # the task's rows decoded once, then every activation row against all of them:
+        # x is read once per task, whatever the number of tokens
+        levels = np.empty((ROWS_PER_TASK, padded), dtype=np.float32)
+        widened = np.empty((ROWS_PER_TASK, groups), dtype=np.float32)
+        for k in range(count):
+            _decode_row(codes[r0 + k], bits, book, levels[k])
+            for g in range(groups):
+                widened[k, g] = _half_to_float(scales[r0 + k, g])
+        for m in range(m_rows):
+            xm = x[m]
+            for k in range(count):
+                lk = levels[k]
                 acc = np.float32(0.0)
                 for g in range(groups):
                     s = np.float32(0.0)
                     base = g * group_size
                     for i in range(group_size):
-                        s += levels[base + i] * x[m, base + i]
-                    acc += s * _half_to_float(scales[r, g])
-                out[m, r] = acc
+                        s += lk[base + i] * xm[base + i]
+                    acc += s * widened[k, g]
+                out[m, r0 + k] = acc
 
 
 def _prange(n):  # numba.prange once compiled

@@ -89,8 +89,9 @@ def test_the_cpu_dispatch_runs_it_and_layers_agree_with_the_decoded_weights():
     from turboquant.runtime.layers import TQLinear
 
     layer = TQLinear.from_quantized(qt)
-    x = mx.random.normal((2, 1, 300))
-    want = x @ decode(qt).T
-    got = layer(x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                               atol=2e-5 * float(mx.abs(want).max()))
+    for tokens in (1, 40):  # decode (the CPU kernel), and a prefill (the reference GEMM)
+        x = mx.random.normal((2, tokens, 300))
+        want = x @ decode(qt).T
+        got = layer(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=2e-5 * float(mx.abs(want).max()))
