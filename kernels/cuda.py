@@ -46,25 +46,28 @@ def _repack_one(codes, scales, bits, group_size, padded_in):
     return low, high, scales
 
 
-def _cached(sources: tuple, build, evaluate=lambda v: v):
+def _cached(sources: tuple, build):
+    """build(), kept until one of `sources` is freed (or replaced under the same id)."""
     key = tuple(id(a) for a in sources)
     hit = _PREPARED.get(key)
     if hit is None or any(ref() is not a for ref, a in zip(hit[0], sources)):
-        value = build()
-        if value is not None:
-            mx.eval(evaluate(value))
 
         def forget(_, key=key):
             _PREPARED.pop(key, None)
 
-        hit = (tuple(weakref.ref(a, forget) for a in sources), value)
+        hit = (tuple(weakref.ref(a, forget) for a in sources), build())
         _PREPARED[key] = hit
     return hit[1]
 
 
 def prepared(codes: mx.array, scales: mx.array, bits: int, group_size: int, padded_in: int):
     """The kernel's layout of one weight, built on first use."""
-    return _cached((codes,), lambda: _repack_one(codes, scales, bits, group_size, padded_in))
+    def build():
+        layout = _repack_one(codes, scales, bits, group_size, padded_in)
+        mx.eval(layout)
+        return layout
+
+    return _cached((codes,), build)
 
 
 def _repack_group(members):
@@ -159,8 +162,7 @@ def linear_group(x, members, prepared=None):
     plan = None if prepared is None else prepared.get("cuda")
     if plan is None:
         if prepared is None:  # no caller-held cache: one per set of weights, freed with them
-            plan = _cached(tuple(m.codes for m in members), lambda: _plan(members),
-                           evaluate=lambda v: [])
+            plan = _cached(tuple(m.codes for m in members), lambda: _plan(members))
         else:
             plan = prepared["cuda"] = _plan(members)
     if plan is _UNFUSABLE:

@@ -152,20 +152,14 @@ def _cached_operands(seeds: tuple[int, ...], n: int):
 
 def rotate(x: mx.array, seeds: tuple[int, ...], width: int) -> mx.array:
     """x (rows, n) -> (S, rows, width) float16: each seed's rotation, zero-padded."""
-    signs, mix, a, p = _cached_operands(tuple(seeds), x.shape[-1])
-    return rotate_with(x, signs, mix, a, p, width)
-
-
-def rotate_with(x: mx.array, signs: mx.array, mix: mx.array, a: int, p: int,
-                width: int) -> mx.array:
-    """`rotate` on operands from `operands`."""
     rows, n = x.shape
-    return launch(n, a, p, width, signs.shape[0], rows, x.dtype)(x, signs, mix)
+    signs, mix, a, p = _cached_operands(tuple(seeds), n)
+    return launch(n, a, p, width, len(seeds), rows, x.dtype)(x, signs, mix)
 
 
 def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
            squeeze: bool = False):
-    """The launch `rotate_with` makes, as a function of (x, signs, mix): built once by
+    """The launch `rotate` makes, as a function of (x, signs, mix): built once by
     callers that keep it (a TurboQuant linear on every token). x may have any leading
     shape with `rows` rows in all; `squeeze` drops the seed axis of a single seed."""
     if width < n:

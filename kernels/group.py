@@ -31,13 +31,19 @@ class Member:
     bias: mx.array | None = None
 
 
-def rotated_input(x: mx.array, m: Member) -> mx.array:
-    """R^T x in float32, zero-padded to the member's padded_in."""
-    xr = rotate(x.astype(mx.float32), m.seed)
-    pad = m.padded_in - m.in_features
+def rotate_padded(x: mx.array, seed: int, padded_in: int) -> mx.array:
+    """R^T x along the last axis in float32, zero-padded to padded_in: what every kernel
+    takes (TurboQuant layers rotate their inputs with this)."""
+    xr = rotate(x.astype(mx.float32), seed)
+    pad = padded_in - x.shape[-1]
     if pad:
         xr = mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
     return xr
+
+
+def rotated_input(x: mx.array, m: Member) -> mx.array:
+    """R^T x in float32, zero-padded to the member's padded_in."""
+    return rotate_padded(x, m.seed, m.padded_in)
 
 
 def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None) -> list[mx.array]:

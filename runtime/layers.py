@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turboquant import kernels
+from turboquant.kernels.group import rotate_padded
 from turboquant.kernels.reference import check_bits, words_per_row
-from turboquant.stages import rotate, unrotate
+from turboquant.stages import unrotate
 
 
 def padded(in_features: int, group_size: int) -> int:
@@ -56,18 +57,17 @@ class _TQBase(nn.Module):
             refit=True,
         )
 
-    def rotate_input(self, x: mx.array) -> mx.array:
-        """R^T x along the last axis in float32, zero-padded to padded_in."""
+    def check_input(self, x: mx.array) -> None:
         if x.shape[-1] != self.input_dims:
             raise ValueError(
                 f"{type(self).__name__} expects inputs with last axis {self.input_dims}, "
                 f"got {tuple(x.shape)}"
             )
-        xr = rotate(x.astype(mx.float32), self.seed)
-        pad = self.padded_in - self.input_dims
-        if pad:
-            xr = mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
-        return xr
+
+    def rotate_input(self, x: mx.array) -> mx.array:
+        """R^T x along the last axis in float32, zero-padded to padded_in."""
+        self.check_input(x)
+        return rotate_padded(x, self.seed, self.padded_in)
 
     def _decode_rows(self, codes, scales) -> mx.array:
         """Dense float32 rows in the original basis (..., input_dims): for tests and debugging."""
@@ -128,11 +128,7 @@ class TQLinear(_TQBase):
         )
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.shape[-1] != self.input_dims:
-            raise ValueError(
-                f"{type(self).__name__} expects inputs with last axis {self.input_dims}, "
-                f"got {tuple(x.shape)}"
-            )
+        self.check_input(x)
         alone = self.__dict__.get("_alone")
         if alone is None:
             alone = self._alone = LinearGroup([self])

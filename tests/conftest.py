@@ -60,3 +60,14 @@ def hub_server(tmp_path_factory):
         server.api = lambda: HfApi(endpoint=server.url, token=HUB_TEST_TOKEN)
         server.offline = hub_offline
         yield server
+
+
+@pytest.fixture(scope="module")
+def tq_repo(tmp_path_factory):
+    """A tiny 4-bit Llama-shaped TurboQuant repo (the serve tests share it)."""
+    from test_runtime_fixtures import make_checkpoint, write_repo
+
+    path = tmp_path_factory.mktemp("tq") / "tiny-tq"
+    config, weights = make_checkpoint("llama")
+    write_repo(path, config, weights, bits=4)
+    return path

@@ -24,16 +24,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tq_repo(tmp_path_factory):
-    from test_runtime_fixtures import make_checkpoint, write_repo
-
-    path = tmp_path_factory.mktemp("tq") / "tiny-tq"
-    config, weights = make_checkpoint("llama")
-    write_repo(path, config, weights, bits=4)
-    return path
-
-
-@pytest.fixture(scope="module")
 def served(tq_repo):
     port = _free_port()
     proc = subprocess.Popen(

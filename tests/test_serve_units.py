@@ -140,16 +140,6 @@ def test_context_comes_from_the_flag_then_the_config():
     assert max_context_of({}) == 4096
 
 
-@pytest.fixture(scope="module")
-def tq_repo(tmp_path_factory):
-    from test_runtime_fixtures import make_checkpoint, write_repo
-
-    path = tmp_path_factory.mktemp("tq") / "tiny-tq"
-    config, weights = make_checkpoint("llama")
-    write_repo(path, config, weights, bits=4)
-    return path
-
-
 def test_load_model_uses_the_runtime_for_turboquant_repos_and_mlx_lm_otherwise(tq_repo,
                                                                               tmp_path):
     from test_serve_server import write_tiny_llama
