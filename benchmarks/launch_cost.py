@@ -157,17 +157,25 @@ def project_launches() -> dict:
                                         padded_in=p, bias=None))
         members = tuple(members)
         x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
-        plan = cuda._Plan(members)
+        tag = "+".join(map(str, outs))
+        fused = cuda.FUSED
+        try:
+            cuda.FUSED = False
+            plan = cuda._Plan(members)
+        finally:
+            cuda.FUSED = fused
         rotate, gemv, expert, row, grouped = plan._launches(x.shape[:-1], x.dtype)
         xr = rotate(x, plan.signs, plan.mix)
         mx.eval(xr)
-        tag = "+".join(map(str, outs))
         rows[f"tq rotate launch {tag}x{in_f}"] = per_call_us(lambda: rotate(x, plan.signs, plan.mix))
         rows[f"tq gemv launch {tag}x{in_f}"] = per_call_us(
             lambda: gemv(xr, plan.low, plan.high, plan.scales, plan.levels, expert, row, plan.bias))
-        rows[f"tq plan call (both) {tag}x{in_f}"] = per_call_us(lambda: plan(x)[0])
+        rows[f"tq unfused plan call {tag}x{in_f}"] = per_call_us(lambda: plan(x)[0])
+        fused_plan = cuda._Plan(members)
+        if fused_plan.fused:
+            rows[f"tq fused plan call {tag}x{in_f}"] = per_call_us(lambda: fused_plan(x)[0])
         prepared = {}
-        rows[f"tq_linear_group {tag}x{in_f}"] = per_call_us(
+        rows[f"tq_linear_group {tag}x{in_f} (default path)"] = per_call_us(
             lambda: group.tq_linear_group(x, members, prepared)[0])
     return rows
 
@@ -234,8 +242,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the decode split")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args()
+    from turboquant.kernels import cuda
+
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(default)")
-    print(f"mlx {mx.__version__}, {mx.default_device()}, MLX_USE_CUDA_GRAPHS={graphs}")
+    print(f"mlx {mx.__version__}, {mx.default_device()}, MLX_USE_CUDA_GRAPHS={graphs}, "
+          f"TurboQuant linears {'fused' if cuda.FUSED else 'unfused'} (TURBOQUANT_CUDA_FUSED)")
     print("host microseconds per call, graph building only:")
     for name, us in graph_building().items():
         print(f"  {name:<48} {us:7.2f}", flush=True)

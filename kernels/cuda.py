@@ -1,9 +1,10 @@
 """CUDA kernels for the dispatch table; imported when MLX runs on an NVIDIA GPU.
 
 - "linear_group": a TurboQuant linear, or several reading one input (q/k/v, gate/up), for
-  a few tokens: `cuda_rotate` rotates x for every member in one launch, then one
-  `cuda_gemv` launch runs over the members' stacked rows and writes each member's output
-  in x's dtype, bias added. Two launches per group in place of ~8 MLX ops per linear.
+  a few tokens, in one launch (`cuda_linear`: each block rotates x with its member's seed,
+  then runs the GEMV over its rows of the members' stacked weights) that writes each
+  member's output in x's dtype, bias added. With TURBOQUANT_CUDA_FUSED=0 (for comparison)
+  it is two launches: `cuda_rotate` for all members, then one `cuda_gemv`.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
 
 Ternary, prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) and gathered experts
@@ -19,13 +20,17 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import weakref
 
 import mlx.core as mx
 
 from turboquant.stages import codebook_values, unpack_codes
 
-from . import cuda_gemv, cuda_rotate, dispatch, group
+from . import cuda_gemv, cuda_linear, cuda_rotate, dispatch, group
+
+# one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
+FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
 
 # id(sources) -> (weak refs to the arrays it was built from, prepared value); an entry
 # goes when any of its sources is freed, so a dropped model takes its layouts with it
@@ -97,7 +102,8 @@ def _pair_arrays(rows: int) -> tuple[mx.array, mx.array]:
 
 class _Plan:
     """A group's operands in the kernels' layout and its launches per input shape: what
-    every token reuses, so a call is two kernel launches and a few lines of Python."""
+    every token reuses, so a call is one kernel launch (two unfused) and a few lines of
+    Python."""
 
     def __init__(self, members):
         first = members[0]
@@ -112,13 +118,19 @@ class _Plan:
         self.ends = tuple(itertools.accumulate(m.out_features for m in members))
         self.widths = tuple(m.out_features for m in members)
         self.width = _padded64(first.padded_in)
-        self.launches: dict[tuple, tuple] = {}
+        self.fused = FUSED and cuda_linear.fits(self.n, self.width, self.a)
+        self.launches: dict[tuple, object] = {}
         mx.eval(self.signs, self.mix, self.low, self.high, self.scales, self.bias)
 
     def _launches(self, lead: tuple, dtype):
         tokens = math.prod(lead)
         grouped = len(self.ends) > 1
         out_dtype = dtype if dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+        if self.fused:
+            return cuda_linear.launch(
+                n=self.n, a=self.a, padded=self.width, bits=self.bits,
+                group_size=self.group_size, ends=self.ends, lead=lead, in_dtype=dtype,
+                out_dtype=out_dtype, add_bias=self.has_bias)
         rotate = cuda_rotate.launch(self.n, self.a, self.p, self.width, len(self.ends), tokens,
                                     dtype, squeeze=True)
         gemv = cuda_gemv.launch(
@@ -138,6 +150,9 @@ class _Plan:
         hit = self.launches.get(key)
         if hit is None:
             hit = self.launches[key] = self._launches(*key)
+        if self.fused:
+            return hit(x, self.signs, self.mix, self.low, self.high, self.scales, self.levels,
+                       self.bias)
         rotate, gemv, expert, row, grouped = hit
         xr = rotate(x, self.signs, self.mix)
         ys = gemv(xr, self.low, self.high, self.scales, self.levels, expert, row, self.bias)

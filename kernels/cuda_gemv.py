@@ -31,7 +31,7 @@ ROWS_PER_WARP = 8
 WARPS_WANTED = 2048  # about 16 warps per SM on an H100/H200: enough loads in flight
 WARPS_PER_BLOCK = 4
 
-_HEADER = r"""
+HEADER = r"""
 #include <cuda_fp16.h>
 
 __device__ __forceinline__ void tq_tables(const float* levels, int n, uint32_t t[8]) {
@@ -87,27 +87,11 @@ __device__ __forceinline__ float tq_hsum(__half2 v) {
 }
 """
 
-# Inputs: x (pairs' rows of the permuted, padded activations, fp16), codes planes, scales,
-# levels, pair_expert (which expert a pair reads), pair_row (which x row).
-_SOURCE = r"""
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int pair = blockIdx.y;
-  const int row0 = warp * ROWS_PER_WARP;
-  if (row0 >= OUT) return;
-  uint32_t t[8];
-  tq_tables(levels, 1 << BITS, t);
-
-  // a group of linears sharing one input: rows [END_{s-1}, END_s) are member s, which
-  // reads x block s (its own rotation) and writes output s
-  int seg = 0;
-  if (SEGS > 1) seg += row0 >= END0;
-  if (SEGS > 2) seg += row0 >= END1;
-  const int expert = pair_expert[pair];
-  const uint4* xr = reinterpret_cast<const uint4*>(
-      x + ((size_t)seg * XROWS + pair_row[pair]) * PADDED);
+# The rows of one warp, shared with the fused linear kernel (`cuda_linear`): rows
+# [row0, row0 + ROWS_PER_WARP) of `expert` against the activations TQ_X(g, i) (uint4 i of
+# 64-code group g), each finished row v stored by TQ_STORE; needs lane, pair, seg, t.
+ROWS = r"""
   constexpr int GROUPS = PADDED / 64;
-  
   float total[ROWS_PER_WARP];
   #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) total[r] = 0.f;
@@ -121,7 +105,7 @@ _SOURCE = r"""
     // issue every load of this step before any arithmetic
     uint4 xv[8];
     #pragma unroll
-    for (int i = 0; i < 8; ++i) xv[i] = __ldg(xr + g * 8 + i);
+    for (int i = 0; i < 8; ++i) xv[i] = TQ_X(g, i);
     uint4 cw[ROWS_PER_WARP][BITS == 4 ? 2 : 1];
     uint2 hw[ROWS_PER_WARP];
     #pragma unroll
@@ -195,8 +179,31 @@ _SOURCE = r"""
   }
 """
 
+# Inputs: x (pairs' rows of the permuted, padded activations, fp16), codes planes, scales,
+# levels, pair_expert (which expert a pair reads), pair_row (which x row).
+_SOURCE = r"""
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int pair = blockIdx.y;
+  const int row0 = warp * ROWS_PER_WARP;
+  if (row0 >= OUT) return;
+  uint32_t t[8];
+  tq_tables(levels, 1 << BITS, t);
+
+  // a group of linears sharing one input: rows [END_{s-1}, END_s) are member s, which
+  // reads x block s (its own rotation) and writes output s
+  int seg = 0;
+  if (SEGS > 1) seg += row0 >= END0;
+  if (SEGS > 2) seg += row0 >= END1;
+  const int expert = pair_expert[pair];
+  const uint4* xr = reinterpret_cast<const uint4*>(
+      x + ((size_t)seg * XROWS + pair_row[pair]) * PADDED);
+  #define TQ_X(g, i) __ldg(xr + (g) * 8 + (i))
+""" + ROWS
+
+
 # Where a finished row goes: output s holds rows [END_{s-1}, END_s) of the group.
-_STORES = {
+STORES = {
     1: "out0[(size_t)pair * OUT + row] = (OutT)v;",
     2: "if (seg == 0) out0[(size_t)pair * END0 + row] = (OutT)v;\n"
        "      else out1[(size_t)pair * (OUT - END0) + row - END0] = (OutT)v;",
@@ -206,17 +213,24 @@ _STORES = {
 }
 
 
+INPUTS = ["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row", "bias"]
+
+
+def kernel_source(segments: int) -> str:
+    """The kernel's body for a group of `segments` members."""
+    return _SOURCE.replace("TQ_STORE", STORES[segments])
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(segments: int = 1):
     # the source's hash in the name: MLX caches built kernels on disk by name and template
-    tag = hashlib.sha256((_HEADER + _SOURCE + _STORES[segments]).encode()).hexdigest()[:10]
+    tag = hashlib.sha256((HEADER + kernel_source(segments)).encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(
         name=f"tq_gemv{segments}_{tag}",
-        input_names=["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row",
-                     "bias"],
+        input_names=INPUTS,
         output_names=[f"out{s}" for s in range(segments)],
-        source=_SOURCE.replace("TQ_STORE", _STORES[segments]),
-        header=_HEADER,
+        source=kernel_source(segments),
+        header=HEADER,
     )
 
 
@@ -315,8 +329,8 @@ def launch(
     """The launch `gemv` makes, for callers that keep it (see `gemv` for the arguments;
     `x_rows` is the number of rows in each member's block of a group's x)."""
     segments = len(ends) or 1
-    if segments > len(_STORES):
-        raise ValueError(f"at most {len(_STORES)} members in a group, got {segments}")
+    if segments > len(STORES):
+        raise ValueError(f"at most {len(STORES)} members in a group, got {segments}")
     bounds = list(ends[:-1]) + [out_features] * 2
     if any(b % rows_per_warp for b in bounds[: segments - 1]):
         raise ValueError(f"group boundaries {ends} must be multiples of {rows_per_warp}")

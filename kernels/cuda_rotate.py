@@ -36,13 +36,10 @@ THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 
-_SOURCE = r"""
-  TQ_SHARED_BUFFER
-  const int row = blockIdx.x;
-  const int s = blockIdx.y;
-  const int t = threadIdx.x;
-  const InT* xr = x + (size_t)row * N;
-  const float* sg = signs + (size_t)s * N;
+# The rotation of one row, shared with the fused linear kernel (`cuda_linear`): the row
+# `xr` times the signs `sg` into the float buffer `buf`, the radix-2 stages, the A x A mix
+# `mix_s`; TQ_PUT(i, v) stores rotated value i (padding up to OUTW is stored as zeros).
+ROTATE_ROW = r"""
   for (int i = t; i < N; i += THREADS) buf[i] = static_cast<float>(xr[i]) * sg[i];
   __syncthreads();
   // radix-2 stages of the Hadamard over P, on every segment at once
@@ -56,33 +53,48 @@ _SOURCE = r"""
     }
     __syncthreads();
   }
-  __half* o = out + ((size_t)s * gridDim.x + row) * OUTW;
-  const float* mix_s = mix + (size_t)s * A * A;
   for (int j = t; j < P; j += THREADS) {
     float v[A];
     #pragma unroll
     for (int k = 0; k < A; ++k) v[k] = buf[k * P + j];
-    #pragma unroll
+    #pragma unroll 4
     for (int a = 0; a < A; ++a) {
       float acc = 0.f;
       #pragma unroll
       for (int k = 0; k < A; ++k) acc += mix_s[a * A + k] * v[k];
-      o[a * P + j] = __float2half_rn(acc);
+      TQ_PUT(a * P + j, acc);
     }
   }
-  for (int i = N + t; i < OUTW; i += THREADS) o[i] = __float2half_rn(0.f);
+  for (int i = N + t; i < OUTW; i += THREADS) TQ_PUT(i, 0.f);
 """
+
+_SOURCE = r"""
+  TQ_SHARED_BUFFER
+  const int row = blockIdx.x;
+  const int s = blockIdx.y;
+  const int t = threadIdx.x;
+  const InT* xr = x + (size_t)row * N;
+  const float* sg = signs + (size_t)s * N;
+  const float* mix_s = mix + (size_t)s * A * A;
+  __half* o = out + ((size_t)s * gridDim.x + row) * OUTW;
+  #define TQ_PUT(i, v) o[i] = __float2half_rn(v)
+""" + ROTATE_ROW
 
 
 STATIC_SHARED_BYTES = 48 * 1024  # above this a block's buffer must be dynamic (opt-in)
+
+
+def kernel_source(dynamic: bool) -> str:
+    """The kernel's body, its row buffer in dynamic or static shared memory."""
+    buffer = "extern __shared__ float buf[];" if dynamic else "__shared__ float buf[N];"
+    return _SOURCE.replace("TQ_SHARED_BUFFER", buffer)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(dynamic_bytes: int):
     """The kernel with its row buffer static (`dynamic_bytes` 0: rows up to 12288 values)
     or dynamic shared memory of that many bytes (bigger rows)."""
-    buffer = "extern __shared__ float buf[];" if dynamic_bytes else "__shared__ float buf[N];"
-    source = _SOURCE.replace("TQ_SHARED_BUFFER", buffer)
+    source = kernel_source(dynamic_bytes > 0)
     # the source's hash in the name: MLX caches built kernels on disk by name and template
     tag = hashlib.sha256(source.encode()).hexdigest()[:10]
     return mx.fast.cuda_kernel(

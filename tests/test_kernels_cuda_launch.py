@@ -1,19 +1,24 @@
 """The CUDA linear path's Python side, on a machine without CUDA.
 
 `kernels/cuda.py` keeps, per group of linears, the operands in the kernels' layout and
-the arguments of its two launches (rotation, GEMV). Without a GPU the launches cannot
-run, so `mx.fast.cuda_kernel` is replaced here by a recorder that returns zeros of the
-requested shapes: the test checks what the plan would launch (shapes, template values,
-grids, which arrays go where) against values worked out independently below. The
-kernels' results are checked on the GPU (tests/test_kernels_cuda_linear.py).
+the arguments of its launch (the fused rotation + GEMV, or rotation then GEMV when
+unfused). Without a GPU the launches cannot run, so `mx.fast.cuda_kernel` is replaced
+here by a recorder that returns zeros of the requested shapes: the test checks what the
+plan would launch (shapes, template values, grids, which arrays go where) against values
+worked out independently below. Where nvcc is installed the kernels' sources are compiled
+for every configuration the tests launch. The kernels' results are checked on the GPU
+(tests/test_kernels_cuda_linear.py).
 """
 
 from __future__ import annotations
 
+import shutil
+
 import mlx.core as mx
 import pytest
 
-from turboquant.kernels import cuda, cuda_gemv, cuda_rotate, group
+from cuda_source import compile_with_nvcc, kernel_source
+from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, group
 from turboquant.stages import encode
 
 
@@ -40,7 +45,13 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(cuda_gemv, "_kernel", fake(cuda_gemv))
     monkeypatch.setattr(cuda_rotate, "_kernel", fake(cuda_rotate))
+    monkeypatch.setattr(cuda_linear, "_kernel", fake(cuda_linear))
     return made
+
+
+@pytest.fixture
+def unfused(monkeypatch):
+    monkeypatch.setattr(cuda, "FUSED", False)
 
 
 def _members(in_f, outs, bits=3, bias=False):
@@ -53,7 +64,69 @@ def _members(in_f, outs, bits=3, bias=False):
     return tuple(out)
 
 
-def test_a_group_is_one_rotation_and_one_gemv(kernels):
+def _only(kernels, module):
+    (rec,) = [r for k, r in kernels.items() if k[0] == module]
+    return rec
+
+
+def test_a_group_is_one_launch(kernels):
+    members = _members(256, (128, 64, 64), bias=True)
+    prepared = {}
+    x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
+    ys = cuda.linear_group(x, members, prepared)
+    assert [y.shape for y in ys] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
+    assert [y.dtype for y in ys] == [mx.bfloat16] * 3
+    assert {k[0] for k in kernels} == {"cuda_linear"}
+    rec = _only(kernels, "cuda_linear")
+    assert rec.name[1:] == (3, 4 * 256 + 2 * 256)  # 3 outputs; float row + fp16 row
+    call = rec.calls[0]
+    x_in, signs, mix, low, high, scales, levels, bias = call["inputs"]
+    assert x_in is x  # no reshape, cast or copy before the kernel
+    assert signs.shape == (3, 256) and mix.shape == (3, 1, 1)
+    assert low.shape[0] == 256 and scales.shape == (256, 4) and bias.shape == (256,)
+    t = call["template"]
+    # 256 rows want 1 row per warp (cuda_gemv.rows_per_warp_for); blocks of 8 warps = 8 rows
+    assert t == dict(InT=mx.bfloat16, OutT=mx.bfloat16, N=256, A=1, PADDED=256, BITS=3, GS=64,
+                     OUT=256, ROWS_PER_WARP=1, WARPS=8, SEGS=3, END0=128, END1=192,
+                     HAS_BIAS=True)
+    assert call["grid"] == (32 * cuda_linear.THREADS, 1, 1)
+    assert call["threadgroup"] == (cuda_linear.THREADS, 1, 1)
+    assert call["shapes"] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
+    cuda.linear_group(mx.zeros((1, 1, 256), dtype=mx.bfloat16), members, prepared)
+    assert len(rec.calls) == 2 and len(kernels) == 1  # the plan is reused: no new kernels
+
+
+def test_a_single_linear_with_a_mixed_rotation(kernels):
+    members = _members(992, (40,), bits=4)  # 31 x 32 rotation, padded input, no bias
+    x = mx.zeros((3, 992), dtype=mx.float16)
+    (y,) = cuda.linear_group(x, members, {})
+    assert y.shape == (3, 40) and y.dtype == mx.float16
+    rec = _only(kernels, "cuda_linear")
+    call = rec.calls[0]
+    t = call["template"]
+    assert (t["N"], t["A"], t["PADDED"], t["SEGS"], t["OUT"], t["HAS_BIAS"]) == (
+        992, 31, 1024, 1, 40, False)
+    assert call["inputs"][2].shape == (1, 31, 31)
+    assert call["grid"] == (5 * cuda_linear.THREADS, 3, 1)  # 40 rows in blocks of 8, 3 tokens
+    assert rec.name[1:] == (1, 4 * 992 + 2 * 1024)
+
+
+def test_fused_rows_per_warp_keep_members_in_whole_blocks():
+    # 6144 rows alone would take 2 per warp (16 per block): 4096 and 5120 are multiples
+    assert cuda_linear.rows_per_warp_for((4096, 5120, 6144)) == 2
+    # a member of 8 rows forces blocks of 8 rows
+    assert cuda_linear.rows_per_warp_for((8, 32768)) == 1
+    assert cuda_linear.rows_per_warp_for((28672,)) == cuda_gemv.rows_per_warp_for(28672)
+
+
+def test_a_wide_row_needs_dynamic_shared_memory_within_the_limit():
+    assert cuda_linear.shared_bytes(14336, 14336) == 4 * 14336 + 2 * 14336
+    assert cuda_linear.shared_bytes(1001, 1024) == 4 * 1004 + 2 * 1024  # 16-byte aligned
+    assert cuda_linear.fits(14336, 14336, 28)
+    assert not cuda_linear.fits(65536, 65536, 8)
+
+
+def test_unfused_a_group_is_one_rotation_and_one_gemv(kernels, unfused):
     members = _members(256, (128, 64, 64), bias=True)
     prepared = {}
     x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
@@ -77,7 +150,7 @@ def test_a_group_is_one_rotation_and_one_gemv(kernels):
     assert len(rot.calls) == len(gemv.calls) == 2  # the plan is reused: no new kernels
 
 
-def test_a_single_linear_skips_the_seed_axis(kernels):
+def test_unfused_a_single_linear_skips_the_seed_axis(kernels, unfused):
     members = _members(992, (40,), bits=4)  # 31 x 32 rotation, padded input, no bias
     x = mx.zeros((3, 992), dtype=mx.float16)
     (y,) = cuda.linear_group(x, members, {})
@@ -119,3 +192,52 @@ def test_without_a_cache_the_plan_lives_as_long_as_the_weights(kernels):
 
     gc.collect()
     assert key not in cuda._PREPARED
+
+
+_NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype)
+    (4096, (4096, 1024, 1024), 3, False, mx.bfloat16),
+    (4096, (14336, 14336), 4, False, mx.float16),
+    (14336, (4096,), 2, True, mx.float32),
+    (992, (40,), 3, False, mx.bfloat16),
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_sources_compile_with_nvcc(tmp_path, kernels):
+    """The fused kernel (and the unfused pair) for the shapes of a Llama layer and a mixed
+    rotation, as mx.fast.cuda_kernel would build them."""
+    src, seen = cuda_linear.source(3)[0], set()
+    for i, (in_f, outs, bits, bias, dtype) in enumerate(_NVCC_CASES):
+        members = _members(in_f, outs, bits=bits, bias=bias)
+        s = members[0]
+        a, _ = cuda_rotate.factors(in_f, s.seed)
+        launch = cuda_linear.launch(
+            n=in_f, a=a, padded=cuda._padded64(s.padded_in), bits=bits, group_size=64,
+            ends=tuple(sum(outs[: j + 1]) for j in range(len(outs))), lead=(1,),
+            in_dtype=dtype, out_dtype=dtype, add_bias=bias)
+        _, body = cuda_linear.source(len(outs))
+        in_dtypes = [dtype, mx.float32, mx.float32, mx.uint32, mx.uint32, mx.float16,
+                     mx.float32, mx.float32]
+        src += kernel_source(f"tq_linear_{i}", cuda_linear.INPUTS,
+                             [f"out{j}" for j in range(len(outs))], body, in_dtypes,
+                             launch.dtypes, launch.template)
+        seen.add(len(outs))
+    assert seen == {1, 2, 3}
+    # the unfused pair: the GEMV for 1-3 members, the rotation with a static/dynamic row
+    gemv_in = [mx.float16, mx.uint32, mx.uint32, mx.float16, mx.float32, mx.int32, mx.int32,
+               mx.float32]
+    for segs in (1, 2, 3):
+        t = cuda_gemv.launch(bits=3, group_size=64, out_features=6144, padded=4096,
+                             nscales=64, pairs=1, out_dtype=mx.bfloat16, rows_per_warp=2,
+                             ends=(4096, 5120, 6144)[3 - segs:] if segs > 1 else (),
+                             x_rows=1 if segs > 1 else 0).template
+        src += kernel_source(f"tq_gemv_{segs}", cuda_gemv.INPUTS,
+                             [f"out{j}" for j in range(segs)], cuda_gemv.kernel_source(segs),
+                             gemv_in, [mx.bfloat16] * segs, t)
+    for dynamic, n, a in ((False, 4096, 1), (True, 14336, 28)):
+        t = [("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
+             ("THREADS", cuda_rotate.THREADS)]
+        src += kernel_source(f"tq_rotate_{n}", ["x", "signs", "mix"], ["out"],
+                             cuda_rotate.kernel_source(dynamic),
+                             [mx.bfloat16, mx.float32, mx.float32], [mx.float16], t)
+    compile_with_nvcc(src, tmp_path, "tq_linear")

@@ -1,4 +1,5 @@
-"""The CUDA linear path (rotation kernel + GEMV, grouped members) against the reference.
+"""The CUDA linear path (fused rotation + GEMV, or the two unfused launches; grouped
+members) against the reference.
 
 Runs only where MLX runs on an NVIDIA GPU (skipped elsewhere): on the GPU machine,
 `python3 -m pytest -q tests/test_kernels_cuda_linear.py`. The decomposition the rotation
@@ -61,12 +62,25 @@ def test_group_matches_reference(bits, in_f, outs):
         x = mx.random.normal((tokens, in_f), key=mx.random.key(tokens)).astype(dtype)
         got = kernels.tq_linear_group(x, members, prepared)
         assert isinstance(prepared["cuda"], cuda._Plan)  # the kernels ran, not a fallback
+        assert prepared["cuda"].fused
         want = _reference(x, members)
         for g, w, m in zip(got, want, members):
             assert g.shape == (tokens, m.out_features) and g.dtype == dtype
             err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
             print(f"bits {bits} in {in_f} out {m.out_features} tokens {tokens} {dtype}: {err:.2e}")
             assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])
+def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
+    monkeypatch.setattr(cuda, "FUSED", False)
+    members = _members(in_f, outs, 3, bias=True)
+    prepared = {}
+    x = mx.random.normal((2, in_f)).astype(mx.bfloat16)
+    got = kernels.tq_linear_group(x, members, prepared)
+    assert not prepared["cuda"].fused
+    for g, w in zip(got, _reference(x, members)):
+        assert float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w))) < 1e-2
 
 
 def test_bias_and_batch_shape():

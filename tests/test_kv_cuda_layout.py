@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from cuda_source import compile_with_nvcc, kernel_source
 from turboquant.kernels import cuda_kv
 from turboquant.kernels.kv_reference import NEG, KVParts, PackedKV, kv_quantize, tq_attention
 
@@ -532,49 +532,9 @@ def test_lazy_registration(monkeypatch):
 # ---------------------------------------------------------------------------- nvcc
 
 
-_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-               mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
-
-# stands in for mlx/backend/cuda/device/utils.cuh, which the CPU wheel does not ship
-_MLX_DEFAULT_HEADER = r"""
-#include <cstdint>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#include <cooperative_groups.h>
-#define MAX_NDIM 10
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-}
-#define inf cuda::std::numeric_limits<float>::infinity()
-"""
-
-
-def mlx_kernel_source(func: str, kernel: str, input_dtypes, output_dtypes, template) -> str:
-    """What mx.fast.cuda_kernel (mlx/backend/cuda/custom_kernel.cpp, build_kernel) generates."""
+def mlx_kernel_source(func, kernel, input_dtypes, output_dtypes, template) -> str:
     inputs, outputs, source = cuda_kv.SOURCES[kernel]
-    s = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    s += f"__global__ void {func}(\n"
-    for name, dt in zip(inputs, input_dtypes):
-        s += f"    const {_CUDA_TYPES[dt]}* {name},\n"
-        if name + "_shape" in source:
-            s += f"    const __grid_constant__ Shape {name}_shape,\n"
-        if name + "_strides" in source:
-            s += f"    const __grid_constant__ Strides {name}_strides,\n"
-        if name + "_ndim" in source:
-            s += f"    const __grid_constant__ int {name}_ndim,\n"
-    s += ",\n".join(f"    {_CUDA_TYPES[dt]}* {n}" for n, dt in zip(outputs, output_dtypes))
-    s += ") {\n"
-    for k, v in template:
-        if isinstance(v, bool):
-            s += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
-        elif isinstance(v, int):
-            s += f"  constexpr int {k} = {v};\n"
-        else:
-            s += f"  using {k} = {_CUDA_TYPES[v]};\n"
-    return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return kernel_source(func, inputs, outputs, source, input_dtypes, output_dtypes, template)
 
 
 def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
@@ -598,14 +558,5 @@ def test_sources_compile_with_nvcc(tmp_path):
         launches.append(cuda_kv.prepare(q.astype(mx.bfloat16), parts, 0.1))
     q, parts, _ = make_case(b=2, kv=8, r=4, kd=128, c=200, s=4, t=140)
     launches.append(cuda_kv.prepare(q, parts, 0.1, mx.ones((2, 1, 1, parts.length), mx.bool_)))
-    src = _MLX_DEFAULT_HEADER + cuda_kv.HEADER
-    src += "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
-    path = tmp_path / "tq_kv.cu"
-    path.write_text(src)
-    res = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "tq_kv.o"),
-         "-Xptxas", "-warn-spills"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
-    assert "spill" not in res.stderr, res.stderr[-2000:]
+    src = cuda_kv.HEADER + "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
+    compile_with_nvcc(src, tmp_path)

@@ -1,0 +1,166 @@
+"""One CUDA launch per TurboQuant linear (or group sharing an input): rotate, then GEMV.
+
+Each block rotates its token's activation row with its member's seed into shared memory
+(`cuda_rotate.ROTATE_ROW`: signs, Hadamard stages, segment mix, fp16), then its warps run
+the GEMV rows of `cuda_gemv.ROWS` against that row. Every block repeats the rotation of
+one row (a few microseconds of shared-memory work that other resident blocks hide), and
+in exchange a decode step pays one kernel call per group instead of two: on MLX's CUDA
+backend each call costs the host several microseconds to build and to encode
+(`benchmarks/launch_cost.py`), and decode is bound by that host time.
+
+A block's rows lie in one member (the member boundaries are multiples of the rows a block
+runs), so a block rotates with one seed. The fp16 row is stored swizzled in 16-byte units
+(unit i of 64-code group g at g * 8 + (i ^ (g & 7))), so the eight lanes of a shared-memory
+phase read eight different bank quads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import cuda_gemv, cuda_rotate
+
+WARPS_PER_BLOCK = 8
+THREADS = 32 * WARPS_PER_BLOCK
+MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of dynamic shared memory per block
+
+_HEADER = cuda_gemv.HEADER + r"""
+// Position of activation i of the padded row in the swizzled fp16 buffer.
+__device__ __forceinline__ int tq_swizzle(int i) {
+  const int unit = i >> 3, g = unit >> 3;
+  return (((g << 3) | ((unit & 7) ^ (g & 7))) << 3) | (i & 7);
+}
+"""
+
+# Inputs: x (tokens, N) in any float dtype, signs (S, N), mix (S, A, A), code planes,
+# scales (OUT, PADDED / GS), levels, bias (OUT,) float32 (unread without HAS_BIAS).
+_SOURCE = r"""
+  constexpr int P = N / A;
+  constexpr int OUTW = PADDED;
+  constexpr int THREADS = 32 * WARPS;
+  constexpr int NSCALES = PADDED / GS;
+  constexpr int NB = (N + 3) & ~3;  // keeps the fp16 row 16-byte aligned
+  extern __shared__ float tq_shared[];
+  const int block_row0 = blockIdx.x * WARPS * ROWS_PER_WARP;
+  if (block_row0 >= OUT) return;
+  const int pair = blockIdx.y;
+  const int expert = 0;
+  // member seg owns rows [END_{seg-1}, END_seg): its seed rotates the row, its output stores
+  int seg = 0;
+  if (SEGS > 1) seg += block_row0 >= END0;
+  if (SEGS > 2) seg += block_row0 >= END1;
+  __half* xs = reinterpret_cast<__half*>(tq_shared + NB);
+  {
+    float* buf = tq_shared;
+    const int t = threadIdx.x;
+    const InT* xr = x + (size_t)pair * N;
+    const float* sg = signs + (size_t)seg * N;
+    const float* mix_s = mix + (size_t)seg * A * A;
+    #define TQ_PUT(i, v) xs[tq_swizzle(i)] = __float2half_rn(v)
+    TQ_ROTATE_ROW
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int row0 = block_row0 + (threadIdx.x >> 5) * ROWS_PER_WARP;
+  if (row0 >= OUT) return;
+  uint32_t t[8];
+  tq_tables(levels, 1 << BITS, t);
+  const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
+  #define TQ_X(g, i) xs4[(g) * 8 + ((i) ^ ((g) & 7))]
+""" + cuda_gemv.ROWS
+
+
+def shared_bytes(n: int, padded: int) -> int:
+    """Dynamic shared memory of a block: the float row and the fp16 padded row."""
+    return 4 * ((n + 3) // 4 * 4) + 2 * padded
+
+
+INPUTS = ["x", "signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
+
+
+def source(segments: int) -> tuple[str, str]:
+    """(header, body) of the kernel for a group of `segments` members."""
+    return _HEADER, (_SOURCE.replace("TQ_ROTATE_ROW", cuda_rotate.ROTATE_ROW)
+                     .replace("TQ_STORE", cuda_gemv.STORES[segments]))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(segments: int, shared: int):
+    _, source_text = source(segments)
+    # the source's hash in the name: MLX caches built kernels on disk by name and template
+    tag = hashlib.sha256((_HEADER + source_text).encode()).hexdigest()[:10]
+    return mx.fast.cuda_kernel(
+        name=f"tq_linear{segments}_{tag}",
+        input_names=INPUTS,
+        output_names=[f"out{s}" for s in range(segments)],
+        source=source_text,
+        header=_HEADER,
+        shared_memory=shared,
+    )
+
+
+def rows_per_warp_for(ends: tuple[int, ...]) -> int:
+    """`cuda_gemv.rows_per_warp_for` the stacked rows, lowered until every member boundary
+    falls between blocks (1 always does: members are multiples of 8 rows, `group.fusable`)."""
+    rpw = cuda_gemv.rows_per_warp_for(ends[-1])
+    while rpw > 1 and any(e % (WARPS_PER_BLOCK * rpw) for e in ends[:-1]):
+        rpw //= 2
+    return rpw
+
+
+def fits(n: int, padded: int, a: int) -> bool:
+    """Whether one block holds the row (the mix keeps A values per thread in registers)."""
+    return shared_bytes(n, padded) <= MAX_SHARED_BYTES and a <= cuda_rotate.MAX_FACTOR
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One fused launch of a group for a given input shape: built once, called per token."""
+
+    kernel: object
+    template: list
+    grid: tuple[int, int, int]
+    shapes: list
+    dtypes: list
+
+    def __call__(self, x, signs, mix, codes, hplane, scales, levels, bias) -> list[mx.array]:
+        return self.kernel(
+            inputs=[x, signs, mix, codes, hplane, scales, levels, bias], template=self.template,
+            grid=self.grid, threadgroup=(THREADS, 1, 1), output_shapes=self.shapes,
+            output_dtypes=self.dtypes,
+        )
+
+
+def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],
+           lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool) -> Launch:
+    """The launch for members with stacked row ends `ends` on inputs of leading shape
+    `lead` (tokens = its product) and last axis n, rotated as A segments of n / A."""
+    if len(ends) > len(cuda_gemv.STORES):
+        raise ValueError(f"at most {len(cuda_gemv.STORES)} members in a group, got {len(ends)}")
+    if n % a or padded % 64 or padded < n:
+        raise ValueError(f"bad rotation/padding: n={n}, A={a}, padded={padded}")
+    rpw = rows_per_warp_for(ends)
+    out = ends[-1]
+    bounds = list(ends[:-1]) + [out] * 2
+    block_rows = WARPS_PER_BLOCK * rpw
+    tokens = 1
+    for d in lead:
+        tokens *= d
+    template = [
+        ("InT", in_dtype), ("OutT", out_dtype), ("N", n), ("A", a), ("PADDED", padded),
+        ("BITS", bits), ("GS", group_size), ("OUT", out), ("ROWS_PER_WARP", rpw),
+        ("WARPS", WARPS_PER_BLOCK), ("SEGS", len(ends)), ("END0", bounds[0]),
+        ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
+    ]
+    widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
+    return Launch(
+        kernel=_kernel(len(ends), shared_bytes(n, padded)),
+        template=template,
+        grid=(-(-out // block_rows) * THREADS, tokens, 1),
+        shapes=[(*lead, w) for w in widths],
+        dtypes=[out_dtype] * len(ends),
+    )

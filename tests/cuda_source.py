@@ -1,0 +1,66 @@
+"""What `mx.fast.cuda_kernel` compiles, rebuilt on the host so nvcc can check a kernel's
+source without a GPU (tests skip when nvcc is not installed)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import mlx.core as mx
+
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+               mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
+
+# stands in for mlx/backend/cuda/device/utils.cuh, which the CPU wheel does not ship
+MLX_DEFAULT_HEADER = r"""
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+#define inf cuda::std::numeric_limits<float>::infinity()
+"""
+
+
+def kernel_source(func: str, inputs, outputs, source: str, input_dtypes, output_dtypes,
+                  template) -> str:
+    """The kernel function mx.fast.cuda_kernel generates (mlx/backend/cuda/custom_kernel.cpp,
+    build_kernel) for these inputs, outputs and template arguments."""
+    s = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    s += f"__global__ void {func}(\n"
+    for name, dt in zip(inputs, input_dtypes):
+        s += f"    const {_CUDA_TYPES[dt]}* {name},\n"
+        if name + "_shape" in source:
+            s += f"    const __grid_constant__ Shape {name}_shape,\n"
+        if name + "_strides" in source:
+            s += f"    const __grid_constant__ Strides {name}_strides,\n"
+        if name + "_ndim" in source:
+            s += f"    const __grid_constant__ int {name}_ndim,\n"
+    s += ",\n".join(f"    {_CUDA_TYPES[dt]}* {n}" for n, dt in zip(outputs, output_dtypes))
+    s += ") {\n"
+    for k, v in template:
+        if isinstance(v, bool):
+            s += f"  constexpr bool {k} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            s += f"  constexpr int {k} = {v};\n"
+        else:
+            s += f"  using {k} = {_CUDA_TYPES[v]};\n"
+    return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def compile_with_nvcc(source: str, tmp_path, name: str = "kernels") -> None:
+    """Compile MLX's default header + `source` for sm_90; fail on errors or register spills."""
+    path = tmp_path / f"{name}.cu"
+    path.write_text(MLX_DEFAULT_HEADER + source)
+    res = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / f"{name}.o"),
+         "-Xptxas", "-warn-spills"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
+    assert "spill" not in res.stderr, res.stderr[-2000:]
