@@ -237,16 +237,66 @@ def decode_split(layers: int, tokens: int = 40) -> dict:
     return rows
 
 
+def kv_split(layers: int, context: int, tokens: int = 40) -> dict:
+    """Per token: build / async_eval / wait of a bf16 8B-shaped Llama cut to `layers`
+    layers at `context`, with mlx-lm's fp16 cache and the TurboQuant K4/V3 cache."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from turboquant.runtime.kvcache import make_turboquant_cache
+
+    shape = dict(model_type="llama", hidden_size=4096, num_hidden_layers=layers,
+                 intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0)
+    model = llama.Model(llama.ModelArgs.from_dict(shape))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    prompt = mx.random.randint(0, 128256, (1, context))
+    rows = {}
+    for name in ("fp16", "K4V3"):
+        cache = (make_prompt_cache(model) if name == "fp16"
+                 else make_turboquant_cache(model, bits_k=4, bits_v=3))
+        for i in range(0, context, 2048):
+            mx.eval(model(prompt[:, i : i + 2048], cache=cache))
+        tok = mx.array([[1]])
+        build = enc = wait = 0.0
+        for i in range(tokens):
+            t0 = time.perf_counter()
+            nxt = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            mx.eval(nxt)
+            t3 = time.perf_counter()
+            tok = nxt
+            if i >= 8:
+                build, enc, wait = build + t1 - t0, enc + t2 - t1, wait + t3 - t2
+        n = tokens - 8
+        rows[name] = dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3,
+                          wait_ms=wait / n * 1e3)
+        del cache
+        mx.clear_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the decode split")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--kv", type=int, default=0, metavar="CONTEXT",
+                    help="only the KV cache split at this context (fp16 vs TurboQuant K4/V3)")
     args = ap.parse_args()
     from turboquant.kernels import cuda
 
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(default)")
     print(f"mlx {mx.__version__}, {mx.default_device()}, MLX_USE_CUDA_GRAPHS={graphs}, "
           f"TurboQuant linears {'fused' if cuda.FUSED else 'unfused'} (TURBOQUANT_CUDA_FUSED)")
+    if args.kv:
+        print(f"one decode token at {args.kv} context, bf16 Llama cut to {args.layers} layers (ms):")
+        for name, r in kv_split(args.layers, args.kv).items():
+            print(f"  {name:>6}: build {r['build_ms']:.2f}  async_eval {r['async_eval_ms']:.2f}  "
+                  f"wait {r['wait_ms']:.2f}", flush=True)
+        return
     print("host microseconds per call, graph building only:")
     for name, us in graph_building().items():
         print(f"  {name:<48} {us:7.2f}", flush=True)

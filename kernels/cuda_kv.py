@@ -127,6 +127,7 @@ _PREP = r"""
   const float scale = params[0], kscale = params[1];
   for (int j = tid; j < KD; j += NT) {
     float s = 0.f;
+    #pragma unroll 8
     for (int i = 0; i < KD; ++i) s += q[i] * rot[i * KD + j];
     qcat[((size_t)row * 2) * KD + j] = s * kscale;
     qcat[((size_t)row * 2 + 1) * KD + j] = q[j] * scale;
@@ -147,6 +148,7 @@ _PARTIAL = r"""
   __shared__ __align__(16) float qs[R * KD];
   __shared__ __align__(16) float sc[TILE * R];  // scores, then p * value scale
   __shared__ float vn[TILE];
+  __shared__ uint32_t vw[TILE * WV];  // the tile's value codes (compressed chunks)
   __shared__ float lk[1 << BK];
   __shared__ float lv[1 << BV];
   __shared__ float m_s[R], l_s[R], a_s[R];
@@ -200,6 +202,19 @@ _PARTIAL = r"""
   __syncthreads();
 
   for (int tile = tile0; tile < tile1; ++tile) {
+    // ---- the tile's value codes into shared memory, every load in flight at once (the
+    // value phase then reads no global memory: one latency per tile, not one per token)
+    if (!fp) {
+      #pragma unroll
+      for (int k = 0; k < (TILE * WV + NT - 1) / NT; ++k) {
+        const int i = tid + k * NT;
+        if (i < TILE * WV) {
+          const int tt = tile * TILE + i / WV;
+          vw[i] = tt < n_tok ? v_codes[vc_base + (long long)tt * v_codes_strides[2] +
+                                       (long long)(i % WV) * v_codes_strides[3]] : 0u;
+        }
+      }
+    }
     // ---- scores: one token per thread
     const int t = tile * TILE + tid;
     const bool valid = t < n_tok;
@@ -298,8 +313,7 @@ _PARTIAL = r"""
           if (d < DV) {
             float x;
             if (!fp) {
-              const uint32_t* vrow = v_codes + vc_base + (long long)t2 * v_codes_strides[2];
-              x = lv[tq_code_at<BV>(vrow, v_codes_strides[3], vword[k], vshift[k])];
+              x = lv[tq_code_at<BV>(vw + u * WV, 1, vword[k], vshift[k])];
             } else if (t2 < S) {
               x = (float)sink_v[sv_base + (long long)t2 * sink_v_strides[2] + d * sink_v_strides[3]];
             } else {
@@ -383,6 +397,7 @@ _MERGE = r"""
 
   for (int d = tid; d < DV; d += NT) {
     float a = 0.f;
+    #pragma unroll 8
     for (int c = 0; c < ncc; ++c) a += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
     rot[d] = a * inv;
   }
@@ -391,6 +406,7 @@ _MERGE = r"""
     float o = 0.f;
     for (int c = ncc; c < nch; ++c) o += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
     o *= inv;
+    #pragma unroll 8
     for (int i = 0; i < DV; ++i) o += rot[i] * unrot[i * DV + d];
     out[(size_t)row * DV + d] = (OutT)o;
   }
@@ -562,7 +578,8 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
         raise NotImplementedError("sink and tail of different dtypes")
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
-    smem = 4 * (r * kd + TILE * r + TILE + (1 << pk.bits_k) + (1 << pk.bits_v) + 3 * r)
+    wv = kv_words(dv, pk.bits_v)
+    smem = 4 * (r * kd + TILE * r + TILE + TILE * wv + (1 << pk.bits_k) + (1 << pk.bits_v) + 3 * r)
     if smem > SMEM_LIMIT or r * -(-dv // NT) > MAX_ACC:
         raise NotImplementedError(f"group of {r} heads x head_dim {kd}/{dv} is too large")
     bias, per_batch = mask_bias(mask, b, s_len + c_len + t_len)
@@ -578,7 +595,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
                         pick(parts.tail_v), _dummy(mx.float32) if bias is None else bias,
                         _levels(pk.bits_k), _levels(pk.bits_v)],
         partial_template=[
-            ("KD", kd), ("DV", dv), ("WK", kv_words(kd, pk.bits_k)), ("BK", pk.bits_k),
+            ("KD", kd), ("DV", dv), ("WK", kv_words(kd, pk.bits_k)), ("WV", wv), ("BK", pk.bits_k),
             ("BV", pk.bits_v), ("R", r), ("KV", kv), ("NT", NT), ("TILE", TILE),
             ("FPCH", fpch), ("HAS_SINK", s_len > 0), ("HAS_TAIL", t_len > 0),
             ("HAS_MASK", bias is not None), ("MASK_PER_BATCH", per_batch), ("FpT", fp_dtype),

@@ -120,14 +120,18 @@ def code_pos(i: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return i // per, (i % per) * bits
 
 
-def code_at(arg: Arg, b, h, t, word, shift, bits, valid) -> np.ndarray:
-    """tq_code_at over a strided (B, KV, T, words) input."""
-    c = arg.read(b, h, t, word, valid=valid) >> shift.astype(np.uint32)
+def staged_code_at(vw: np.ndarray, u, word, shift, bits, wv, valid) -> np.ndarray:
+    """tq_code_at over the shared-memory tile of value codes (row u, `wv` words a row)."""
+    def at(w, ok):
+        ix = u * wv + w
+        assert (ix[ok] < vw.size).all() and (w[ok] < wv).all(), "staged code read out of range"
+        return np.where(ok, vw[np.where(ok, ix, 0)], np.uint32(0))
+
+    c = at(word, valid) >> shift.astype(np.uint32)
     if bits == 3:
         straddle = valid & (shift > 29)
-        hi = arg.read(b, h, t, word + 1, valid=straddle)
         sh = np.where(straddle, 32 - shift, 0).astype(np.uint32)
-        c = c | np.where(straddle, hi << sh, np.uint32(0))
+        c = c | np.where(straddle, at(word + 1, straddle) << sh, np.uint32(0))
     return (c & np.uint32((1 << bits) - 1)).astype(np.int64)
 
 
@@ -153,7 +157,7 @@ def emulate_prep(L: cuda_kv.Launch, queries: Arg) -> np.ndarray:
 
 def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
     T = dict(L.partial_template)
-    KD, DV, WK, BK, BV, R, KV = (T[k] for k in ("KD", "DV", "WK", "BK", "BV", "R", "KV"))
+    KD, DV, WK, WV, BK, BV, R, KV = (T[k] for k in ("KD", "DV", "WK", "WV", "BK", "BV", "R", "KV"))
     NT, TILE, FPCH = T["NT"], T["TILE"], T["FPCH"]
     NBK = (KD + 31) // 32
     VSLOT = DV if DV < NT else NT
@@ -192,6 +196,10 @@ def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
             acc = np.zeros((DPT, R, NT), F32)
 
             for tile in range(tile0, tile1):
+                if not fp:  # the tile's value codes, staged in shared memory
+                    i = np.arange(TILE * WV)
+                    tt = tile * TILE + i // WV
+                    vw = args["v_codes"].read(b, h, tt, i % WV, valid=tt < n_tok)
                 t = tile * TILE + tid
                 valid = t < n_tok
                 s = np.zeros((R, NT), F32)
@@ -245,7 +253,7 @@ def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
                         d = vd + k * VSLOT
                         act = active & (d < DV)
                         if not fp:
-                            x = lv[code_at(args["v_codes"], b, h, t2, *vpos[k], BV, act)]
+                            x = lv[staged_code_at(vw, u, *vpos[k], BV, WV, act)]
                         else:
                             x = np.zeros(NT, F32)
                             if T["HAS_SINK"]:
