@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings  # noqa: E402
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
@@ -152,5 +152,5 @@ def run_convert_flow(opts: ConvertOptions) -> Summary:
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     # Prefect's result records (its cache) live with the output they describe
     store = Path(opts.output).resolve() / WORK / "prefect"
-    with local_api(), temporary_settings({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
+    with local_api({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
         return convert_flow.with_options(task_runner=runner)(**fields)

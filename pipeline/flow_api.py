@@ -11,13 +11,27 @@ drains Prefect's log and event workers into it and stops it, as `prefect_test_ha
 with its server. Runs served by it send no flow-run heartbeats: they let a lasting server see
 that a run's process died, and this server lives and dies with the run.
 
+Its socket is made with IPPROTO_TCP, so that asyncio turns Nagle's algorithm off on its
+connections: each API call then takes 1-3 ms instead of ~44 ms (a delayed ACK per call on a
+kept-alive connection; about 0.3 s of a conversion's start).
+
+That server also skips two things of a lasting one (`server_settings()`; measured on a 2-core
+machine, issue 3): registering Prefect's block types at its start (the check whether they
+changed imports every installed Prefect collection, prefect-dask's dask and distributed
+among them: 0.25 s), and the automation services (triggers and their actions: 0.4 s of
+this process's time, a server built a second time among it). Runs are recorded as before
+(flow and task runs, states, events, logs); automations are for a lasting server: set
+PREFECT_API_URL to one.
+
 A set PREFECT_API_URL (a real `prefect server`, Prefect Cloud, a deployment's worker) is used
-as it is, heartbeats included.
+as it is, heartbeats included. Either way Prefect's log and event workers are drained before
+`local_api()` returns, so nothing is left for the interpreter's exit to send.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import socket
 import threading
 import time
@@ -27,19 +41,27 @@ class _Server:
     """Prefect's API app served by uvicorn from a thread of this process."""
 
     def __init__(self):
+        # IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections of such a socket; without
+        # it each request on a kept-alive connection waits ~40 ms for a delayed ACK
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.bind(("127.0.0.1", 0))
+        self.api_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/api"
+        self.server = None
+        self.thread = None
+
+    def start(self, timeout: float) -> _Server:
+        """Build the app and serve it; both see the Prefect settings in force here (the
+        thread runs in a copy of this context)."""
         import uvicorn
         from prefect.server.api.server import create_app
 
         app = create_app(ephemeral=True, ignore_cache=True)  # a fresh lifespan per run
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.api_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/api"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on",
                                                     timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="prefect-api", daemon=True)
-
-    def start(self, timeout: float) -> _Server:
+        run_here = contextvars.copy_context().run
+        self.thread = threading.Thread(target=run_here, args=(self.server.run,),
+                                       kwargs={"sockets": [self.sock]}, name="prefect-api",
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -52,9 +74,24 @@ class _Server:
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        if self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
         self.sock.close()
+
+
+def serves_here() -> bool:
+    """Whether `local_api()` will serve Prefect's API from this process."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
+
+
+def import_server_app() -> None:
+    """Import Prefect's server app now if `local_api()` will serve it (about 1.3 s of
+    imports), e.g. so that a caller's `gc.freeze()` covers it."""
+    if serves_here():
+        import prefect.server.api.server  # noqa: F401
 
 
 def _drain_prefect_workers() -> None:
@@ -66,24 +103,42 @@ def _drain_prefect_workers() -> None:
         worker.drain_all(timeout=10, at_exit=False)
 
 
+def server_settings() -> dict:
+    """The in-process server's own Prefect settings, on top of the caller's."""
+    from prefect.settings import (PREFECT_API_BLOCKS_REGISTER_ON_START,
+                                  PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION,
+                                  PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED)
+
+    return {PREFECT_API_BLOCKS_REGISTER_ON_START: False,
+            PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION: False,
+            PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED: False}  # triggers and their actions
+
+
 @contextlib.contextmanager
-def local_api():
-    """Within: PREFECT_API_URL set (to a server of this process unless it was set already)."""
+def local_api(settings: dict | None = None):
+    """Within: PREFECT_API_URL set (to a server of this process unless it was set already)
+    and the given Prefect `settings` ({Setting: value}), in one `temporary_settings`."""
     from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-                                  PREFECT_SERVER_EPHEMERAL_ENABLED,
                                   PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
                                   temporary_settings)
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        yield  # a configured server (or none allowed: Prefect says so itself)
-        return
-    server = _Server().start(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
-    try:
-        settings = {PREFECT_API_URL: server.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    settings = dict(settings or {})
+    if not serves_here():  # a configured server (or none allowed: Prefect says so itself)
         with temporary_settings(settings):
             try:
                 yield
             finally:
                 _drain_prefect_workers()
-    finally:
-        server.stop()
+        return
+    server = _Server()
+    settings.update(server_settings())
+    settings.update({PREFECT_API_URL: server.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    with temporary_settings(settings):
+        try:
+            server.start(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+            try:
+                yield
+            finally:
+                _drain_prefect_workers()
+        finally:
+            server.stop()

@@ -43,3 +43,17 @@ def test_decoding_commands_start_without_cuda_graphs_unless_told():
     env = {}
     cli.apply_decode_env("convert", env)
     assert env == {}
+
+
+def test_convert_runs_as_its_own_process_only_from_the_command_line(monkeypatch):
+    """Only `turboquant convert ...` itself (cli.main() reading sys.argv) may take the
+    process-wide shortcuts (gc.freeze, os._exit); a caller passing argv goes on after it."""
+    from turboquant import cli
+    from turboquant import convert
+
+    calls = []
+    monkeypatch.setattr(convert, "main", lambda argv, **kw: calls.append((argv, kw)) or 0)
+    assert cli.main(["convert", "src", "out"]) == 0
+    monkeypatch.setattr(sys, "argv", ["turboquant", "convert", "src", "out"])
+    assert cli.main() == 0
+    assert calls == [(["src", "out"], {}), (["src", "out"], {"own_process": True})]

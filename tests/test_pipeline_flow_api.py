@@ -2,6 +2,7 @@
 process when PREFECT_API_URL is not set (no server subprocess), a set PREFECT_API_URL used as
 it is."""
 
+import socket
 import threading
 
 import psutil
@@ -14,9 +15,14 @@ configure_prefect_env()
 from prefect import flow  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,  # noqa: E402
+                              PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED,
                               temporary_settings)
 
+from turboquant.pipeline import flow_api  # noqa: E402
 from turboquant.pipeline.flow_api import local_api  # noqa: E402
+
+no_api_configured = pytest.mark.skipif(bool(PREFECT_API_URL.value()),
+                                       reason="PREFECT_API_URL is set here")
 
 
 @flow(name="turboquant-flow-api-test")
@@ -38,7 +44,7 @@ def _server_processes() -> int:
     return sum(1 for p in psutil.Process().children(recursive=True) if is_server(p))
 
 
-@pytest.mark.skipif(bool(PREFECT_API_URL.value()), reason="PREFECT_API_URL is set here")
+@no_api_configured
 def test_local_api_serves_prefect_from_this_process():
     servers = _server_processes()
     with local_api():
@@ -64,3 +70,65 @@ def test_a_configured_api_is_used_as_it_is():
             assert PREFECT_API_URL.value() == url
             assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == heartbeats
             assert _api_threads() == 0
+
+
+def _record_servers(monkeypatch) -> list:
+    servers = []
+
+    class Recorded(flow_api._Server):
+        def __init__(self):
+            super().__init__()
+            servers.append(self)
+
+    monkeypatch.setattr(flow_api, "_Server", Recorded)
+    return servers
+
+
+@no_api_configured
+def test_local_api_answers_without_nagle_delays(monkeypatch):
+    """Its connections have TCP_NODELAY (asyncio sets it only on sockets made with
+    IPPROTO_TCP): without it every request on a kept-alive connection waited ~40 ms for
+    the client's delayed ACK, about 0.3 s of a conversion's start (issue 3)."""
+    servers = _record_servers(monkeypatch)
+    with local_api():
+        with get_client(sync_client=True) as client:
+            client.hello()
+            client.hello()  # the same connection, kept alive
+            connections = list(servers[0].server.server_state.connections)
+            nodelay = [c.transport.get_extra_info("socket").getsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in connections]
+    assert nodelay and all(nodelay)
+
+
+@no_api_configured
+def test_local_api_applies_the_callers_and_its_own_settings(tmp_path):
+    """The caller's settings hold inside (one temporary_settings for all); the served app
+    also runs without a lasting server's extras: automations (triggers and their actions)
+    and block type registration at its start (0.4 s and 0.25 s of this process's time)."""
+    store = str(tmp_path / "results")
+    triggers = PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED.value()
+    with local_api({PREFECT_LOCAL_STORAGE_PATH: store}):
+        assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == store
+        with get_client(sync_client=True) as client:
+            served = client.request("GET", "/admin/settings").json()["server"]
+    assert served["services"]["triggers"]["enabled"] is False
+    assert served["register_blocks_on_start"] is False
+    assert served["memoize_block_auto_registration"] is False
+    assert str(PREFECT_LOCAL_STORAGE_PATH.value()) != store  # restored
+    assert PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED.value() == triggers
+
+
+def test_a_configured_api_gets_the_callers_settings_and_a_drain(tmp_path, monkeypatch):
+    """Against a configured server too, Prefect's log and event workers are drained before
+    local_api() returns: the CLI then leaves with os._exit, and Prefect's own drain at
+    interpreter exit would not run."""
+    drains = []
+    monkeypatch.setattr(flow_api, "_drain_prefect_workers", lambda: drains.append(1))
+    store = str(tmp_path / "results")
+    triggers = PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED.value()
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        with local_api({PREFECT_LOCAL_STORAGE_PATH: store}):
+            assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == store
+            assert PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED.value() == triggers  # not ours
+            assert drains == []
+    assert drains == [1]

@@ -34,6 +34,12 @@ DECODE_COMMANDS = ("generate", "serve")
 DECODE_ENV = {"MLX_USE_CUDA_GRAPHS": "0"}
 
 
+# Commands whose main() takes own_process=True when they run as this process's command line
+# (`turboquant ...`, `python -m turboquant ...`): they may then use process-wide shortcuts
+# (convert: gc.freeze after importing Prefect, os._exit after the summary; issue 3).
+OWN_PROCESS_COMMANDS = ("convert",)
+
+
 def apply_decode_env(command: str, environ=os.environ) -> None:
     """Set DECODE_ENV's defaults for a decoding command (a value already set wins)."""
     if command in DECODE_COMMANDS:
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     apply_decode_env(name)  # before MLX touches the GPU
     module = importlib.import_module(COMMANDS[name][0])
+    if argv is None and name in OWN_PROCESS_COMMANDS:  # this process's own command line
+        return int(module.main(rest, own_process=True) or 0)
     return int(module.main(rest) or 0)
 
 
