@@ -25,6 +25,31 @@ import time
 import mlx.core as mx
 
 CALLS = 2000
+PROFILE = False  # --profile: cProfile the graph building of the timed decode tokens
+
+
+class _BuildProfile:
+    """cProfile around graph building only (one per variant), printed by own time."""
+
+    def __init__(self, name: str):
+        import cProfile
+
+        self.name, self.prof = name, cProfile.Profile() if PROFILE else None
+
+    def __enter__(self):
+        if self.prof:
+            self.prof.enable()
+
+    def __exit__(self, *exc):
+        if self.prof:
+            self.prof.disable()
+
+    def report(self, rows: int = 25):
+        if self.prof:
+            import pstats
+
+            print(f"--- graph building of {self.name}, by own time")
+            pstats.Stats(self.prof).sort_stats("tottime").print_stats(rows)
 
 
 def per_call_us(step, calls: int = CALLS) -> float:
@@ -215,10 +240,12 @@ def decode_split(layers: int, tokens: int = 40) -> dict:
         mx.eval(logits)
         tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
         build = enc = wait = 0.0
+        prof = _BuildProfile(variant)
         for i in range(tokens):
             t0 = time.perf_counter()
-            logits = model(tok, cache=cache)
-            nxt = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            with prof:
+                logits = model(tok, cache=cache)
+                nxt = mx.argmax(logits[:, -1], axis=-1)[:, None]
             t1 = time.perf_counter()
             mx.async_eval(nxt)
             t2 = time.perf_counter()
@@ -230,6 +257,7 @@ def decode_split(layers: int, tokens: int = 40) -> dict:
                 enc += t2 - t1
                 wait += t3 - t2
         n = tokens - 8
+        prof.report()
         rows[variant] = dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3,
                              wait_ms=wait / n * 1e3, tok_s_pipelined=dec.decode_tps(model, 64))
         del model, cache
@@ -260,20 +288,25 @@ def kv_split(layers: int, context: int, tokens: int = 40) -> dict:
             mx.eval(model(prompt[:, i : i + 2048], cache=cache))
         tok = mx.array([[1]])
         build = enc = wait = 0.0
+        prof = _BuildProfile(name)
         for i in range(tokens):
             t0 = time.perf_counter()
-            nxt = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+            with prof:
+                nxt = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
             t1 = time.perf_counter()
             mx.async_eval(nxt)
             t2 = time.perf_counter()
             mx.eval(nxt)
             t3 = time.perf_counter()
             tok = nxt
+            if i == 0:
+                first = t3 - t0
             if i >= 8:
                 build, enc, wait = build + t1 - t0, enc + t2 - t1, wait + t3 - t2
         n = tokens - 8
+        prof.report()
         rows[name] = dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3,
-                          wait_ms=wait / n * 1e3)
+                          wait_ms=wait / n * 1e3, first_ms=first * 1e3)
         del cache
         mx.clear_cache()
     return rows
@@ -283,9 +316,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the decode split")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode token split")
     ap.add_argument("--kv", type=int, default=0, metavar="CONTEXT",
                     help="only the KV cache split at this context (fp16 vs TurboQuant K4/V3)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the decode tokens' graph building (timings then include it)")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     from turboquant.kernels import cuda
 
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(default)")
@@ -295,14 +333,15 @@ def main() -> None:
         print(f"one decode token at {args.kv} context, bf16 Llama cut to {args.layers} layers (ms):")
         for name, r in kv_split(args.layers, args.kv).items():
             print(f"  {name:>6}: build {r['build_ms']:.2f}  async_eval {r['async_eval_ms']:.2f}  "
-                  f"wait {r['wait_ms']:.2f}", flush=True)
+                  f"wait {r['wait_ms']:.2f}  | first decode token {r['first_ms']:.1f}", flush=True)
         return
-    print("host microseconds per call, graph building only:")
-    for name, us in graph_building().items():
-        print(f"  {name:<48} {us:7.2f}", flush=True)
-    print("microseconds per link, evaluating a chain of 200 dependent calls:")
-    for name, us in evaluation().items():
-        print(f"  {name:<48} {us:7.2f}", flush=True)
+    if not args.decode_only:
+        print("host microseconds per call, graph building only:")
+        for name, us in graph_building().items():
+            print(f"  {name:<48} {us:7.2f}", flush=True)
+        print("microseconds per link, evaluating a chain of 200 dependent calls:")
+        for name, us in evaluation().items():
+            print(f"  {name:<48} {us:7.2f}", flush=True)
     if not args.skip_decode:
         print(f"one decode token, 8B-shaped Llama cut to {args.layers} layers (ms per token):")
         for variant, r in decode_split(args.layers).items():

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from turboquant.stages import rotate, unrotate
 
@@ -462,9 +463,15 @@ def chunk_tiles(tiles: int, n_chunks: int, c_idx: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=512)
 def _rotations(seed: int, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
-    """(rotate(I_k), unrotate(I_v)) float32: q_rot = q @ rot, x = y @ unrot."""
-    rot = mx.contiguous(rotate(mx.eye(k_dim, dtype=mx.float32), seed))
-    unrot = mx.contiguous(unrotate(mx.eye(v_dim, dtype=mx.float32), seed))
+    """(rotate(I_k), unrotate(I_v)) float32: q_rot = q @ rot, x = y @ unrot.
+
+    Built on the CPU stream: on the GPU each layer's first decode step waited ~0.6 s here
+    (measured on the H200 by `benchmarks/launch_cost.py --kv 1024 --profile`), while the
+    CPU builds a 128 x 128 pair in a few milliseconds."""
+    with mx.stream(mx.cpu):
+        rot = np.asarray(rotate(mx.eye(k_dim, dtype=mx.float32), seed))
+        unrot = np.asarray(unrotate(mx.eye(v_dim, dtype=mx.float32), seed))
+    rot, unrot = mx.array(rot), mx.array(unrot)
     mx.eval(rot, unrot)
     return rot, unrot
 
