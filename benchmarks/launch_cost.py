@@ -222,6 +222,37 @@ def evaluation() -> dict:
     }
 
 
+def greedy(model, cache):
+    """token (1, 1) -> the model's greedy next token (1, 1), as a graph."""
+    return lambda tok: mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+
+
+def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
+    """Decode `tokens` tokens with step(tok) -> next token (graph only), timing per token
+    the graph building, `async_eval` (encoding) and the wait for the GPU, averaged after
+    `warm` tokens, and the first token whole."""
+    build = enc = wait = first = 0.0
+    prof = _BuildProfile(name)
+    for i in range(tokens):
+        t0 = time.perf_counter()
+        with prof:
+            nxt = step(tok)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        mx.eval(nxt)
+        t3 = time.perf_counter()
+        tok = nxt
+        if i == 0:
+            first = t3 - t0
+        if i >= warm:
+            build, enc, wait = build + t1 - t0, enc + t2 - t1, wait + t3 - t2
+    prof.report()
+    n = tokens - warm
+    return dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3, wait_ms=wait / n * 1e3,
+                first_ms=first * 1e3)
+
+
 def decode_split(layers: int, tokens: int = 40) -> dict:
     """Per token: graph building, async_eval (encoding) and the wait, for each variant."""
     import sys
@@ -239,27 +270,8 @@ def decode_split(layers: int, tokens: int = 40) -> dict:
         logits = model(y, cache=cache)
         mx.eval(logits)
         tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        build = enc = wait = 0.0
-        prof = _BuildProfile(variant)
-        for i in range(tokens):
-            t0 = time.perf_counter()
-            with prof:
-                logits = model(tok, cache=cache)
-                nxt = mx.argmax(logits[:, -1], axis=-1)[:, None]
-            t1 = time.perf_counter()
-            mx.async_eval(nxt)
-            t2 = time.perf_counter()
-            mx.eval(nxt)
-            t3 = time.perf_counter()
-            tok = nxt
-            if i >= 8:
-                build += t1 - t0
-                enc += t2 - t1
-                wait += t3 - t2
-        n = tokens - 8
-        prof.report()
-        rows[variant] = dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3,
-                             wait_ms=wait / n * 1e3, tok_s_pipelined=dec.decode_tps(model, 64))
+        row = split_tokens(greedy(model, cache), tok, variant, tokens)
+        rows[variant] = dict(row, tok_s_pipelined=dec.decode_tps(model, 64))
         del model, cache
         mx.clear_cache()
     return rows
@@ -286,27 +298,7 @@ def kv_split(layers: int, context: int, tokens: int = 40) -> dict:
                  else make_turboquant_cache(model, bits_k=4, bits_v=3))
         for i in range(0, context, 2048):
             mx.eval(model(prompt[:, i : i + 2048], cache=cache))
-        tok = mx.array([[1]])
-        build = enc = wait = 0.0
-        prof = _BuildProfile(name)
-        for i in range(tokens):
-            t0 = time.perf_counter()
-            with prof:
-                nxt = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
-            t1 = time.perf_counter()
-            mx.async_eval(nxt)
-            t2 = time.perf_counter()
-            mx.eval(nxt)
-            t3 = time.perf_counter()
-            tok = nxt
-            if i == 0:
-                first = t3 - t0
-            if i >= 8:
-                build, enc, wait = build + t1 - t0, enc + t2 - t1, wait + t3 - t2
-        n = tokens - 8
-        prof.report()
-        rows[name] = dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3,
-                          wait_ms=wait / n * 1e3, first_ms=first * 1e3)
+        rows[name] = split_tokens(greedy(model, cache), mx.array([[1]]), name, tokens)
         del cache
         mx.clear_cache()
     return rows

@@ -69,13 +69,18 @@ def _only(kernels, module):
     return rec
 
 
+def _grouped_call(members, prepared, x):
+    """Run q/k/v-shaped members (128, 64, 64 rows) on x (1, 1, 256) bf16; check the outputs."""
+    ys = cuda.linear_group(x, members, prepared)
+    assert [y.shape for y in ys] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
+    assert [y.dtype for y in ys] == [mx.bfloat16] * 3
+
+
 def test_a_group_is_one_launch(kernels):
     members = _members(256, (128, 64, 64), bias=True)
     prepared = {}
     x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
-    ys = cuda.linear_group(x, members, prepared)
-    assert [y.shape for y in ys] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
-    assert [y.dtype for y in ys] == [mx.bfloat16] * 3
+    _grouped_call(members, prepared, x)
     assert {k[0] for k in kernels} == {"cuda_linear"}
     rec = _only(kernels, "cuda_linear")
     assert rec.name[1:] == (3, 4 * 256 + 2 * 256)  # 3 outputs; float row + fp16 row
@@ -130,9 +135,7 @@ def test_unfused_a_group_is_one_rotation_and_one_gemv(kernels, unfused):
     members = _members(256, (128, 64, 64), bias=True)
     prepared = {}
     x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
-    ys = cuda.linear_group(x, members, prepared)
-    assert [y.shape for y in ys] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
-    assert [y.dtype for y in ys] == [mx.bfloat16] * 3
+    _grouped_call(members, prepared, x)
     (rot,), (gemv,) = ([r for k, r in kernels.items() if k[0] == n] for n in ("cuda_rotate", "cuda_gemv"))
     r, g = rot.calls[0], gemv.calls[0]
     assert r["inputs"][0] is x  # no reshape or copy before the kernel
