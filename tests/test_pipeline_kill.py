@@ -191,7 +191,9 @@ def test_sigkill_at_random_times_with_worker_processes(tmp_path, bigger):
             break  # it finished within the jitter
         assert rc == -signal.SIGKILL
         killed += 1
-        assert ledger_lines(out) < units
+        # all units may already be in the ledger: then the kill landed in finalization
+        # (shards, index, manifest), which the resume below must handle just as well
+        assert ledger_lines(out) <= units
     assert killed >= 3
     check_resumed(src, out, reference, MOE_ARGS, MOE_CHUNK)
 
