@@ -76,8 +76,10 @@ def test_prefect_mode_failure_keeps_its_status_and_message(source, tmp_path):
     (out / "notes.txt").write_text("not a conversion")
     run = turboquant("convert", source, out, "-q", "--in-process", home=tmp_path / "prefect")
     assert run.returncode == 1
-    errors = [x for x in run.stderr.splitlines() if x.startswith("turboquant convert: error:")]
+    lines = run.stderr.splitlines()
+    errors = [x for x in lines if x.startswith("turboquant convert: error:")]
     assert len(errors) == 1 and "is not a TurboQuant conversion" in errors[0], run.stderr
+    assert lines == errors, run.stderr  # nothing of Prefect's (its draining workers) around it
     assert "interpreter exit ran" not in run.stdout
     assert (out / "notes.txt").read_text() == "not a conversion"
 
