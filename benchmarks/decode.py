@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -103,7 +104,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the host side of decoding (first variant only), top 30 by own time")
     args = ap.parse_args()
-    print(f"device {mx.default_device()}, kernels: {dispatch.describe()}")
+    graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)")
+    fused = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
+    print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
+          f"MLX_USE_CUDA_GRAPHS={graphs}, TurboQuant CUDA linears {'fused' if fused else 'unfused'}")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     if args.tiny:
