@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, in the order NOTES.md gives them, for the second device
+# call (after `bash .mlxcuda/a/stash.sh` in the first):
+#   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
+# Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
+#   tests-linear  tests-kv  first-token  graphs  decode  kv-decode  layer  launch-cost
+# A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
+set -u
+. benchmarks/device_env.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.txt"
+  timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1
+  echo "rc=$?" >> "$OUT/$name.txt"
+}
+
+for s in "$@"; do
+  case $s in
+    tests-linear) step tests-linear 330 python3 -P -m pytest -q -x tests/test_kernels_cuda_linear.py ;;
+    tests-kv) step tests-kv 240 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py ;;
+    first-token)  # twice: does MLX's disk cache of compiled kernels remove the first-token cost?
+      step first-token-1 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8
+      step first-token-2 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8 ;;
+    graphs)  # the CUDA-graphs hypothesis of NOTES.md: graph size against TQ3's slowdown
+      for ops in 20 200 1000; do
+        step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
+          python3 benchmarks/decode.py --variants affine4,tq3
+      done ;;
+    decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
+    kv-decode) step kv-decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+      --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
+    layer) step layer 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer-only ;;
+    launch-cost) step launch-cost 170 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+for f in "$OUT"/*.txt; do echo "--- $f"; tail -6 "$f"; done
