@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
-from turboquant.kernels import dispatch
+from turboquant.kernels import cuda, dispatch
 from turboquant.runtime.fuse import group_linears
 from turboquant.runtime.layers import TQLinear, padded
 from turboquant.kernels.reference import words_per_row
@@ -105,9 +105,9 @@ def main() -> None:
                     help="cProfile the host side of decoding (first variant only), top 30 by own time")
     args = ap.parse_args()
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)")
-    fused = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
-          f"MLX_USE_CUDA_GRAPHS={graphs}, TurboQuant CUDA linears {'fused' if fused else 'unfused'}")
+          f"MLX_USE_CUDA_GRAPHS={graphs}, "
+          f"TurboQuant CUDA linears {'fused' if cuda.FUSED else 'unfused'}")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     if args.tiny:

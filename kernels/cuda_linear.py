@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -26,7 +27,6 @@ from . import cuda_gemv, cuda_rotate
 
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
-MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of dynamic shared memory per block
 
 _HEADER = cuda_gemv.HEADER + r"""
 // Position of activation i of the padded row in the swizzled fp16 buffer.
@@ -114,7 +114,8 @@ def rows_per_warp_for(ends: tuple[int, ...]) -> int:
 
 def fits(n: int, padded: int, a: int) -> bool:
     """Whether one block holds the row (the mix keeps A values per thread in registers)."""
-    return shared_bytes(n, padded) <= MAX_SHARED_BYTES and a <= cuda_rotate.MAX_FACTOR
+    return (shared_bytes(n, padded) <= cuda_rotate.MAX_SHARED_BYTES
+            and a <= cuda_rotate.MAX_FACTOR)
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,6 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     out = ends[-1]
     bounds = list(ends[:-1]) + [out] * 2
     block_rows = WARPS_PER_BLOCK * rpw
-    tokens = 1
-    for d in lead:
-        tokens *= d
     template = [
         ("InT", in_dtype), ("OutT", out_dtype), ("N", n), ("A", a), ("PADDED", padded),
         ("BITS", bits), ("GS", group_size), ("OUT", out), ("ROWS_PER_WARP", rpw),
@@ -160,7 +158,7 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     return Launch(
         kernel=_kernel(len(ends), shared_bytes(n, padded)),
         template=template,
-        grid=(-(-out // block_rows) * THREADS, tokens, 1),
+        grid=(-(-out // block_rows) * THREADS, math.prod(lead), 1),
         shapes=[(*lead, w) for w in widths],
         dtypes=[out_dtype] * len(ends),
     )
