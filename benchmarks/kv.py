@@ -30,7 +30,14 @@ GPU part (for the GPU machine):
   heads, head_dim 128), MLX's fused SDPA over the bf16 cache against the kernel and the
   reference over the compressed one, microseconds per call. See `gpu_attention`.
 
+Host cost (CPU or GPU):
+
+- --host-cost: one layer's decode step (cache update + attention), graph building only,
+  the fp16 cache + SDPA against TurboQuant caches: microseconds, MLX ops, kernel calls and
+  template arguments per step. Off the GPU the kernels are fakes. See `host_cost`.
+
 Reproduce:
+    .venv/bin/python benchmarks/kv.py --host-cost --contexts 1024 32768 --attention-configs K4V3
     .venv/bin/python benchmarks/kv.py                       # CPU, both reference models
     .venv/bin/python benchmarks/kv.py --models pystd-dense --chunks 2 --trials 10
     python benchmarks/kv.py --gpu-decode --gpu-attention    # GPU machine
@@ -493,6 +500,183 @@ def gpu_attention(
     return rows
 
 
+# ---------------------------------------------------------------------------- host cost
+
+
+class _FakeKernel:
+    """Stands in for a GPU kernel off the GPU: outputs of the right shapes (one cheap
+    `Depends` node over pre-built zeros and the call's inputs); counts calls and template
+    arguments."""
+
+    def __init__(self, counts: dict):
+        self.counts, self._zeros = counts, {}
+
+    def _zero(self, shape, dtype):
+        key = (tuple(shape), dtype)
+        if key not in self._zeros:
+            self._zeros[key] = mx.zeros(shape, dtype)
+            mx.eval(self._zeros[key])
+        return self._zeros[key]
+
+    def outputs(self, inputs, shapes, dtypes, template=()):
+        self.counts["kernels"] += 1
+        self.counts["template_args"] += len(template or ())
+        zeros = [self._zero(s, d) for s, d in zip(shapes, dtypes)]
+        return mx.depends(zeros, [x for x in inputs if isinstance(x, mx.array)])
+
+    def cuda_kernel(self, name):
+        def call(inputs, output_shapes, output_dtypes, template=None, **_):
+            return self.outputs(inputs, output_shapes, output_dtypes, template)
+
+        return call
+
+    def sdpa(self, q, k, v, scale, mask=None, sinks=None, **_):
+        return self.outputs([q, k, v], [(*q.shape[:-1], v.shape[-1])], [q.dtype])[0]
+
+
+@contextlib.contextmanager
+def _fake_gpu(counts: dict):
+    """Off the GPU: TurboQuant attention takes the CUDA path with fake kernels, and
+    mx.fast.scaled_dot_product_attention is a fake kernel too (one call, like on the GPU)."""
+    from turboquant.kernels import cuda_kv, dispatch
+
+    fake = _FakeKernel(counts)
+    saved = cuda_kv._kernel, dispatch.backend, mx.fast.scaled_dot_product_attention
+    cuda_kv._kernel, dispatch.backend = fake.cuda_kernel, lambda: "cuda"
+    mx.fast.scaled_dot_product_attention = fake.sdpa
+    try:
+        yield
+    finally:
+        cuda_kv._kernel, dispatch.backend, mx.fast.scaled_dot_product_attention = saved
+
+
+def _graph_ops(arrays) -> dict:
+    """Operations in the unevaluated graph behind `arrays`, by name (mx.export_to_dot)."""
+    import io
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    ops: dict = {}
+    for name in re.findall(r'label ="([^"]+)"', buf.getvalue()):
+        ops[name] = ops.get(name, 0) + 1
+    return ops
+
+
+def _state_arrays(cache) -> list:
+    """The arrays a cache holds (what a decode step writes)."""
+    if hasattr(cache, "parts"):  # TurboQuant: its buffers (parts() would add slices)
+        xs = [cache._sink_k, cache._sink_v, cache._tail_k, cache._tail_v, *(cache._comp or [])]
+    else:
+        xs = [cache.keys, cache.values]
+    return [x for x in xs if x is not None]
+
+
+def layer_step_cost(name: str, ctx: int, steps: int, b: int, h: int, kv: int, d: int,
+                    warm: int = 4) -> dict:
+    """Host cost of one layer's decode step (cache update + attention), graph building only.
+
+    The cache is filled with `ctx` random bf16 tokens, then `warm` + `steps` one-token
+    steps are built and evaluated; the building of the last `steps` is timed. Off the GPU the kernels are fakes
+    (`_fake_gpu`): the figures are the Python and MLX graph-building work around them,
+    plus counts of kernel calls and template arguments, whose own cost is on the GPU's
+    host only (see `host_cost`)."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import KVCache
+
+    from turboquant.runtime.kvcache import TurboQuantKVCache
+
+    spec = CacheSpec.parse(name)
+    cache = KVCache() if spec.kind == "fp16" else TurboQuantKVCache(
+        spec.bits_k, spec.bits_v, sink=4, window=128, block=64)
+    key = mx.random.key(ctx)
+    for a in range(0, ctx, 2048):
+        n = min(2048, ctx - a)
+        k1, k2, key = mx.random.split(key, 3)
+        cache.update_and_fetch(mx.random.normal((b, kv, n, d), key=k1).astype(mx.bfloat16),
+                               mx.random.normal((b, kv, n, d), key=k2).astype(mx.bfloat16))
+        mx.eval(_state_arrays(cache))
+    k1, k2, k3 = mx.random.split(key, 3)
+    q = mx.random.normal((b, h, 1, d), key=k1).astype(mx.bfloat16)
+    k = mx.random.normal((b, kv, 1, d), key=k2).astype(mx.bfloat16)
+    v = mx.random.normal((b, kv, 1, d), key=k3).astype(mx.bfloat16)
+    mx.eval(q, k, v)
+    counts = dict(kernels=0, template_args=0)
+    fake = _fake_gpu(counts) if mx.default_device() == mx.cpu else contextlib.nullcontext()
+    update, attend, ops = [], [], None
+    with fake:
+        for i in range(-warm, steps):
+            t0 = time.perf_counter()
+            keys, values = cache.update_and_fetch(k, v)
+            t1 = time.perf_counter()
+            out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=d ** -0.5,
+                                               mask=None)
+            t2 = time.perf_counter()
+            if i == steps // 2 and ops is None:
+                ops = _graph_ops([out, *_state_arrays(cache)])
+            mx.eval(out, _state_arrays(cache))
+            if i < 0:  # warm-up: the first flush of the prefill, one-time set-up
+                counts.update(kernels=0, template_args=0)
+                continue
+            update.append(t1 - t0)
+            attend.append(t2 - t1)
+    total = [u + a for u, a in zip(update, attend)]
+    kernels = ops.pop("Depends", 0) if fake is not None and counts["kernels"] else 0
+    return dict(
+        mean_us=1e6 * sum(total) / steps, median_us=1e6 * sorted(total)[steps // 2],
+        update_us=1e6 * sorted(update)[steps // 2], attention_us=1e6 * sorted(attend)[steps // 2],
+        ops=sum(ops.values()), op_names=ops, kernels_per_step=kernels,
+        template_args_per_step=counts["template_args"] / steps if counts["kernels"] else 0.0,
+    )
+
+
+CUDA_KERNEL_BUILD_US = 2.5  # per mx.fast.cuda_kernel call, beyond Python (launch-cost-h200.txt)
+TEMPLATE_ARG_US = 0.2  # per template argument
+LAUNCH_ENCODE_US = 5.5  # per launch, graphs off
+
+
+def host_cost(contexts=(1024, 32768), configs=("fp16", "K4V3"), steps: int = 192,
+              b: int = 1, h: int = 32, kv: int = 8, d: int = 128, log=print) -> list[dict]:
+    """One layer's decode step, host side: the fp16 cache + SDPA against TurboQuant caches.
+
+    Prints per cache: microseconds of graph building per step (mean over `steps`, flushes
+    into the compressed part included; median; the median of its cache update and of its
+    attention call), MLX operations per step (a steady step's graph, kernels excluded),
+    kernel calls and template arguments per step. Off the GPU the kernels are fakes, so
+    the last column estimates the CUDA host cost: build + calls * CUDA_KERNEL_BUILD_US +
+    template args * TEMPLATE_ARG_US + (ops + calls) * LAUNCH_ENCODE_US (graphs off)."""
+    where = "fake kernels (CPU)" if mx.default_device() == mx.cpu else str(mx.default_device())
+    log(f"host cost of one layer's decode step, B={b} H={h} KV={kv} D={d}, {steps} steps, {where}")
+    rows = []
+    for ctx in contexts:
+        row = {"context": ctx}
+        for name in configs:
+            row[name] = layer_step_cost(name, ctx, steps, b, h, kv, d)
+            mx.clear_cache()
+        rows.append(row)
+        log(f"\ncontext {ctx}")
+        log(f"{'cache':<8} {'mean us':>8} {'median':>7} {'update':>7} {'attend':>7} {'ops':>4} "
+            f"{'kernels':>7} {'tmpl':>5} {'est. CUDA host us':>18}  ops by name")
+        base = None
+        for name in configs:
+            r = row[name]
+            est = (r["median_us"] + r["kernels_per_step"] * CUDA_KERNEL_BUILD_US
+                   + r["template_args_per_step"] * TEMPLATE_ARG_US
+                   + (r["ops"] + r["kernels_per_step"]) * LAUNCH_ENCODE_US)
+            r["est_us"] = est
+            base = base or r
+            ratio = f"({est / base['est_us']:.2f}x)"
+            names = ", ".join(f"{k} {v}" for k, v in sorted(r["op_names"].items()))
+            log(f"{name:<8} {r['mean_us']:8.1f} {r['median_us']:7.1f} {r['update_us']:7.1f} "
+                f"{r['attention_us']:7.1f} {r['ops']:4d} {r['kernels_per_step']:7d} "
+                f"{r['template_args_per_step']:5.0f} {est:10.1f} {ratio:>7}  {names}")
+        for name in configs[1:]:
+            log(f"{name} / fp16: build (median) {row[name]['median_us'] / row[configs[0]]['median_us']:.2f}x, "
+                f"ops {row[name]['ops']} vs {row[configs[0]]['ops']}, kernels "
+                f"{row[name]['kernels_per_step']} vs {row[configs[0]]['kernels_per_step']}")
+    _reproduce(log)
+    return rows
+
+
 def _reproduce(log=print):
     cmd = " ".join([sys.executable.replace(str(ROOT) + "/", ""), "benchmarks/kv.py", *sys.argv[1:]])
     log(f"reproduce: {cmd}")
@@ -599,6 +783,10 @@ def main(argv=None):
     ap.add_argument("--gpu-attention", action="store_true",
                     help="one layer's decode attention: fp16 SDPA vs kernel vs reference (GPU)")
     ap.add_argument("--attention-configs", nargs="+", default=["K4V3", "K8V3"])
+    ap.add_argument("--host-cost", action="store_true",
+                    help="host cost (graph building) of one layer's decode step, fp16 vs "
+                         "TurboQuant; off the GPU with fake kernels")
+    ap.add_argument("--host-steps", type=int, default=192)
     ap.add_argument("--no-reference", action="store_true",
                     help="--gpu-attention: skip timing the pure-MLX reference")
     args = ap.parse_args(argv)
@@ -607,7 +795,9 @@ def main(argv=None):
                       reference=not args.no_reference)
     if args.gpu_decode:
         gpu_decode(tuple(args.contexts), tuple(args.gpu_configs), steps=args.gpu_steps)
-    if args.gpu_attention or args.gpu_decode:
+    if args.host_cost:
+        host_cost(tuple(args.contexts), ("fp16", *args.attention_configs), args.host_steps)
+    if args.gpu_attention or args.gpu_decode or args.host_cost:
         return
     run_cpu(args)
 

@@ -2,29 +2,35 @@
 
 `decode_attention(queries, parts, scale, mask)` has `kv_reference.tq_attention`'s
 signature and computes the same thing for one query position (L = 1), split-K
-("flash-decoding") style, in three launches:
+("flash-decoding") style, in two launches:
 
-1. `tq_kv_prep`, a block per (batch, query head): the query in float32, twice: rotated
-   (q @ rotate(I)) times scale / sqrt(k_dim), for the compressed span, and times scale
-   for the fp16 parts (sinks and tail).
-2. `tq_kv_partial`, grid (chunks, batch * kv_heads), 128 threads: each block walks its
-   chunk of tokens in tiles of 128 with an online softmax for the R = H / KV query heads
-   of its KV head (GQA: a KV head is decoded once for its group). Scores: a thread per
+1. `tq_kv_partial`, grid (chunks, batch * kv_heads), 128 threads: each block first puts
+   the R = H / KV query rows of its KV head (GQA: a KV head is decoded once for its group)
+   in shared memory in float32: for the compressed span rotated in the block (signs, the
+   Hadamard over P on each of the A segments, the A x A mix: `cuda_rotate`'s
+   decomposition) times scale / sqrt(k_dim), for the fp16 parts times scale. It then
+   walks its chunk of tokens in tiles of 128 with an online softmax. Scores: a thread per
    token, `knorm * sum_i q_rot[i] * levels_k[code_i]` (codes unpacked from the stored
    words, 32 codes = BITS words at a time); values: a thread per output dim,
    `sum_t p_t * vnorm_t / sqrt(v_dim) * levels_v[code_t,d]`, accumulated in the rotated
    domain. The last FPCH chunks of the grid walk the fp16 sink + tail tokens instead
    (plain dot products, original domain). It writes per chunk (max, sum) and the
    unnormalised accumulator.
-3. `tq_kv_merge`, a block per (batch, query head): log-sum-exp merge of the chunks, the
+2. `tq_kv_merge`, a block per (batch, query head): log-sum-exp merge of the chunks, the
    compressed accumulator un-rotated once (times unrotate(I)), plus the fp16 one, / sum.
 
-Lengths are read at run time from the inputs' shapes (`<name>_shape`), so a growing cache
-does not recompile; template arguments are the model's constants (dims, bits, heads) and
-a few flags. The cache's parts are slices of bigger buffers: the kernels index them
-through their strides (`<name>_strides`, `ensure_row_contiguous=False`), so nothing is
-copied. Masks: None, "causal", or an mlx-lm mask array that is the same for every head
-(bool or additive, one row per batch or one for all).
+Host cost is what decode on MLX's CUDA backend is bound by (every op and kernel call
+costs microseconds to build and encode), so a call is kept lean: lengths are read at run
+time from the inputs' shapes (`<name>_shape`), so a growing cache does not recompile;
+template arguments are only the model's constants (dims, bits, heads, the rotation's
+power-of-two factor) and a few flags, everything derivable is derived in the source;
+the small float32 inputs (signs, mix, codebooks, scales) travel as one array; and all
+that depends only on shapes and settings (`Layout`) is built once and reused for every
+token until the chunk counts change. The cache's parts are slices of bigger buffers: the
+kernels index them through their strides (`<name>_strides`,
+`ensure_row_contiguous=False`), so nothing is copied. Masks: None, "causal", or an
+mlx-lm mask array that is the same for every head (bool or additive, one row per batch
+or one for all).
 
 Raises NotImplementedError (the caller falls back to the reference) for: more than one
 query position, nothing compressed yet, per-head masks, sink and tail of different
@@ -43,8 +49,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from turboquant.stages import rotate, unrotate
+from turboquant.stages import unrotate
 
+from . import cuda_rotate
 from .kv_reference import NEG, KVParts, kv_levels, kv_words
 
 NT = 128  # threads per block in every kernel
@@ -62,6 +69,20 @@ _HEADER = r"""
 
 #define TQ_NEG (-1e30f)
 #define TQ_NEG_INF (__uint_as_float(0xff800000u))
+
+constexpr int TQ_NT = @NT@;        // threads per block
+constexpr int TQ_TILE = @TILE@;    // tokens a partial block scores at once
+constexpr int TQ_MAXCH = @MAXCH@;  // chunks per (batch, KV head) at most
+
+// uint32 words of a packed head vector of d codes of `bits` bits (kv_reference.kv_words)
+__host__ __device__ constexpr int tq_words(int d, int bits) {
+  return bits == 3 ? (d + 31) / 32 * 3 : (d + 32 / bits - 1) / (32 / bits);
+}
+
+// The output element's type picks the conversion.
+__device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void tq_store(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 
 // Code j (0..31) of a block of 32 codes held in BITS words (the stored packing: 2/4/8 bits
 // code j at bit BITS * (j % (32 / BITS)) of word j / (32 / BITS); 3 bits at bit 3j of the
@@ -113,34 +134,20 @@ __device__ __forceinline__ float tq_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-"""
-
-# queries (B, H, 1, KD) any float dtype, strided; rot (KD, KD) f32; params [scale, kscale]
-# -> qcat (B * H, 2, KD) f32: [0] rotated * kscale, [1] original * scale.
-_PREP = r"""
-  const int tid = threadIdx.x;
-  const int row = blockIdx.x;  // b * H + head
-  const int b = row / H, hd = row % H;
-  __shared__ float q[KD];
-  const long long base = b * queries_strides[0] + hd * queries_strides[1];
-  for (int i = tid; i < KD; i += NT) q[i] = (float)queries[base + i * queries_strides[3]];
-  __syncthreads();
-  const float scale = params[0], kscale = params[1];
-  for (int j = tid; j < KD; j += NT) {
-    float s = 0.f;
-    #pragma unroll 8
-    for (int i = 0; i < KD; ++i) s += q[i] * rot[i * KD + j];
-    qcat[((size_t)row * 2) * KD + j] = s * kscale;
-    qcat[((size_t)row * 2 + 1) * KD + j] = q[j] * scale;
-  }
-"""
+""".replace("@NT@", str(NT)).replace("@TILE@", str(TILE)).replace("@MAXCH@", str(MAX_CHUNKS))
 
 # One block per (chunk, b * KV + kv head). Chunks [0, ncc) walk the compressed span,
-# [ncc, ncc + FPCH) the fp16 tokens (sinks then tail). Outputs per (bk, chunk, r):
-# part_ml = (max, sum of exp), part_acc = sum of exp * value (rotated domain for compressed
-# chunks, original for fp16 chunks).
+# [ncc, ncc + FPCH) the fp16 tokens (sinks then tail). queries (B, H, 1, KD) any float
+# dtype, strided; consts float32 [signs KD | mix A*A | levels_k 2^BK | levels_v 2^BV |
+# scale | scale / sqrt(KD)] (`consts_layout`). Outputs per (bk, chunk, r): part_ml = (max,
+# sum of exp), part_acc = sum of exp * value (rotated domain for compressed chunks,
+# original for fp16 chunks).
 _PARTIAL = r"""
+  constexpr int NT = TQ_NT, TILE = TQ_TILE;
   constexpr int NWARPS = NT / 32;
+  constexpr int A = KD / P;                // the rotation: A segments of a power-of-two P
+  constexpr int WK = tq_words(KD, BK);     // words of a packed key
+  constexpr int WV = tq_words(DV, BV);     // words of a packed value
   constexpr int NBK = (KD + 31) / 32;      // 32-code blocks of a key
   constexpr int VSLOT = DV < NT ? DV : NT;  // threads per value group
   constexpr int VG = DV < NT ? NT / DV : 1; // token groups in the value phase
@@ -156,6 +163,7 @@ _PARTIAL = r"""
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunk = blockIdx.x, bk = blockIdx.y;
+  const int KV = k_codes_shape[1];
   const int b = bk / KV, h = bk % KV;
   const int nch = gridDim.x;
   const int ncc = nch - FPCH;
@@ -172,11 +180,49 @@ _PARTIAL = r"""
   const int tile0 = c_idx * tpc;
   const int tile1 = min(tiles, tile0 + tpc);
 
-  for (int i = tid; i < R * KD; i += NT)
-    qs[i] = qcat[((size_t)(bk * R + i / KD) * 2 + (fp ? 1 : 0)) * KD + i % KD];
+  // ---- the R query rows of KV head h (query heads h * R + r) in float32: for fp16 chunks
+  // times scale; for compressed ones times the signs, then the Hadamard over P on every
+  // segment of P (radix-2 stages, all rows at once), then the A x A mix, times kscale
+  const float* signs = consts;
+  const float* mix = consts + KD;
+  const float* levels_k = mix + A * A;
+  const float* levels_v = levels_k + (1 << BK);
+  const float scale = levels_v[1 << BV], kscale = levels_v[(1 << BV) + 1];
+  const long long q_base = b * queries_strides[0] + (long long)h * R * queries_strides[1];
+  for (int i = tid; i < R * KD; i += NT) {
+    const int r = i / KD, d = i % KD;
+    const float x = (float)queries[q_base + r * queries_strides[1] + d * queries_strides[3]];
+    qs[i] = fp ? x * scale : x * signs[d];
+  }
   for (int i = tid; i < (1 << BK); i += NT) lk[i] = levels_k[i];
   for (int i = tid; i < (1 << BV); i += NT) lv[i] = levels_v[i];
   if (tid < R) { m_s[tid] = TQ_NEG; l_s[tid] = 0.f; }
+  __syncthreads();
+  if (!fp) {  // the same for the whole block
+    for (int lh = 0; (1 << lh) < P; ++lh) {
+      const int hh = 1 << lh;
+      for (int k = tid; k < R * KD / 2; k += NT) {
+        const int i = ((k >> lh) << (lh + 1)) | (k & (hh - 1));
+        const float u = qs[i], w = qs[i + hh];
+        qs[i] = u + w;
+        qs[i + hh] = u - w;
+      }
+      __syncthreads();
+    }
+    for (int i = tid; i < R * P; i += NT) {  // a thread per (row, column j of the segments)
+      const int base = (i / P) * KD + i % P;
+      float v[A];
+      #pragma unroll
+      for (int k = 0; k < A; ++k) v[k] = qs[base + k * P];
+      #pragma unroll 1
+      for (int a = 0; a < A; ++a) {
+        float o = 0.f;
+        #pragma unroll
+        for (int k = 0; k < A; ++k) o += mix[a * A + k] * v[k];
+        qs[base + a * P] = o * kscale;
+      }
+    }
+  }
 
   const long long kc_base = b * k_codes_strides[0] + h * k_codes_strides[1];
   const long long kn_base = b * k_norms_strides[0] + h * k_norms_strides[1];
@@ -186,7 +232,7 @@ _PARTIAL = r"""
   const long long sv_base = b * sink_v_strides[0] + h * sink_v_strides[1];
   const long long tk_base = b * tail_k_strides[0] + h * tail_k_strides[1];
   const long long tv_base = b * tail_v_strides[0] + h * tail_v_strides[1];
-  const long long mrow = HAS_MASK ? (long long)(MASK_PER_BATCH ? b : 0) * mask_shape[1] : 0;
+  const long long mrow = HAS_MASK ? (long long)(mask_shape[0] > 1 ? b : 0) * mask_shape[1] : 0;
   const float v_scale = 1.f / sqrtf((float)DV);
 
   // value phase: thread -> (token group, dims vd + k * VSLOT)
@@ -249,7 +295,7 @@ _PARTIAL = r"""
         vscale = (float)v_norms[vn_base + (long long)t * v_norms_strides[2]] * v_scale;
         col = S + t;
       } else {
-        const FpT* krow;
+        auto krow = sink_k;  // sink and tail share a dtype
         long long ks;
         if (t < S) {
           krow = sink_k + sk_base + (long long)t * sink_k_strides[2];
@@ -361,14 +407,16 @@ _PARTIAL = r"""
 """
 
 # One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
-# (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (BKV * R, DV) OutT.
+# (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (B, H, 1, DV) in the queries' dtype.
 _MERGE = r"""
+  constexpr int NT = TQ_NT, MAXCH = TQ_MAXCH;
   constexpr int NWARPS = NT / 32;
   __shared__ float w[MAXCH];
   __shared__ float rot[DV];
   __shared__ float red[NWARPS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.x;
+  const int R = part_ml_shape[2];
   const int bk = row / R, r = row % R;
   const int nch = part_ml_shape[1];
   const int ncc = nch - FPCH;
@@ -409,16 +457,14 @@ _MERGE = r"""
     o *= inv;
     #pragma unroll 8
     for (int i = 0; i < DV; ++i) o += rot[i] * unrot[i * DV + d];
-    out[(size_t)row * DV + d] = (OutT)o;
+    tq_store(out + (size_t)row * DV + d, o);
   }
 """
 
-PREP_INPUTS = ["queries", "rot", "params"]
-PARTIAL_INPUTS = ["qcat", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k", "sink_v",
-                  "tail_k", "tail_v", "mask", "levels_k", "levels_v"]
+PARTIAL_INPUTS = ["queries", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k",
+                  "sink_v", "tail_k", "tail_v", "mask"]
 MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
 SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile check wraps
-    "tq_kv_prep": (PREP_INPUTS, ["qcat"], _PREP),
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
 }
@@ -462,38 +508,52 @@ def chunk_tiles(tiles: int, n_chunks: int, c_idx: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=512)
-def _rotations(seed: int, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
-    """(rotate(I_k), unrotate(I_v)) float32: q_rot = q @ rot, x = y @ unrot.
+def _unrotation(seed: int, v_dim: int) -> mx.array:
+    """unrotate(I_v) float32: x = y @ unrot.
 
     Built on the CPU stream: on the GPU each layer's first decode step waited ~0.6 s here
     (measured on the H200 by `benchmarks/launch_cost.py --kv 1024 --profile`), while the
-    CPU builds a 128 x 128 pair in a few milliseconds."""
+    CPU builds a 128 x 128 matrix in a few milliseconds."""
     with mx.stream(mx.cpu):
-        rot = np.asarray(rotate(mx.eye(k_dim, dtype=mx.float32), seed))
         unrot = np.asarray(unrotate(mx.eye(v_dim, dtype=mx.float32), seed))
-    rot, unrot = mx.array(rot), mx.array(unrot)
-    mx.eval(rot, unrot)
-    return rot, unrot
+    unrot = mx.array(unrot)
+    mx.eval(unrot)
+    return unrot
 
 
-@functools.lru_cache(maxsize=64)
-def _params(scale: float, k_dim: int) -> mx.array:
-    p = mx.array([scale, scale / math.sqrt(k_dim)], dtype=mx.float32)
-    mx.eval(p)
-    return p
+def rotation(seed: int, k_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(signs (k_dim,), mix (A, A), A, P) of the queries' rotation, k_dim = A * P:
+    `cuda_rotate`'s decomposition of `stages.rotate` (NotImplementedError if A is too big)."""
+    with mx.stream(mx.cpu):
+        signs, mix, a, p = cuda_rotate.operands((seed,), k_dim)
+        return np.asarray(signs)[0], np.asarray(mix)[0], a, p
+
+
+def consts_layout(k_dim: int, a: int, bits_k: int, bits_v: int) -> dict[str, slice]:
+    """Where each piece sits in the partial kernel's `consts` input (its pointer arithmetic)."""
+    lk = k_dim + a * a
+    lv = lk + (1 << bits_k)
+    sc = lv + (1 << bits_v)
+    return dict(signs=slice(0, k_dim), mix=slice(k_dim, lk), levels_k=slice(lk, lv),
+                levels_v=slice(lv, sc), scales=slice(sc, sc + 2))
+
+
+@functools.lru_cache(maxsize=512)
+def _consts(seed: int, k_dim: int, bits_k: int, bits_v: int, scale: float) -> tuple[mx.array, int]:
+    """(consts float32 [signs | mix | levels_k | levels_v | scale, scale / sqrt(k_dim)], P)."""
+    signs, mix, _, p = rotation(seed, k_dim)
+    with mx.stream(mx.cpu):
+        lk, lv = (np.asarray(kv_levels(b).astype(mx.float32)) for b in (bits_k, bits_v))
+    scales = np.array([scale, scale / math.sqrt(k_dim)], dtype=np.float32)
+    c = mx.array(np.concatenate([signs, mix.reshape(-1), lk, lv, scales]).astype(np.float32))
+    mx.eval(c)
+    return c, p
 
 
 @functools.lru_cache(maxsize=None)
-def _levels(bits: int) -> mx.array:
-    lv = mx.contiguous(kv_levels(bits).astype(mx.float32))
-    mx.eval(lv)
-    return lv
-
-
-@functools.lru_cache(maxsize=None)
-def _dummy(dtype) -> mx.array:
+def _dummy(dtype, ndim: int = 4) -> mx.array:
     """Stands in for an absent input (never read: its flag is off)."""
-    d = mx.zeros((1, 1, 1, 1), dtype=dtype) + 0  # a real buffer, not a broadcast
+    d = mx.zeros((1,) * ndim, dtype=dtype) + 0  # a real buffer, not a broadcast
     mx.eval(d)
     return d
 
@@ -503,7 +563,8 @@ def mask_bias(mask, b: int, total: int):
 
     Bool masks become 0 / NEG (what the reference's `where(mask, s, NEG)` gives, since
     s + NEG == NEG in float32), additive masks are cast. Per-head or per-query masks
-    raise NotImplementedError.
+    raise NotImplementedError. The kernel reads the bias's row b when it has more than
+    one row.
     """
     if mask is None:
         return None, False
@@ -538,16 +599,15 @@ def mask_bias(mask, b: int, total: int):
     return mx.contiguous(bias), bool(m.shape[0] == b and b > 1)
 
 
-@dataclass
-class Launch:
-    """Everything the three kernels get for one call (the numpy emulation replays it)."""
+@dataclass(frozen=True)
+class Layout:
+    """What the two launches of a call need besides its per-token arrays: the same for
+    every token of a layer until the chunk counts change, so `_layout` builds it once.
 
-    prep_inputs: list
-    prep_template: list
-    partial_inputs: list
-    partial_template: list
-    merge_template: list
-    unrot: mx.array
+    consts, unrot, dummy_fp, dummy_mask: constant inputs (see `_PARTIAL`, `_MERGE`);
+    *_template: template arguments; ncc, fpch: compressed and fp16 chunks of the partial
+    grid (nch in all); grids and output shapes as the kernel calls take them."""
+
     b: int
     h: int
     kv: int
@@ -557,10 +617,66 @@ class Launch:
     ncc: int
     fpch: int
     out_dtype: object
+    consts: mx.array
+    unrot: mx.array
+    dummy_fp: mx.array
+    dummy_mask: mx.array
+    partial_template: tuple
+    merge_template: tuple
+    partial_grid: tuple
+    partial_shapes: list
+    merge_grid: tuple
+    out_shape: tuple
 
     @property
     def nch(self) -> int:
         return self.ncc + self.fpch
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
+            seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
+            has_mask: bool, ncc: int, fpch: int) -> Layout:
+    """The Layout of a call (NotImplementedError where the kernels do not fit it)."""
+    r = h // kv
+    if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
+    wv = kv_words(v_dim, bits_v)
+    smem = 4 * (r * k_dim + TILE * r + TILE + TILE * wv + (1 << bits_k) + (1 << bits_v) + 3 * r)
+    if smem > SMEM_LIMIT or r * -(-v_dim // NT) > MAX_ACC:
+        raise NotImplementedError(f"group of {r} heads x head_dim {k_dim}/{v_dim} is too large")
+    consts, p = _consts(seed, k_dim, bits_k, bits_v, scale)
+    partial_template = (
+        ("KD", k_dim), ("DV", v_dim), ("BK", bits_k), ("BV", bits_v), ("R", r), ("P", p),
+        ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
+    )
+    nch, bkv = ncc + fpch, b * kv
+    return Layout(
+        b=b, h=h, kv=kv, r=r, k_dim=k_dim, v_dim=v_dim, ncc=ncc, fpch=fpch, out_dtype=out_dtype,
+        consts=consts, unrot=_unrotation(seed, v_dim), dummy_fp=_dummy(fp_dtype),
+        dummy_mask=_dummy(mx.float32, 2), partial_template=partial_template,
+        merge_template=(("DV", v_dim), ("FPCH", fpch)),
+        partial_grid=(nch * NT, bkv, 1), partial_shapes=[(bkv, nch, r, 2), (bkv, nch, r, v_dim)],
+        merge_grid=(b * h * NT, 1, 1), out_shape=(b, h, 1, v_dim),
+    )
+
+
+@dataclass
+class Launch:
+    """One call: its Layout and the partial kernel's inputs (in PARTIAL_INPUTS order);
+    the numpy emulation replays it."""
+
+    layout: Layout
+    inputs: list
+
+
+def _fp_dtype(parts: KVParts):
+    """The dtype of the fp16 parts (float16 if there are none)."""
+    fp = [x for x in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v) if x is not None]
+    dtype = fp[0].dtype if fp else mx.float16
+    if any(x.dtype != dtype for x in fp):
+        raise NotImplementedError("sink and tail of different dtypes")
+    return dtype
 
 
 def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launch:
@@ -576,64 +692,36 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
         raise ValueError(f"{h} query heads do not group over {kv} KV heads")
     if pk.k_codes.shape[0] != b or d != pk.k_dim:
         raise NotImplementedError("queries and cache disagree on batch or head_dim")
-    r = h // kv
-    kd, dv = pk.k_dim, pk.v_dim
     s_len, c_len, t_len = parts.lengths
-    fp = [x for x in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v) if x is not None]
-    fp_dtype = fp[0].dtype if fp else mx.float16
-    if any(x.dtype != fp_dtype for x in fp):
-        raise NotImplementedError("sink and tail of different dtypes")
-    if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
-        raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
-    wv = kv_words(dv, pk.bits_v)
-    smem = 4 * (r * kd + TILE * r + TILE + TILE * wv + (1 << pk.bits_k) + (1 << pk.bits_v) + 3 * r)
-    if smem > SMEM_LIMIT or r * -(-dv // NT) > MAX_ACC:
-        raise NotImplementedError(f"group of {r} heads x head_dim {kd}/{dv} is too large")
-    bias, per_batch = mask_bias(mask, b, s_len + c_len + t_len)
+    bias, _ = mask_bias(mask, b, s_len + c_len + t_len)
     ncc, fpch = plan(b, kv, c_len, s_len + t_len)
-    rot, unrot = _rotations(pk.seed, kd, dv)
-    dummy = _dummy(fp_dtype)
-    pick = lambda x: dummy if x is None else x  # noqa: E731
-    return Launch(
-        prep_inputs=[queries, rot, _params(float(scale), kd)],
-        prep_template=[("KD", kd), ("H", h), ("NT", NT), ("QT", queries.dtype)],
-        partial_inputs=[None, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
-                        pick(parts.sink_k), pick(parts.sink_v), pick(parts.tail_k),
-                        pick(parts.tail_v), _dummy(mx.float32) if bias is None else bias,
-                        _levels(pk.bits_k), _levels(pk.bits_v)],
-        partial_template=[
-            ("KD", kd), ("DV", dv), ("WK", kv_words(kd, pk.bits_k)), ("WV", wv), ("BK", pk.bits_k),
-            ("BV", pk.bits_v), ("R", r), ("KV", kv), ("NT", NT), ("TILE", TILE),
-            ("FPCH", fpch), ("HAS_SINK", s_len > 0), ("HAS_TAIL", t_len > 0),
-            ("HAS_MASK", bias is not None), ("MASK_PER_BATCH", per_batch), ("FpT", fp_dtype),
-        ],
-        merge_template=[("DV", dv), ("R", r), ("NT", NT), ("FPCH", fpch),
-                        ("MAXCH", MAX_CHUNKS), ("OutT", queries.dtype)],
-        unrot=unrot, b=b, h=h, kv=kv, r=r, k_dim=kd, v_dim=dv, ncc=ncc, fpch=fpch,
-        out_dtype=queries.dtype,
-    )
+    lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
+                  _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
+                  ncc, fpch)
+    fp = lay.dummy_fp
+    return Launch(lay, [
+        queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
+        fp if parts.sink_k is None else parts.sink_k, fp if parts.sink_v is None else parts.sink_v,
+        fp if parts.tail_k is None else parts.tail_k, fp if parts.tail_v is None else parts.tail_v,
+        lay.dummy_mask if bias is None else bias,
+    ])
+
+
+_F32X2 = [mx.float32, mx.float32]
+_THREADS = (NT, 1, 1)
 
 
 def run(launch: Launch) -> mx.array:
-    """The three kernels of a prepared call -> (B, H, 1, Dv)."""
-    L = launch
-    qcat = _kernel("tq_kv_prep")(
-        inputs=L.prep_inputs, template=L.prep_template,
-        grid=(L.b * L.h * NT, 1, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(L.b * L.h, 2, L.k_dim)], output_dtypes=[mx.float32],
-    )[0]
+    """The two kernels of a prepared call -> (B, H, 1, Dv)."""
+    L = launch.layout
     ml, acc = _kernel("tq_kv_partial")(
-        inputs=[qcat, *L.partial_inputs[1:]], template=L.partial_template,
-        grid=(L.nch * NT, L.b * L.kv, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(L.b * L.kv, L.nch, L.r, 2), (L.b * L.kv, L.nch, L.r, L.v_dim)],
-        output_dtypes=[mx.float32, mx.float32],
+        inputs=launch.inputs, template=L.partial_template, grid=L.partial_grid,
+        threadgroup=_THREADS, output_shapes=L.partial_shapes, output_dtypes=_F32X2,
     )
-    out = _kernel("tq_kv_merge")(
-        inputs=[ml, acc, L.unrot], template=L.merge_template,
-        grid=(L.b * L.h * NT, 1, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(L.b * L.h, L.v_dim)], output_dtypes=[L.out_dtype],
+    return _kernel("tq_kv_merge")(
+        inputs=[ml, acc, L.unrot], template=L.merge_template, grid=L.merge_grid,
+        threadgroup=_THREADS, output_shapes=[L.out_shape], output_dtypes=[L.out_dtype],
     )[0]
-    return out.reshape(L.b, L.h, 1, L.v_dim)
 
 
 def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
@@ -641,5 +729,5 @@ def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None)
     return run(prepare(queries, parts, scale, mask))
 
 
-__all__ = ["HEADER", "Launch", "SOURCES", "chunk_tiles", "decode_attention", "kernel_name",
-           "mask_bias", "plan", "prepare", "run"]
+__all__ = ["HEADER", "Launch", "Layout", "SOURCES", "chunk_tiles", "consts_layout",
+           "decode_attention", "kernel_name", "mask_bias", "plan", "prepare", "rotation", "run"]

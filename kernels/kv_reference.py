@@ -79,14 +79,21 @@ def kv_mse(bits: int) -> float:
     return lloyd_max_mse(check_kv_bits(bits))
 
 
-def kv_codes(u: mx.array, bits: int) -> mx.array:
-    """Index of the nearest level for every entry (uint8): a bits-step binary search.
+COUNT_LIMIT = 1 << 22  # kv_codes counts thresholds at once up to this many comparisons
 
-    The code is the number of thresholds below u, the same as stages.nearest_codes,
-    but bits comparisons instead of 2**bits - 1 (8-bit codes stay cheap).
+
+def kv_codes(u: mx.array, bits: int) -> mx.array:
+    """Index of the nearest level for every entry (uint8).
+
+    The code is the number of thresholds below u, the same as stages.nearest_codes. Small
+    inputs (a decode step's flush) count all 2**bits - 1 comparisons at once: four MLX ops,
+    where a step of the cache is bound by the host's cost per op; large ones (prefill,
+    8-bit codes) take a bits-step binary search, bits comparisons per entry. Same codes.
     """
     thr = _thresholds(check_kv_bits(bits))
     u = u.astype(mx.float32)
+    if u.size * thr.size <= COUNT_LIMIT:
+        return mx.sum(u[..., None] > thr, axis=-1).astype(mx.uint8)
     code = mx.zeros(u.shape, dtype=mx.int32)
     step = 1 << (bits - 1)
     while step:

@@ -105,6 +105,7 @@ class TurboQuantKVCache(_BaseCache):
         self._comp = None  # [k_codes, k_norms, v_codes, v_norms] buffers, rows [lo, lo + n)
         self._c_lo = 0
         self._n_comp = 0
+        self._packed = None  # (lo, n, PackedKV of those rows): parts() reuses it while valid
         self._dims = None  # (k_dim, v_dim)
 
     # mlx-lm's attention sends caches with `bits` to its quantized path: kv_attention hooks it
@@ -171,7 +172,9 @@ class TurboQuantKVCache(_BaseCache):
             else:
                 self._sink_k = mx.concatenate([self._sink_k, sk], axis=2)
                 self._sink_v = mx.concatenate([self._sink_v, sv], axis=2)
-        if take < n:
+        if take == 0:  # (a decode step)
+            self._append_tail(keys, values)
+        elif take < n:
             self._append_tail(keys[:, :, take:], values[:, :, take:])
         self.offset += n
         parts = self.parts()
@@ -208,6 +211,7 @@ class TurboQuantKVCache(_BaseCache):
         self._n_tail -= over
 
     def _append_comp(self, rows: list[mx.array]):
+        self._packed = None  # drop the old view first: the buffer updates can then be in place
         m = rows[0].shape[2]
         lo, n = self._c_lo, self._n_comp
         if self._comp is None or lo + n + m > self._comp[0].shape[2]:
@@ -220,13 +224,23 @@ class TurboQuantKVCache(_BaseCache):
             buf[:, :, lo + n : lo + n + m] = r
         self._n_comp += m
 
+    def _packed_view(self) -> PackedKV | None:
+        """The compressed rows as a PackedKV of slices, built again only when they changed.
+
+        The compressed part changes once per `block` tokens, the tail on every token: the
+        four slices (an MLX op each) are reused across decode steps."""
+        if not self._n_comp:
+            return None
+        lo, n = self._c_lo, self._n_comp
+        if self._packed is None or self._packed[:2] != (lo, n):
+            kc, kn, vc, vn = (x[:, :, lo : lo + n] for x in self._comp)
+            pk = PackedKV(kc, kn, vc, vn, self.bits_k, self.bits_v, self.seed, *self._dims)
+            self._packed = (lo, n, pk)
+        return self._packed[2]
+
     def parts(self) -> KVParts:
         """The current sink | compressed | tail view (what attention reads)."""
-        packed = None
-        if self._n_comp:
-            a, e = self._c_lo, self._c_lo + self._n_comp
-            kc, kn, vc, vn = (x[:, :, a:e] for x in self._comp)
-            packed = PackedKV(kc, kn, vc, vn, self.bits_k, self.bits_v, self.seed, *self._dims)
+        packed = self._packed_view()
         tail_k = tail_v = None
         if self._n_tail:
             tail_k = self._tail_k[:, :, : self._n_tail]

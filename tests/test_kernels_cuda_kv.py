@@ -73,6 +73,7 @@ CASES = [
     Case(kv=2, r=2, bits=(8, 8), ctx=400, dtype="float16"),
     Case(kv=2, r=4, dim=64, bits=(2, 4), ctx=2000, dtype="float32"),
     Case(b=2, kv=2, r=4, dim=96, bits=(4, 3), ctx=600),
+    Case(kv=2, r=3, dim=80, bits=(2, 3), ctx=500),  # rotation of 20 segments of 4, in-block
     Case(kv=8, r=4, bits=(4, 3), ctx=40000),  # many chunks, several tiles each
     Case(b=2, kv=8, r=4, bits=(4, 3), ctx=20000),
     Case(kv=2, r=4, bits=(4, 3), ctx=197),  # just past the window: one block compressed
@@ -141,7 +142,7 @@ def compare(q, parts: KVParts, scale: float, mask=None, label: str = "") -> str:
     w = np.asarray(want)
     shapes = f"q {tuple(q.shape)} {q.dtype}, out {tuple(got.shape)} {got.dtype}"
     info = (f"{label}: {shapes}, lengths (sink, compressed, tail) {parts.lengths}, "
-            f"chunks {launch.ncc}+{launch.fpch}, reference on {where}")
+            f"chunks {launch.layout.ncc}+{launch.layout.fpch}, reference on {where}")
     assert g.shape == w.shape, f"{info}: shape {g.shape} != reference {w.shape}"
     assert np.isfinite(g).all(), f"{info}: {np.size(g) - np.isfinite(g).sum()} non-finite outputs"
     diff = np.abs(g - w)
@@ -183,6 +184,25 @@ def check_masks() -> list[str]:
     hide[case.sink : case.sink + parts.lengths[1]] = False
     out.append(compare(q, parts, 0.09, mx.array(hide), "mask hiding every compressed token"))
     out.append(compare(q, parts, 0.09, "causal", "causal (one query: no mask)"))
+    return out
+
+
+def check_decode_steps() -> list[str]:
+    """Consecutive decode steps of one cache, across a flush into the compressed part: the
+    kernel (whose Layout and compressed view are reused between steps) matches each step."""
+    case = Case(kv=2, r=4, ctx=1000)
+    q, parts, cache = cache_parts(case, seed=11)
+    out, layouts = [], set()
+    key = mx.random.key(5)
+    for i in range(70):  # block 64: at least one flush on the way
+        key, k1, k2 = mx.random.split(key, 3)
+        k = mx.random.normal((1, case.kv, 1, case.dim), key=k1).astype(mx.bfloat16)
+        v = mx.random.normal((1, case.kv, 1, case.dim), key=k2).astype(mx.bfloat16)
+        parts, _ = cache.update_and_fetch(k, v)
+        layouts.add(id(cuda_kv.prepare(q, parts, 0.09).layout))
+        if i % 10 == 0 or i == 69:
+            out.append(compare(q, parts, 0.09, None, f"decode step {i}"))
+    assert len(layouts) <= 3, f"{len(layouts)} layouts for 70 steps: the Layout is not reused"
     return out
 
 
@@ -298,6 +318,10 @@ if pytest is not None:
         for line in check_masks():
             print(line)
 
+    def test_decode_steps():
+        for line in check_decode_steps():
+            print(line)
+
     def test_declined_cases_fall_back():
         for line in check_fallbacks():
             print(line)
@@ -317,7 +341,8 @@ def main() -> int:
         print(f"SKIP: MLX is not running on CUDA (backend {dispatch.backend()!r})")
         return 0
     checks = [(c.name, lambda c=c: check_case(c)) for c in CASES]
-    checks += [("masks", check_masks), ("fallbacks", check_fallbacks),
+    checks += [("masks", check_masks), ("decode steps", check_decode_steps),
+               ("fallbacks", check_fallbacks),
                ("hook", check_hook_loads_kernel), ("model", check_model_decode)]
     failed = 0
     for name, fn in checks:

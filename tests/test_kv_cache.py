@@ -247,3 +247,36 @@ def test_no_fp16_copy_of_compressed_tokens_stays_alive():
     assert c.compressed_tokens == 4096 - 4 - 32
     slack = 256 * KV * (4 * (kv_words(D, 4) + kv_words(D, 3)) + 4) + 2 * 288 * KV * D * 2
     assert held <= c.nbytes + slack < fp16_bytes / 3
+
+
+def _same_view(cache):
+    """parts().packed holds exactly the cache's compressed rows."""
+    pk = cache.parts().packed
+    lo, n = cache._c_lo, cache.compressed_tokens
+    for got, buf in zip((pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms), cache._comp):
+        assert mx.array_equal(got, buf[:, :, lo : lo + n]).item()
+    return pk
+
+
+@pytest.mark.parametrize("rotating", [0, 200])
+def test_decode_steps_reuse_the_compressed_view(rotating):
+    # the compressed part changes once per block: its four slices are built once for it
+    kw = dict(bits_k=4, bits_v=3, window=16, block=8, seed=3)
+    cache = (TurboQuantRotatingKVCache(rotating, keep=2, **kw) if rotating
+             else TurboQuantKVCache(sink=2, **kw))
+    _feed(cache, [150, 1])
+    first = _same_view(cache)
+    views = [first]
+    for i in range(20):
+        _feed(cache, [1], seed=100 + i)
+        views.append(_same_view(cache))
+    assert views[1] is first  # no flush yet: the same object
+    changed = [i for i in range(1, len(views)) if views[i] is not views[i - 1]]
+    assert changed and all(views[i].length != views[i - 1].length or rotating for i in changed)
+    assert len(changed) <= 3  # once per block (8 tokens), not once per token
+    cache.trim(cache._n_tail + 3)  # into the compressed part: a fresh, shorter view
+    n0 = _same_view(cache).length
+    assert n0 == views[-1].length - 3
+    cache.trim(cache._n_tail + 8)  # 8 more, then 8 new ones compressed: the same length,
+    _feed(cache, [16 + 8, 1], seed=7)  # other rows, and the view shows them
+    assert _same_view(cache).length == n0

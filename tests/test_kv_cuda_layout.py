@@ -2,10 +2,11 @@
 
 No GPU here, so two checks stand in for running them:
 
-- a numpy emulation of the three kernels that follows their index arithmetic line by line
-  (block and thread ids, chunk and tile ranges, strided reads of the cache's slices, code
-  unpacking, shared-memory layouts, the online softmax, the merge), fed the very `Launch`
-  that `cuda_kv.prepare` builds, and compared with `tq_attention`. Every global read
+- a numpy emulation of the two kernels that follows their index arithmetic line by line
+  (block and thread ids, chunk and tile ranges, strided reads of the cache's slices and
+  queries, the in-block query rotation, code unpacking, shared-memory layouts, the online
+  softmax, the merge), fed the very `Launch` that `cuda_kv.prepare` builds, and compared
+  with `tq_attention`. Every global read
   checks its coordinates against the input's shape (an out-of-bounds read fails here
   instead of corrupting a GPU run), and every output element is written exactly once;
 - the kernel sources wrapped the way `mx.fast.cuda_kernel` wraps them (signature from the
@@ -26,7 +27,14 @@ import pytest
 
 from cuda_source import compile_with_nvcc, kernel_source
 from turboquant.kernels import cuda_kv
-from turboquant.kernels.kv_reference import NEG, KVParts, PackedKV, kv_quantize, tq_attention
+from turboquant.kernels.kv_reference import (
+    NEG,
+    KVParts,
+    PackedKV,
+    kv_quantize,
+    kv_words,
+    tq_attention,
+)
 
 F32 = np.float32
 
@@ -138,35 +146,57 @@ def staged_code_at(vw: np.ndarray, u, word, shift, bits, wv, valid) -> np.ndarra
 # ---------------------------------------------------------------------------- the kernels
 
 
-def emulate_prep(L: cuda_kv.Launch, queries: Arg) -> np.ndarray:
-    t = dict(L.prep_template)
-    kd, h = t["KD"], t["H"]
-    rot, params = (np.asarray(x) for x in L.prep_inputs[1:])
-    qcat = Out((L.b * h, 2, kd))
-    for row in range(L.b * h):  # blockIdx.x
-        b, hd = divmod(row, h)
-        q = queries.read(b, hd, 0, np.arange(kd)).astype(F32)
-        j = np.arange(kd)
-        s = np.zeros(kd, F32)
-        for i in range(kd):
-            s += q[i] * rot.reshape(-1)[i * kd + j]
-        qcat.write((row * 2) * kd + j, s * params[1])
-        qcat.write((row * 2 + 1) * kd + j, q[j] * params[0])
-    return qcat.done()
+def emulate_query_rows(L: cuda_kv.Launch, queries: Arg, b: int, h: int, fp: bool) -> np.ndarray:
+    """The partial block's prologue: qs (R * KD) of KV head h, as the kernel leaves it."""
+    T = dict(L.layout.partial_template)
+    KD, R, P, BK, BV = T["KD"], T["R"], T["P"], T["BK"], T["BV"]
+    A = KD // P
+    consts = np.asarray(L.layout.consts)
+    at = cuda_kv.consts_layout(KD, A, BK, BV)
+    signs, mix = consts[at["signs"]], consts[at["mix"]]
+    scale, kscale = consts[at["scales"]]
+    i = np.arange(R * KD)
+    x = queries.read(b, h * R + i // KD, 0, i % KD).astype(F32)
+    if fp:
+        return (x * scale).reshape(R, KD)
+    qs = x * signs[i % KD]
+    lh = 0
+    while (1 << lh) < P:  # radix-2 stages over every segment of P
+        hh = 1 << lh
+        k = np.arange(R * KD // 2)
+        j = ((k >> lh) << (lh + 1)) | (k & (hh - 1))
+        assert (j + hh < R * KD).all()
+        u, w = qs[j].copy(), qs[j + hh].copy()
+        qs[j], qs[j + hh] = u + w, u - w
+        lh += 1
+    out = qs.copy()
+    for t in range(R * P):  # a thread per (row, column)
+        base = (t // P) * KD + t % P
+        v = qs[base + np.arange(A) * P]
+        for a in range(A):
+            o = F32(0)
+            for k in range(A):
+                o = F32(o + mix[a * A + k] * v[k])
+            out[base + a * P] = o * kscale
+    return out.reshape(R, KD)
 
 
-def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
-    T = dict(L.partial_template)
-    KD, DV, WK, WV, BK, BV, R, KV = (T[k] for k in ("KD", "DV", "WK", "WV", "BK", "BV", "R", "KV"))
-    NT, TILE, FPCH = T["NT"], T["TILE"], T["FPCH"]
+def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
+    T = dict(L.layout.partial_template)
+    KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
+    WK, WV = kv_words(KD, BK), kv_words(DV, BV)  # the kernel's tq_words
+    KV = args["k_codes"].shape[1]
+    NT, TILE = cuda_kv.NT, cuda_kv.TILE
     NBK = (KD + 31) // 32
     VSLOT = DV if DV < NT else NT
     VG = NT // DV if DV < NT else 1
     DPT = (DV + NT - 1) // NT
-    nch = L.nch
-    grid_y = L.b * L.kv
-    qflat = qcat.reshape(-1)
-    lk, lv = np.asarray(L.partial_inputs[10]), np.asarray(L.partial_inputs[11])
+    nch = L.layout.nch
+    grid_y, grid_x = L.layout.partial_grid[1], L.layout.partial_grid[0] // NT
+    assert grid_x == nch and L.layout.partial_grid[2] == 1
+    consts = np.asarray(L.layout.consts)
+    at = cuda_kv.consts_layout(KD, KD // T["P"], BK, BV)
+    lk, lv = consts[at["levels_k"]], consts[at["levels_v"]]
     part_ml = Out((grid_y, nch, R, 2))
     part_acc = Out((grid_y, nch, R, DV))
     tid = np.arange(NT)
@@ -187,10 +217,10 @@ def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
             tiles = (n_tok + TILE - 1) // TILE
             tile0, tile1 = cuda_kv.chunk_tiles(tiles, n_chunks, c_idx)
 
-            i = np.arange(R * KD)
-            qs = qflat[((bk * R + i // KD) * 2 + (1 if fp else 0)) * KD + i % KD].reshape(R, KD)
+            qs = emulate_query_rows(L, args["queries"], b, h, fp)
             m_s, l_s = np.full(R, F32(NEG), F32), np.zeros(R, F32)
-            mrow = ((b if T["MASK_PER_BATCH"] else 0) * args["mask"].shape[1]) if T["HAS_MASK"] else 0
+            mask_shape = args["mask"].shape
+            mrow = ((b if mask_shape[0] > 1 else 0) * mask_shape[1]) if T["HAS_MASK"] else 0
             vg, vd = tid // VSLOT, tid % VSLOT
             vpos = [code_pos(vd + k * VSLOT, BV) for k in range(DPT)]
             acc = np.zeros((DPT, R, NT), F32)
@@ -285,16 +315,19 @@ def emulate_partial(L: cuda_kv.Launch, qcat: np.ndarray, args: dict[str, Arg]):
 
 
 def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) -> np.ndarray:
-    T = dict(L.merge_template)
-    DV, R, FPCH = T["DV"], T["R"], T["FPCH"]
-    unrot = np.asarray(L.unrot).reshape(-1)
+    T = dict(L.layout.merge_template)
+    DV, FPCH = T["DV"], T["FPCH"]
+    R = part_ml.shape[2]
+    unrot = np.asarray(L.layout.unrot).reshape(-1)
     ml, acc = part_ml.reshape(-1), part_acc.reshape(-1)
     nch = part_ml.shape[1]
-    assert nch <= T["MAXCH"]
+    assert nch <= cuda_kv.MAX_CHUNKS
     ncc = nch - FPCH
-    out = Out((L.b * L.h, DV))
+    rows = L.layout.merge_grid[0] // cuda_kv.NT
+    assert rows == L.layout.b * L.layout.h == int(np.prod(L.layout.out_shape[:3]))
+    out = Out((rows, DV))
     d = np.arange(DV)
-    for row in range(L.b * L.h):  # blockIdx.x
+    for row in range(rows):  # blockIdx.x
         bk, r = divmod(row, R)
         c = np.arange(nch)
         m = ml[((bk * nch + c) * R + r) * 2]
@@ -313,15 +346,16 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) 
         for i in range(DV):
             o += rot[i] * unrot[i * DV + d]
         out.write(row * DV + d, o)
-    return out.done().reshape(L.b, L.h, 1, DV)
+    return out.done().reshape(L.layout.out_shape)
 
 
 def emulate(L: cuda_kv.Launch, args: dict[str, Arg]) -> np.ndarray:
-    """The three kernels of a prepared call; `args` holds the strided inputs by name."""
+    """The two kernels of a prepared call; `args` holds the strided inputs by name."""
     names = cuda_kv.PARTIAL_INPUTS
-    full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names[1:], L.partial_inputs[1:])}
-    qcat = emulate_prep(L, args.get("queries") or Arg(np.asarray(L.prep_inputs[0])))
-    ml, acc = emulate_partial(L, qcat, full)
+    assert len(L.inputs) == len(names)
+    full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
+    ml, acc = emulate_partial(L, full)
+    assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
     return emulate_merge(L, ml, acc)
 
 
@@ -396,7 +430,7 @@ def check(q, parts, args, scale=0.125, mask=None, atol=2e-5):
     err = np.abs(got - want).max()
     assert err < atol * max(1.0, np.abs(want).max()), (
         f"emulated kernel vs tq_attention: max abs diff {err:.3g}, out {got.shape}, "
-        f"lengths {parts.lengths}, chunks {launch.ncc}+{launch.fpch}"
+        f"lengths {parts.lengths}, chunks {launch.layout.ncc}+{launch.layout.fpch}"
     )
     return launch
 
@@ -445,6 +479,47 @@ def test_real_cache_layout(rotating):
     check(q, parts, args, scale=0.125)
 
 
+def test_layout_is_built_once_per_shape():
+    # decode steps of one layer differ only in their arrays: the Layout (templates, grid,
+    # constant inputs) is the same object until the chunk counts change
+    from turboquant.runtime.kvcache import TurboQuantKVCache
+
+    cache = TurboQuantKVCache(bits_k=4, bits_v=3, sink=4, window=32, block=16, seed=9)
+    k, v = (mx.random.normal((1, 2, 300, 64), key=mx.random.key(i)).astype(mx.float16)
+            for i in (1, 2))
+    cache.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 1, 64))
+    launches = []
+    for i in range(3):
+        parts, _ = cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        launches.append(cuda_kv.prepare(q, parts, 0.125))
+    assert launches[0].layout is launches[1].layout is launches[2].layout
+    assert launches[0].inputs[8] is not launches[1].inputs[8]  # the tail grew
+    assert launches[0].inputs[2] is launches[1].inputs[2]  # the compressed view did not
+
+
+def test_two_launches_with_only_the_constants_they_need(monkeypatch):
+    # host cost per call: two kernel calls, template arguments only for what the source
+    # cannot derive, the output shaped (B, H, 1, Dv) by the merge itself
+    calls = []
+
+    def fake(name):
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            calls.append((name, len(inputs), dict(template)))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    monkeypatch.setattr(cuda_kv, "_kernel", fake)
+    q, parts, _ = make_case(b=2, kv=2, r=2, kd=64)
+    out = cuda_kv.decode_attention(q.astype(mx.bfloat16), parts, 0.125)
+    assert out.shape == (2, 4, 1, 64) and out.dtype == mx.bfloat16
+    assert [(n, k) for n, k, _ in calls] == [("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)),
+                                             ("tq_kv_merge", len(cuda_kv.MERGE_INPUTS))]
+    assert set(calls[0][2]) == {"KD", "DV", "BK", "BV", "R", "P", "FPCH", "HAS_SINK",
+                                "HAS_TAIL", "HAS_MASK"}
+    assert set(calls[1][2]) == {"DV", "FPCH"}
+
+
 def test_chunks_of_many_tiles_and_empty_chunks(monkeypatch):
     # 5 compressed tiles over 4 chunks -> 2, 2, 1 tiles and an empty chunk;
     # fp16 tokens over 3 chunks of one tile each
@@ -452,7 +527,7 @@ def test_chunks_of_many_tiles_and_empty_chunks(monkeypatch):
     monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 128)
     q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
     launch = check(q, parts, args)
-    assert (launch.ncc, launch.fpch) == (4, 3)
+    assert (launch.layout.ncc, launch.layout.fpch) == (4, 3)
     assert [cuda_kv.chunk_tiles(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 5)]
 
 
@@ -474,7 +549,7 @@ def test_masks(kind):
         keep[4 : 4 + 260] = False
         mask = mx.array(keep)
     launch = check(q, parts, args, mask=mask)
-    assert dict(launch.partial_template)["HAS_MASK"]
+    assert dict(launch.layout.partial_template)["HAS_MASK"]
 
 
 def test_fp16_queries_and_output():
@@ -483,7 +558,7 @@ def test_fp16_queries_and_output():
     launch = cuda_kv.prepare(q16, parts, 0.125)
     got = emulate(launch, {**args, "queries": Arg(np.asarray(q16))})
     want = np.asarray(tq_attention(q16, parts, 0.125).astype(mx.float32))
-    assert launch.out_dtype == mx.float16
+    assert launch.layout.out_dtype == mx.float16
     assert np.abs(got.astype(np.float16).astype(F32) - want).max() < 2e-3
 
 
@@ -498,7 +573,7 @@ def test_declines_what_it_does_not_cover():
     with pytest.raises(NotImplementedError):  # too many heads per KV head for shared memory
         big = mx.zeros((1, 2 * 80, 1, 64))
         cuda_kv.prepare(big, parts, 0.1)
-    assert cuda_kv.prepare(q, parts, 0.1, "causal").partial_template  # one query: no mask
+    assert cuda_kv.prepare(q, parts, 0.1, "causal").layout.partial_template  # one query: no mask
 
 
 def test_plan_covers_every_tile_once():
@@ -546,14 +621,12 @@ def mlx_kernel_source(func, kernel, input_dtypes, output_dtypes, template) -> st
 
 
 def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
-    part_in = [mx.float32] + [x.dtype for x in L.partial_inputs[1:]]
+    lay = L.layout
     return "".join([
-        mlx_kernel_source(f"prep_{tag}", "tq_kv_prep", [x.dtype for x in L.prep_inputs],
-                          [mx.float32], L.prep_template),
-        mlx_kernel_source(f"partial_{tag}", "tq_kv_partial", part_in,
-                          [mx.float32, mx.float32], L.partial_template),
-        mlx_kernel_source(f"merge_{tag}", "tq_kv_merge", [mx.float32] * 3, [L.out_dtype],
-                          L.merge_template),
+        mlx_kernel_source(f"partial_{tag}", "tq_kv_partial", [x.dtype for x in L.inputs],
+                          [mx.float32, mx.float32], lay.partial_template),
+        mlx_kernel_source(f"merge_{tag}", "tq_kv_merge", [mx.float32] * 3, [lay.out_dtype],
+                          lay.merge_template),
     ])
 
 
@@ -561,7 +634,7 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
 def test_sources_compile_with_nvcc(tmp_path):
     launches = []
     for name in ("k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k3v3-d128-mha", "k2v2-d80", "k4v4-d256",
-                 "k8v8-kd64-dv128"):
+                 "k4v8-d96-fp32-parts", "k8v8-kd64-dv128"):
         q, parts, _ = make_case(**CASES[name])
         launches.append(cuda_kv.prepare(q.astype(mx.bfloat16), parts, 0.1))
     q, parts, _ = make_case(b=2, kv=8, r=4, kd=128, c=200, s=4, t=140)

@@ -37,10 +37,16 @@ def _outlier_keys(shape, seed):
 
 
 @pytest.mark.parametrize("bits", KV_BITS)
-def test_codes_are_the_nearest_level(bits):
+@pytest.mark.parametrize("count_limit", [0, 1 << 30])  # binary search / counting at once
+def test_codes_are_the_nearest_level(bits, count_limit, monkeypatch):
+    from turboquant.kernels import kv_reference
+
+    monkeypatch.setattr(kv_reference, "COUNT_LIMIT", count_limit)
     u = _normal((4096,), bits) * 1.7
     assert mx.array_equal(kv_codes(u, bits), nearest_codes(u, bits))
     assert kv_levels(bits).tolist() == pytest.approx(lloyd_max_levels(bits).tolist(), rel=1e-6)
+    ties = kv_reference._thresholds(bits)  # both ways: the number of thresholds below u
+    assert kv_codes(ties, bits).tolist() == list(range(ties.size))
 
 
 @pytest.mark.parametrize("bits", KV_BITS)
