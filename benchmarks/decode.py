@@ -26,7 +26,8 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 from turboquant.kernels import cuda, dispatch
-from turboquant.runtime.fuse import group_linears
+from turboquant.runtime import fuse
+from turboquant.runtime.fuse import fuse_blocks, group_linears
 from turboquant.runtime.layers import TQLinear, padded
 from turboquant.kernels.reference import words_per_row
 
@@ -65,6 +66,8 @@ def build(variant: str, bits: int = 3) -> nn.Module:
                 setattr(parent, name, new)
         if not variant.endswith("-single"):
             group_linears(model)  # q/k/v and gate/up as one kernel, as runtime.load does on CUDA
+        if not variant.endswith(("-single", "-grouped")) and fuse.BLOCKS:
+            fuse_blocks(model)  # norms, SwiGLU and residuals in the kernels, as runtime.load does
     mx.eval(model.parameters())
     return model
 
@@ -97,8 +100,9 @@ def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--variants", default="bf16,affine4,tq3,tq4,tq3-single",
-                    help="tqN: grouped q/k/v and gate/up (as loaded); tqN-single: one kernel per linear")
+    ap.add_argument("--variants", default="bf16,affine4,tq3,tq4,tq3-grouped,tq3-single",
+                    help="tqN: as loaded (grouped q/k/v and gate/up, fused decoder blocks); "
+                         "tqN-grouped: grouped, mlx-lm's blocks; tqN-single: one kernel per linear")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--profile", action="store_true",
@@ -107,7 +111,8 @@ def main() -> None:
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)")
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
           f"MLX_USE_CUDA_GRAPHS={graphs}, "
-          f"TurboQuant CUDA linears {'fused' if cuda.FUSED else 'unfused'}")
+          f"TurboQuant CUDA linears {'fused' if cuda.FUSED else 'unfused'}, "
+          f"decoder blocks {'fused' if fuse.BLOCKS else 'as mlx-lm'}")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     if args.tiny:

@@ -253,7 +253,7 @@ def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
                 first_ms=first * 1e3)
 
 
-def decode_split(layers: int, tokens: int = 40) -> dict:
+def decode_split(layers: int, tokens: int = 40, variants=("affine4", "tq3")) -> dict:
     """Per token: graph building, async_eval (encoding) and the wait, for each variant."""
     import sys
 
@@ -263,7 +263,7 @@ def decode_split(layers: int, tokens: int = 40) -> dict:
 
     dec.LLAMA3_8B.update(num_hidden_layers=layers)
     rows = {}
-    for variant in ("affine4", "tq3"):
+    for variant in variants:
         model = dec.build(variant)
         cache = make_prompt_cache(model)
         y = mx.array([[1, 2, 3, 4]])
@@ -308,6 +308,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the decode split")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--variants", default="affine4,tq3",
+                    help="of the decode split (benchmarks/decode.py's names)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode token split")
     ap.add_argument("--kv", type=int, default=0, metavar="CONTEXT",
                     help="only the KV cache split at this context (fp16 vs TurboQuant K4/V3)")
@@ -336,7 +338,7 @@ def main() -> None:
             print(f"  {name:<48} {us:7.2f}", flush=True)
     if not args.skip_decode:
         print(f"one decode token, 8B-shaped Llama cut to {args.layers} layers (ms per token):")
-        for variant, r in decode_split(args.layers).items():
+        for variant, r in decode_split(args.layers, variants=args.variants.split(",")).items():
             print(f"  {variant:>8}: build {r['build_ms']:.2f}  async_eval {r['async_eval_ms']:.2f}  "
                   f"wait {r['wait_ms']:.2f}  | generate_step {r['tok_s_pipelined']:.1f} tok/s",
                   flush=True)

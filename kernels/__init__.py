@@ -14,7 +14,7 @@ from .dispatch import (
     tq_gather,
     tq_linear,
 )
-from .group import Member, tq_linear_group
+from .group import NO_EXTRAS, Extras, Member, tq_linear_group
 from .reference import (
     dequantize,
     tq_embedding,
@@ -26,6 +26,8 @@ from .reference import (
 )
 
 __all__ = [
+    "NO_EXTRAS",
+    "Extras",
     "Member",
     "add_op",
     "backend",

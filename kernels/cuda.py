@@ -3,8 +3,10 @@
 - "linear_group": a TurboQuant linear, or several reading one input (q/k/v, gate/up), for
   a few tokens, in one launch (`cuda_linear`: each block rotates x with its member's seed,
   then runs the GEMV over its rows of the members' stacked weights) that writes each
-  member's output in x's dtype, bias added. With TURBOQUANT_CUDA_FUSED=0 (for comparison)
-  it is two launches: `cuda_rotate` for all members, then one `cuda_gemv`.
+  member's output in x's dtype, bias added; the launch also does the call's
+  `group.Extras` (RMSNorm or SwiGLU on the row, a residual on the output). With
+  TURBOQUANT_CUDA_FUSED=0 (for comparison) it is two launches, `cuda_rotate` for all
+  members then one `cuda_gemv`, and the extras are MLX ops.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
 
 Ternary, prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) and gathered experts
@@ -120,9 +122,10 @@ class _Plan:
         self.width = _padded64(first.padded_in)
         self.fused = FUSED and cuda_linear.fits(self.n, self.width, self.a)
         self.launches: dict[tuple, object] = {}
+        self.norms: dict[int, tuple] = {}  # id(norm weight) -> (weight, eps, kernel operand)
         mx.eval(self.signs, self.mix, self.low, self.high, self.scales, self.bias)
 
-    def _launches(self, lead: tuple, dtype):
+    def _launches(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
         tokens = math.prod(lead)
         grouped = len(self.ends) > 1
         out_dtype = dtype if dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
@@ -130,7 +133,7 @@ class _Plan:
             return cuda_linear.launch(
                 n=self.n, a=self.a, padded=self.width, bits=self.bits,
                 group_size=self.group_size, ends=self.ends, lead=lead, in_dtype=dtype,
-                out_dtype=out_dtype, add_bias=self.has_bias)
+                out_dtype=out_dtype, add_bias=self.has_bias, mode=mode)
         rotate = cuda_rotate.launch(self.n, self.a, self.p, self.width, len(self.ends), tokens,
                                     dtype, squeeze=True)
         gemv = cuda_gemv.launch(
@@ -145,18 +148,37 @@ class _Plan:
         expert, row = _pair_arrays(tokens)
         return rotate, gemv, expert, row, grouped
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        key = (x.shape[:-1], x.dtype)
+    def __call__(self, x: mx.array, extras: group.Extras = group.NO_EXTRAS) -> list[mx.array]:
+        if not self.fused:  # the two-launch path does the extras with MLX's ops
+            x, residual, extras = group.input_of(x, extras), extras, group.NO_EXTRAS
+        mode = extras.mode
+        key = (x.shape[:-1], x.dtype, mode)
         hit = self.launches.get(key)
         if hit is None:
             hit = self.launches[key] = self._launches(*key)
         if self.fused:
-            return hit(x, self.signs, self.mix, self.low, self.high, self.scales, self.levels,
-                       self.bias)
+            return hit(x, *self._extra_inputs(extras), self.signs, self.mix, self.low,
+                       self.high, self.scales, self.levels, self.bias)
         rotate, gemv, expert, row, grouped = hit
         xr = rotate(x, self.signs, self.mix)
         ys = gemv(xr, self.low, self.high, self.scales, self.levels, expert, row, self.bias)
-        return ys if grouped else [ys]
+        return group.with_residual(ys if grouped else [ys], residual)
+
+    def _extra_inputs(self, extras: group.Extras) -> list[mx.array]:
+        """The up row, norm weight + eps and residual inputs `cuda_linear.inputs` names."""
+        arrays = [] if extras.up is None else [extras.up]
+        if extras.norm is not None:
+            arrays.append(self._norm_operand(extras.norm, extras.eps))
+        return arrays if extras.residual is None else [*arrays, extras.residual]
+
+    def _norm_operand(self, weight: mx.array, eps: float) -> mx.array:
+        """The norm's weight then eps, float32: built once per norm (a layer's own)."""
+        hit = self.norms.get(id(weight))
+        if hit is None or hit[0] is not weight or hit[1] != eps:
+            packed = mx.concatenate([weight.astype(mx.float32), mx.array([eps], mx.float32)])
+            mx.eval(packed)
+            hit = self.norms[id(weight)] = (weight, eps, packed)
+        return hit[2]
 
 
 _UNFUSABLE = object()  # members one stacked GEMV cannot serve: the reference runs them
@@ -171,7 +193,7 @@ def _plan(members):
         return _UNFUSABLE
 
 
-def linear_group(x, members, prepared=None):
+def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
     if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
         raise NotImplementedError  # prefill: the reference GEMM
     plan = None if prepared is None else prepared.get("cuda")
@@ -182,7 +204,7 @@ def linear_group(x, members, prepared=None):
             plan = prepared["cuda"] = _plan(members)
     if plan is _UNFUSABLE:
         raise NotImplementedError
-    return plan(x)
+    return plan(x, extras)
 
 
 def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):

@@ -12,6 +12,13 @@ A block's rows lie in one member (the member boundaries are multiples of the row
 runs), so a block rotates with one seed. The fp16 row is stored swizzled in 16-byte units
 (unit i of 64-code group g at g * 8 + (i ^ (g & 7))), so the eight lanes of a shared-memory
 phase read eight different bank quads.
+
+A launch can also do a decoder layer's work around the product (`group.Extras`): RMSNorm
+the row as it loads it (a block-wide sum of squares first), gate it (silu(gate) * up, for
+down_proj), and add a residual to the value it stores, so a layer's norms, SwiGLU and
+residual adds cost no launches of their own. The launch's constants (sizes, bits, dtypes,
+flags) are written into the source rather than passed as template arguments: MLX spends
+host time on every template argument of every call.
 """
 
 from __future__ import annotations
@@ -34,7 +41,33 @@ __device__ __forceinline__ int tq_swizzle(int i) {
   const int unit = i >> 3, g = unit >> 3;
   return (((g << 3) | ((unit & 7) ^ (g & 7))) << 3) | (i & 7);
 }
+
+__device__ __forceinline__ float tq_swiglu(float gate, float up) {
+  return gate / (1.f + __expf(-gate)) * up;
+}
 """
+
+# How a block loads its row: TQ_LOAD(i), defined after whatever it needs.
+_LOAD = {
+    "plain": "#define TQ_LOAD(i) static_cast<float>(xr[i])",
+    # the sum of squares over the block (in buf, before the rotation fills it), then
+    # x * rsqrt(mean + eps) * w; nw holds the weight and then eps, float32
+    "norm": r"""float ss = 0.f;
+    for (int i = t; i < N; i += THREADS) { const float v = static_cast<float>(xr[i]); ss += v * v; }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((t & 31) == 0) buf[t >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) ss += buf[w];
+    __syncthreads();
+    const float rinv = rsqrtf(ss / N + nw[N]);
+    #define TQ_LOAD(i) (static_cast<float>(xr[i]) * rinv * nw[i])""",
+    "gate": r"""const InT* ur = up + (size_t)pair * N;
+    #define TQ_LOAD(i) tq_swiglu(static_cast<float>(xr[i]), static_cast<float>(ur[i]))""",
+}
+_RESIDUAL = "v += static_cast<float>(res[(size_t)pair * OUT + row]);\n      "
 
 # Inputs: x (tokens, N) in any float dtype, signs (S, N), mix (S, A, A), code planes,
 # scales (OUT, PADDED / GS), levels, bias (OUT,) float32 (unread without HAS_BIAS).
@@ -60,8 +93,11 @@ _SOURCE = r"""
     const InT* xr = x + (size_t)pair * N;
     const float* sg = signs + (size_t)seg * N;
     const float* mix_s = mix + (size_t)seg * A * A;
+    TQ_LOAD_ROW
     #define TQ_PUT(i, v) xs[tq_swizzle(i)] = __float2half_rn(v)
     TQ_ROTATE_ROW
+    #undef TQ_LOAD
+    #undef TQ_PUT
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -79,25 +115,54 @@ def shared_bytes(n: int, padded: int) -> int:
     return 4 * ((n + 3) // 4 * 4) + 2 * padded
 
 
-INPUTS = ["x", "signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
+WEIGHTS = ["signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
 
 
-def source(segments: int) -> tuple[str, str]:
-    """(header, body) of the kernel for a group of `segments` members."""
-    return _HEADER, (_SOURCE.replace("TQ_ROTATE_ROW", cuda_rotate.ROTATE_ROW)
-                     .replace("TQ_STORE", cuda_gemv.STORES[segments]))
+def inputs(mode: tuple[bool, bool, bool] = (False, False, False)) -> list[str]:
+    """The kernel's inputs for `group.Extras.mode` (norm, gate, residual): the row x, the
+    up row (gate), the norm weight + eps (norm), the residual, then the weights."""
+    norm, gate, residual = mode
+    return ["x", *(["up"] if gate else []), *(["nw"] if norm else []),
+            *(["res"] if residual else []), *WEIGHTS]
+
+
+def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False)
+           ) -> tuple[str, str]:
+    """(header, body) of the kernel for a group of `segments` members doing `mode`'s
+    extras, its constants not yet defined (`launch` writes them in front)."""
+    norm, gate, residual = mode
+    load = _LOAD["norm" if norm else "gate" if gate else "plain"]
+    store = (_RESIDUAL if residual else "") + cuda_gemv.STORES[segments]
+    return _HEADER, (_SOURCE.replace("TQ_LOAD_ROW", load)
+                     .replace("TQ_ROTATE_ROW", cuda_rotate.ROTATE_ROW)
+                     .replace("TQ_STORE", store))
+
+
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+
+
+def constants_source(constants: list[tuple[str, object]]) -> str:
+    """C++ for the launch's constants: what MLX would write for template arguments."""
+    lines = []
+    for name, value in constants:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:
+            lines.append(f"  using {name} = {_CUDA_TYPES[value]};")
+    return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(segments: int, shared: int):
-    _, source_text = source(segments)
-    # the source's hash in the name: MLX caches built kernels on disk by name and template
-    tag = hashlib.sha256((_HEADER + source_text).encode()).hexdigest()[:10]
+def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool], body: str):
+    # the source's hash in the name: MLX caches built kernels on disk by name
+    tag = hashlib.sha256((_HEADER + body).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
         name=f"tq_linear{segments}_{tag}",
-        input_names=INPUTS,
+        input_names=inputs(mode),
         output_names=[f"out{s}" for s in range(segments)],
-        source=source_text,
+        source=body,
         header=_HEADER,
         shared_memory=shared,
     )
@@ -120,26 +185,32 @@ def fits(n: int, padded: int, a: int) -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """One fused launch of a group for a given input shape: built once, called per token."""
+    """One fused launch of a group for a given input shape: built once, called per token.
+    `body` is its kernel's source, specialised with the values in `constants`."""
 
     kernel: object
-    template: list
+    body: str
+    constants: list
     grid: tuple[int, int, int]
     shapes: list
     dtypes: list
 
-    def __call__(self, x, signs, mix, codes, hplane, scales, levels, bias) -> list[mx.array]:
+    def __call__(self, *arrays: mx.array) -> list[mx.array]:
+        """arrays: in the order of `inputs(mode)`."""
         return self.kernel(
-            inputs=[x, signs, mix, codes, hplane, scales, levels, bias], template=self.template,
-            grid=self.grid, threadgroup=(THREADS, 1, 1), output_shapes=self.shapes,
-            output_dtypes=self.dtypes,
+            inputs=list(arrays), grid=self.grid, threadgroup=(THREADS, 1, 1),
+            output_shapes=self.shapes, output_dtypes=self.dtypes,
         )
 
 
 def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],
-           lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool) -> Launch:
+           lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool,
+           mode: tuple[bool, bool, bool] = (False, False, False)) -> Launch:
     """The launch for members with stacked row ends `ends` on inputs of leading shape
-    `lead` (tokens = its product) and last axis n, rotated as A segments of n / A."""
+    `lead` (tokens = its product) and last axis n, rotated as A segments of n / A, doing
+    the extras of `mode` (`group.Extras.mode`)."""
+    if mode[2] and len(ends) > 1:
+        raise ValueError("a residual is added to the output of a single member")
     if len(ends) > len(cuda_gemv.STORES):
         raise ValueError(f"at most {len(cuda_gemv.STORES)} members in a group, got {len(ends)}")
     if n % a or padded % 64 or padded < n:
@@ -148,16 +219,18 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     out = ends[-1]
     bounds = list(ends[:-1]) + [out] * 2
     block_rows = WARPS_PER_BLOCK * rpw
-    template = [
+    constants = [
         ("InT", in_dtype), ("OutT", out_dtype), ("N", n), ("A", a), ("PADDED", padded),
         ("BITS", bits), ("GS", group_size), ("OUT", out), ("ROWS_PER_WARP", rpw),
         ("WARPS", WARPS_PER_BLOCK), ("SEGS", len(ends)), ("END0", bounds[0]),
         ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
     ]
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
+    body = constants_source(constants) + source(len(ends), mode)[1]
     return Launch(
-        kernel=_kernel(len(ends), shared_bytes(n, padded)),
-        template=template,
+        kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body),
+        body=body,
+        constants=constants,
         grid=(-(-out // block_rows) * THREADS, math.prod(lead), 1),
         shapes=[(*lead, w) for w in widths],
         dtypes=[out_dtype] * len(ends),

@@ -36,11 +36,12 @@ THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 
-# The rotation of one row, shared with the fused linear kernel (`cuda_linear`): the row
-# `xr` times the signs `sg` into the float buffer `buf`, the radix-2 stages, the A x A mix
-# `mix_s`; TQ_PUT(i, v) stores rotated value i (padding up to OUTW is stored as zeros).
+# The rotation of one row, shared with the fused linear kernel (`cuda_linear`): the row's
+# values TQ_LOAD(i) times the signs `sg` into the float buffer `buf`, the radix-2 stages,
+# the A x A mix `mix_s`; TQ_PUT(i, v) stores rotated value i (padding up to OUTW is stored
+# as zeros).
 ROTATE_ROW = r"""
-  for (int i = t; i < N; i += THREADS) buf[i] = static_cast<float>(xr[i]) * sg[i];
+  for (int i = t; i < N; i += THREADS) buf[i] = TQ_LOAD(i) * sg[i];
   __syncthreads();
   // radix-2 stages of the Hadamard over P, on every segment at once
   for (int lh = 0; (1 << lh) < P; ++lh) {
@@ -77,6 +78,7 @@ _SOURCE = r"""
   const float* sg = signs + (size_t)s * N;
   const float* mix_s = mix + (size_t)s * A * A;
   __half* o = out + ((size_t)s * gridDim.x + row) * OUTW;
+  #define TQ_LOAD(i) static_cast<float>(xr[i])
   #define TQ_PUT(i, v) o[i] = __float2half_rn(v)
 """ + ROTATE_ROW
 

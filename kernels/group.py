@@ -5,10 +5,16 @@ returns each member's x W^T + b in x's dtype. The reference rotates x once per m
 weight has its own rotation seed) and runs the GEMV/GEMM entry point; a backend kernel can
 rotate for all members in one launch and run one GEMV over their stacked rows
 (`kernels/cuda.py`), which is why the members travel together.
+
+`Extras` is the work a decoder layer does right around its linears, which a kernel can do
+on the row it loads and the value it stores instead of in launches of their own: the
+RMSNorm before q/k/v and gate/up, the SwiGLU gate before down, and the residual add after
+o_proj and down. The reference does it with the same MLX ops as mlx-lm's layers.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,6 +22,59 @@ import mlx.core as mx
 from turboquant.stages import rotate
 
 from . import dispatch
+
+
+@dataclass(frozen=True, eq=False)
+class Extras:
+    """What a group call does around its product. The input is x, or rms_norm(x, norm,
+    eps) with `norm`, or silu(x) * up with `up` (x is then the gate); `residual` (the
+    output's shape) is added to the output of a single-member group."""
+
+    norm: mx.array | None = None
+    eps: float = 0.0
+    up: mx.array | None = None
+    residual: mx.array | None = None
+
+    @property
+    def mode(self) -> tuple[bool, bool, bool]:
+        """(norm, gate, residual): which of them a call does, the key of its kernel."""
+        return self.norm is not None, self.up is not None, self.residual is not None
+
+
+NO_EXTRAS = Extras()
+
+
+def input_of(x: mx.array, extras: Extras) -> mx.array:
+    """The row the members multiply: x, normalised or gated as `extras` says."""
+    if extras.norm is not None:
+        return mx.fast.rms_norm(x, extras.norm, extras.eps)
+    if extras.up is not None:
+        return _swiglu(x, extras.up)
+    return x
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+def with_residual(ys: list[mx.array], extras: Extras) -> list[mx.array]:
+    return ys if extras.residual is None else [extras.residual + ys[0]]
+
+
+def check_extras(x: mx.array, members: tuple["Member", ...], extras: Extras) -> None:
+    if extras.norm is not None and extras.up is not None:
+        raise ValueError("a linear group's input is normalised or gated, not both")
+    if extras.norm is not None and extras.norm.shape != (x.shape[-1],):
+        raise ValueError(f"norm weight {tuple(extras.norm.shape)} does not match inputs "
+                         f"{tuple(x.shape)}")
+    if extras.up is not None and extras.up.shape != x.shape:
+        raise ValueError(f"gate {tuple(x.shape)} and up {tuple(extras.up.shape)} differ")
+    if extras.residual is not None:
+        want = (*x.shape[:-1], members[0].out_features)
+        if len(members) != 1 or extras.residual.shape != want:
+            raise ValueError(f"a residual {tuple(extras.residual.shape)} needs one member "
+                             f"with output {want}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,8 +105,11 @@ def rotated_input(x: mx.array, m: Member) -> mx.array:
     return rotate_padded(x, m.seed, m.padded_in)
 
 
-def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None) -> list[mx.array]:
-    """Each member on its own: rotate, GEMV or GEMM, cast, bias (`prepared` is unused)."""
+def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None,
+                    extras: Extras = NO_EXTRAS) -> list[mx.array]:
+    """Each member on its own: rotate, GEMV or GEMM, cast, bias (`prepared` is unused);
+    `extras` around them with MLX's ops."""
+    x = input_of(x, extras)
     outs = []
     for m in members:
         y = dispatch.tq_linear(
@@ -55,7 +117,7 @@ def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None) -> 
             m.out_features, m.padded_in,
         ).astype(x.dtype)
         outs.append(y if m.bias is None else y + m.bias)
-    return outs
+    return with_residual(outs, extras)
 
 
 def check_members(x: mx.array, members: tuple[Member, ...]) -> None:
@@ -85,12 +147,14 @@ def fusable(members: tuple[Member, ...], rows_per_block: int = 8) -> bool:
 dispatch.add_op("linear_group", reference_group)
 
 
-def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None
-                    ) -> list[mx.array]:
-    """[x W_i^T + b_i for each member], in x's dtype, on the device's best kernel.
+def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None,
+                    extras: Extras = NO_EXTRAS) -> list[mx.array]:
+    """[x W_i^T + b_i for each member], in x's dtype, on the device's best kernel; with
+    `extras`, of the normalised or gated x, the residual added.
 
     `prepared`: a dict the caller keeps with these members (and clears when their arrays
     change), where a backend keeps what it derived from them (kernel layouts, launches);
     without it the backend keeps them in a cache of its own, keyed on the arrays."""
     check_members(x, members)
-    return dispatch.get("linear_group")(x, members, prepared)
+    check_extras(x, members, extras)
+    return dispatch.get("linear_group")(x, members, prepared, extras)

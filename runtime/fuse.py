@@ -7,14 +7,26 @@ every member's output in one `kernels.tq_linear_group` call (on CUDA: one rotati
 for all seeds and one GEMV over the stacked rows), the others return their share for that
 same x. Parameters, their names and the results are unchanged; only the launches are
 fewer. Prefill (many tokens) runs each layer on its own, as before.
+
+`fuse_blocks(model)` goes one step further for the pre-norm decoder blocks of mlx-lm's
+Llama, Qwen2 and Qwen3 (and the families mapped onto them): when decoding, the block hands
+its RMSNorms to the q/k/v and gate/up calls, its SwiGLU to down_proj's and its two
+residual adds to o_proj's and down_proj's (`kernels.Extras`), so on CUDA a layer's norms,
+gate and adds cost no launches of their own. Attention itself (RoPE, the cache, the
+softmax) is mlx-lm's, unchanged.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from turboquant.kernels import dispatch, group
+from turboquant.kernels.group import NO_EXTRAS, Extras
 
 from .layers import LinearGroup, TQLinear
 
@@ -65,3 +77,88 @@ def group_linears(model: nn.Module) -> int:
                     layer.join(shared, k)
                 formed += 1
     return formed
+
+
+# the loader fuses blocks on CUDA; TURBOQUANT_FUSE_BLOCKS=0 keeps mlx-lm's (for comparison)
+BLOCKS = os.environ.get("TURBOQUANT_FUSE_BLOCKS", "1") != "0"
+
+# mlx-lm modules whose TransformerBlock is x + attn(norm(x)), then h + mlp(norm(h)), with
+# MLP down(swiglu(gate(x), up(x))): the structure FusedDecoderBlock reproduces
+FUSABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+class FusedDecoderBlock:
+    """Mixed into a fusable block's class: the same layer, its decode step done by the
+    linears' kernels (norms, SwiGLU and residuals in `kernels.Extras`)."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
+            return super().__call__(x, mask, cache)
+        attn, mlp = self.self_attn, self.mlp
+        qkv, out = attn.q_proj._group, attn.o_proj.group()
+        qkv.extras = _norm_extras(self.input_layernorm)
+        out.extras = Extras(residual=x)
+        try:
+            h = attn(x, mask, cache)  # x + o_proj(attention(rms_norm(x)))
+        finally:
+            qkv.extras = out.extras = NO_EXTRAS
+        gate, up = mlp.gate_proj._group.outputs(h, _norm_extras(self.post_attention_layernorm))
+        return mlp.down_proj.group().outputs(gate, Extras(up=up, residual=h))[0]
+
+
+def _norm_extras(norm: nn.RMSNorm) -> Extras:
+    return Extras(norm=norm["weight"], eps=norm.eps)
+
+
+@functools.cache
+def _fused_class(cls: type) -> type:
+    return type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
+
+
+@functools.cache
+def _family_classes(family: str) -> tuple[type, type, type] | None:
+    """(TransformerBlock, Attention, MLP) of an mlx-lm model module, if it has them."""
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{family}")
+    except ImportError:
+        return None
+    names = ("TransformerBlock", "Attention", "MLP")
+    if not all(hasattr(module, n) for n in names):
+        return None
+    return tuple(getattr(module, n) for n in names)
+
+
+def _grouped(layers) -> bool:
+    """Whether these TQGroupedLinears are exactly the members of one group."""
+    shared = [getattr(layer, "_group", None) for layer in layers]
+    return (all(type(layer) is TQGroupedLinear for layer in layers) and shared[0] is not None
+            and all(g is shared[0] for g in shared) and len(shared[0].layers) == len(layers))
+
+
+def fusable_block(block) -> bool:
+    """Whether `block` is a decoder block of a FUSABLE_FAMILIES module whose q/k/v and
+    gate/up are grouped TurboQuant linears and o_proj and down_proj plain ones."""
+    for family in FUSABLE_FAMILIES:
+        classes = _family_classes(family)
+        if classes is None or type(block) is not classes[0]:
+            continue
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        norms = (getattr(block, "input_layernorm", None),
+                 getattr(block, "post_attention_layernorm", None))
+        return (type(attn) is classes[1] and type(mlp) is classes[2]
+                and all(type(n) is nn.RMSNorm for n in norms)
+                and _grouped([attn.q_proj, attn.k_proj, attn.v_proj])
+                and _grouped([mlp.gate_proj, mlp.up_proj])
+                and type(attn.o_proj) is TQLinear and type(mlp.down_proj) is TQLinear)
+    return False
+
+
+def fuse_blocks(model: nn.Module) -> int:
+    """Give every fusable decoder block (after `group_linears`) the fused decode step, in
+    place; returns how many blocks were fused."""
+    fused = 0
+    for _, module in model.named_modules():
+        if fusable_block(module):
+            module.__class__ = _fused_class(type(module))
+            fused += 1
+    return fused

@@ -129,10 +129,14 @@ class TQLinear(_TQBase):
 
     def __call__(self, x: mx.array) -> mx.array:
         self.check_input(x)
+        return self.group().output(x, 0)
+
+    def group(self) -> "LinearGroup":
+        """The LinearGroup of this layer alone (a grouped layer's is its siblings')."""
         alone = self.__dict__.get("_alone")
         if alone is None:
             alone = self._alone = LinearGroup([self])
-        return alone.output(x, 0)
+        return alone
 
 
 class LinearGroup:
@@ -143,6 +147,9 @@ class LinearGroup:
     new x computes every output; the others take theirs for that same x, and the outputs
     are let go once every member has taken its own (nothing outlives the forward pass).
     A plain object, not a Module: the layers' parameters are not listed twice.
+
+    `extras` (`kernels.Extras`) is what the members' calls do around the product while a
+    fused decoder block (`runtime.fuse`) has it set: the norm before, the residual after.
     """
 
     def __init__(self, layers: list[TQLinear]):
@@ -150,20 +157,25 @@ class LinearGroup:
         self.members: tuple[kernels.Member, ...] = ()
         self.prepared: dict = {}
         self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
+        self.extras = kernels.NO_EXTRAS
 
     def output(self, x: mx.array, index: int) -> mx.array:
         """Member `index`'s output for x."""
         if self.pending is None or self.pending[0] is not x:
-            if not self._current():  # new or replaced weights: describe them anew
-                self.members = tuple(layer.member() for layer in self.layers)
-                self.prepared = {}
-            ys = kernels.tq_linear_group(x, self.members, self.prepared)
+            ys = self.outputs(x, self.extras)
             self.pending = (x, ys, set(range(len(ys))))
         _, ys, waiting = self.pending
         waiting.discard(index)
         if not waiting:
             self.pending = None
         return ys[index]
+
+    def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS) -> list[mx.array]:
+        """Every member's output for x, with `extras` around the product."""
+        if not self._current():  # new or replaced weights: describe them anew
+            self.members = tuple(layer.member() for layer in self.layers)
+            self.prepared = {}
+        return kernels.tq_linear_group(x, self.members, self.prepared, extras)
 
     def _current(self) -> bool:
         return len(self.members) == len(self.layers) and all(

@@ -99,17 +99,19 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
         from .experts import start_cache
 
         start_cache(model, repo, stream, wrapped)
-    groups = 0
+    groups = blocks = 0
     if kernels.backend() == "cuda":  # where a kernel runs q/k/v and gate/up as one
-        from .fuse import group_linears
+        from . import fuse
 
-        groups = group_linears(model)
+        groups = fuse.group_linears(model)
+        blocks = fuse.fuse_blocks(model) if fuse.BLOCKS else 0
     tq_types = (TQLinear, TQSwitchLinear, TQEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(
         "loaded %s (%s): %d TurboQuant layers, %d of them expert layers, %d kernel groups, "
-        "dtype %s", repo.path, config.get("model_type"), len(layers),
-        sum(isinstance(m, TQSwitchLinear) for m in layers), groups, target or "as stored",
+        "%d fused decoder blocks, dtype %s", repo.path, config.get("model_type"), len(layers),
+        sum(isinstance(m, TQSwitchLinear) for m in layers), groups, blocks,
+        target or "as stored",
     )
     return model, config
 

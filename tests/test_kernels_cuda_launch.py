@@ -26,7 +26,7 @@ class Recorder:
     def __init__(self, name):
         self.name, self.calls = name, []
 
-    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
         self.calls.append(dict(inputs=inputs, template=dict(template), grid=grid,
                                threadgroup=threadgroup, shapes=[tuple(s) for s in output_shapes],
                                dtypes=list(output_dtypes)))
@@ -83,17 +83,21 @@ def test_a_group_is_one_launch(kernels):
     _grouped_call(members, prepared, x)
     assert {k[0] for k in kernels} == {"cuda_linear"}
     rec = _only(kernels, "cuda_linear")
-    assert rec.name[1:] == (3, 4 * 256 + 2 * 256)  # 3 outputs; float row + fp16 row
+    # 3 outputs; float row + fp16 row; no extras
+    assert rec.name[1:4] == (3, 4 * 256 + 2 * 256, (False, False, False))
     call = rec.calls[0]
     x_in, signs, mix, low, high, scales, levels, bias = call["inputs"]
     assert x_in is x  # no reshape, cast or copy before the kernel
     assert signs.shape == (3, 256) and mix.shape == (3, 1, 1)
     assert low.shape[0] == 256 and scales.shape == (256, 4) and bias.shape == (256,)
-    t = call["template"]
+    assert call["template"] == {}  # the constants are in the source: no template arguments
+    t = _constants(prepared)
     # 256 rows want 1 row per warp (cuda_gemv.rows_per_warp_for); blocks of 8 warps = 8 rows
     assert t == dict(InT=mx.bfloat16, OutT=mx.bfloat16, N=256, A=1, PADDED=256, BITS=3, GS=64,
                      OUT=256, ROWS_PER_WARP=1, WARPS=8, SEGS=3, END0=128, END1=192,
                      HAS_BIAS=True)
+    body = rec.name[4]
+    assert "constexpr int END1 = 192;" in body and "using InT = __nv_bfloat16;" in body
     assert call["grid"] == (32 * cuda_linear.THREADS, 1, 1)
     assert call["threadgroup"] == (cuda_linear.THREADS, 1, 1)
     assert call["shapes"] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
@@ -101,19 +105,59 @@ def test_a_group_is_one_launch(kernels):
     assert len(rec.calls) == 2 and len(kernels) == 1  # the plan is reused: no new kernels
 
 
+def _constants(prepared, index: int = 0) -> dict:
+    """The constants of the plan's `index`-th fused launch."""
+    return dict(list(prepared["cuda"].launches.values())[index].constants)
+
+
 def test_a_single_linear_with_a_mixed_rotation(kernels):
     members = _members(992, (40,), bits=4)  # 31 x 32 rotation, padded input, no bias
     x = mx.zeros((3, 992), dtype=mx.float16)
-    (y,) = cuda.linear_group(x, members, {})
+    prepared = {}
+    (y,) = cuda.linear_group(x, members, prepared)
     assert y.shape == (3, 40) and y.dtype == mx.float16
     rec = _only(kernels, "cuda_linear")
     call = rec.calls[0]
-    t = call["template"]
+    t = _constants(prepared)
     assert (t["N"], t["A"], t["PADDED"], t["SEGS"], t["OUT"], t["HAS_BIAS"]) == (
         992, 31, 1024, 1, 40, False)
     assert call["inputs"][2].shape == (1, 31, 31)
     assert call["grid"] == (5 * cuda_linear.THREADS, 3, 1)  # 40 rows in blocks of 8, 3 tokens
-    assert rec.name[1:] == (1, 4 * 992 + 2 * 1024)
+    assert rec.name[1:3] == (1, 4 * 992 + 2 * 1024)
+
+
+def test_extras_are_inputs_of_the_same_launch(kernels):
+    """A norm rides on the q/k/v launch (its weight and eps as one float32 input, built
+    once); a gate and a residual on down_proj's: still one launch per group."""
+    qkv, down = _members(256, (128, 64, 64)), _members(512, (256,))
+    prepared_qkv, prepared_down = {}, {}
+    x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    weight = mx.arange(256).astype(mx.bfloat16)
+    for _ in range(2):
+        cuda.linear_group(x, qkv, prepared_qkv, group.Extras(norm=weight, eps=1e-5))
+    gate, up = mx.ones((1, 1, 512), mx.bfloat16), mx.ones((1, 1, 512), mx.bfloat16)
+    res = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    (y,) = cuda.linear_group(gate, down, prepared_down, group.Extras(up=up, residual=res))
+    assert y.shape == (1, 1, 256)
+    by_mode = {k[3]: r for k, r in kernels.items()}
+    assert set(by_mode) == {(True, False, False), (False, True, True)}
+    norm_calls = by_mode[(True, False, False)].calls
+    assert len(norm_calls) == 2
+    nw = norm_calls[0]["inputs"][1]
+    assert nw is norm_calls[1]["inputs"][1]  # packed once per norm weight
+    assert nw.dtype == mx.float32 and nw.shape == (257,)
+    assert mx.array_equal(nw[:256], weight.astype(mx.float32)).item()
+    assert abs(nw[256].item() - 1e-5) < 1e-12
+    (call,) = by_mode[(False, True, True)].calls
+    assert call["inputs"][0] is gate and call["inputs"][1] is up and call["inputs"][2] is res
+    assert cuda_linear.inputs((False, True, True)) == ["x", "up", "res", *cuda_linear.WEIGHTS]
+
+
+def test_a_residual_needs_a_single_member():
+    with pytest.raises(ValueError, match="single member"):
+        cuda_linear.launch(n=256, a=1, padded=256, bits=3, group_size=64, ends=(128, 256),
+                           lead=(1,), in_dtype=mx.float16, out_dtype=mx.float16,
+                           add_bias=False, mode=(False, False, True))
 
 
 def test_fused_rows_per_warp_keep_members_in_whole_blocks():
@@ -197,11 +241,14 @@ def test_without_a_cache_the_plan_lives_as_long_as_the_weights(kernels):
     assert key not in cuda._PREPARED
 
 
-_NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype)
-    (4096, (4096, 1024, 1024), 3, False, mx.bfloat16),
-    (4096, (14336, 14336), 4, False, mx.float16),
-    (14336, (4096,), 2, True, mx.float32),
-    (992, (40,), 3, False, mx.bfloat16),
+_NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype, extras mode)
+    (4096, (4096, 1024, 1024), 3, False, mx.bfloat16, (False, False, False)),
+    (4096, (4096, 1024, 1024), 3, True, mx.bfloat16, (True, False, False)),
+    (4096, (14336, 14336), 4, False, mx.float16, (True, False, False)),
+    (4096, (4096,), 3, False, mx.bfloat16, (False, False, True)),
+    (14336, (4096,), 2, True, mx.float32, (False, False, False)),
+    (14336, (4096,), 3, False, mx.bfloat16, (False, True, True)),
+    (992, (40,), 3, False, mx.bfloat16, (False, False, False)),
 ]
 
 
@@ -210,22 +257,22 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
     """The fused kernel (and the unfused pair) for the shapes of a Llama layer and a mixed
     rotation, as mx.fast.cuda_kernel would build them."""
     src, seen = cuda_linear.source(3)[0], set()
-    for i, (in_f, outs, bits, bias, dtype) in enumerate(_NVCC_CASES):
+    for i, (in_f, outs, bits, bias, dtype, mode) in enumerate(_NVCC_CASES):
         members = _members(in_f, outs, bits=bits, bias=bias)
         s = members[0]
         a, _ = cuda_rotate.factors(in_f, s.seed)
         launch = cuda_linear.launch(
             n=in_f, a=a, padded=cuda._padded64(s.padded_in), bits=bits, group_size=64,
             ends=tuple(sum(outs[: j + 1]) for j in range(len(outs))), lead=(1,),
-            in_dtype=dtype, out_dtype=dtype, add_bias=bias)
-        _, body = cuda_linear.source(len(outs))
-        in_dtypes = [dtype, mx.float32, mx.float32, mx.uint32, mx.uint32, mx.float16,
-                     mx.float32, mx.float32]
-        src += kernel_source(f"tq_linear_{i}", cuda_linear.INPUTS,
-                             [f"out{j}" for j in range(len(outs))], body, in_dtypes,
-                             launch.dtypes, launch.template)
-        seen.add(len(outs))
-    assert seen == {1, 2, 3}
+            in_dtype=dtype, out_dtype=dtype, add_bias=bias, mode=mode)
+        extra_dtypes = {"up": dtype, "nw": mx.float32, "res": dtype}
+        names = cuda_linear.inputs(mode)
+        in_dtypes = [dtype, *(extra_dtypes[n] for n in names[1:-7]), mx.float32, mx.float32,
+                     mx.uint32, mx.uint32, mx.float16, mx.float32, mx.float32]
+        src += kernel_source(f"tq_linear_{i}", names, [f"out{j}" for j in range(len(outs))],
+                             launch.body, in_dtypes, launch.dtypes, [])
+        seen.add((len(outs), mode))
+    assert {segs for segs, _ in seen} == {1, 2, 3} and len({m for _, m in seen}) == 4
     # the unfused pair: the GEMV for 1-3 members, the rotation with a static/dynamic row
     gemv_in = [mx.float16, mx.uint32, mx.uint32, mx.float16, mx.float32, mx.int32, mx.int32,
                mx.float32]

@@ -9,7 +9,6 @@ kernel uses is checked on the CPU in tests/test_kernels_cuda_rotate.py.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from turboquant import kernels
@@ -83,6 +82,40 @@ def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
         assert float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w))) < 1e-2
 
 
+EXTRAS_CASES = [  # (in_features, outs, extras mode): q/k/v normed, o_proj, down_proj
+    (4096, (4096, 1024, 1024), "norm"),
+    (4096, (4096,), "residual"),
+    (14336, (4096,), "gate+residual"),
+    (992, (64, 40), "norm"),
+]
+
+
+@pytest.mark.parametrize("in_f, outs, kind", EXTRAS_CASES)
+def test_extras_match_reference(in_f, outs, kind):
+    """The norm, gate and residual done inside the launch, against MLX's ops around the
+    reference product (the kernel keeps float32 where MLX rounds to bf16 in between)."""
+    members = _members(in_f, outs, 3, bias=kind == "norm")
+    key = iter(mx.random.split(mx.random.key(7), 4))
+    x = (mx.random.normal((2, 1, in_f), key=next(key)) * 3).astype(mx.bfloat16)
+    extras = group.Extras(
+        norm=(mx.random.uniform(0.5, 1.5, (in_f,), key=next(key)).astype(mx.bfloat16)
+              if kind == "norm" else None),
+        eps=1e-5,
+        up=mx.random.normal(x.shape, key=next(key)).astype(mx.bfloat16) if "gate" in kind else None,
+        residual=(mx.random.normal((2, 1, outs[0]), key=next(key)).astype(mx.bfloat16)
+                  if "residual" in kind else None),
+    )
+    prepared = {}
+    got = kernels.tq_linear_group(x, members, prepared, extras)
+    assert prepared["cuda"].fused and len(prepared["cuda"].launches) == 1
+    want = group.with_residual(_reference(group.input_of(x, extras), members), extras)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == mx.bfloat16
+        err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
+        print(f"{kind} in {in_f} out {g.shape[-1]}: {err:.2e}")
+        assert err < 1e-2, err
+
+
 def test_bias_and_batch_shape():
     members = _members(4096, (1024, 256, 256), 3, bias=True)
     x = mx.random.normal((2, 1, 4096)).astype(mx.bfloat16)
@@ -111,12 +144,13 @@ def test_loaded_model_matches_the_cpu(tmp_path):
     from test_runtime_fixtures import make_checkpoint, write_repo
 
     from turboquant.runtime import load
-    from turboquant.runtime.fuse import TQGroupedLinear
+    from turboquant.runtime.fuse import FusedDecoderBlock, TQGroupedLinear
 
     config, weights = make_checkpoint("llama", seed=5)
     write_repo(tmp_path / "m", config, weights, bits=3)
     model, _ = load(tmp_path / "m")
     assert isinstance(model.layers[0].self_attn.q_proj, TQGroupedLinear)  # grouped on CUDA
+    assert isinstance(model.layers[0], FusedDecoderBlock)  # norms and adds in the kernels
     tokens = mx.array([[1, 5, 70, 33]])
     gpu = model(tokens[:, :1])
     mx.eval(gpu)

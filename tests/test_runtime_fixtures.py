@@ -46,6 +46,17 @@ CONFIGS = {
         moe_intermediate_size=40, shared_expert_intermediate_size=64, rms_norm_eps=1e-6,
         vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
     ),
+    "qwen2": dict(  # biased q/k/v
+        model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(  # q/k norms
+        model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=512,
+    ),
     "mixtral": dict(
         model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,

@@ -16,7 +16,13 @@ from test_runtime_fixtures import default_codec, make_checkpoint, write_repo
 from turboquant import kernels
 from turboquant.kernels import group
 from turboquant.runtime import load
-from turboquant.runtime.fuse import TQGroupedLinear, group_linears
+from turboquant.runtime.fuse import (
+    FusedDecoderBlock,
+    TQGroupedLinear,
+    fusable_block,
+    fuse_blocks,
+    group_linears,
+)
 
 PROMPT = mx.array([[1, 5, 70, 33, 200, 9, 12, 250, 3, 4]])  # 10 tokens: prefill path
 
@@ -52,13 +58,16 @@ def test_grouping_keeps_every_logit(tmp_path, kind, groups):
     assert "bias" in attn.q_proj or kind == "llama"  # qwen2's biased q/k/v group too
 
 
-def _count_calls(monkeypatch) -> list[int]:
+def _count_calls(monkeypatch, modes: list | None = None) -> list[int]:
+    """Members per `tq_linear_group` call from now on (and each call's extras mode)."""
     calls = []
     real = kernels.tq_linear_group
 
-    def counting(x, members, prepared=None):
+    def counting(x, members, prepared=None, extras=kernels.NO_EXTRAS):
         calls.append(len(members))
-        return real(x, members, prepared)
+        if modes is not None:
+            modes.append(extras.mode)
+        return real(x, members, prepared, extras)
 
     monkeypatch.setattr(kernels, "tq_linear_group", counting)
     return calls
@@ -129,3 +138,62 @@ def test_no_output_outlives_the_forward_pass(tmp_path):
               for g in (m.__dict__.get("_alone"), m.__dict__.get("_group")) if g is not None}
     assert groups and all(isinstance(g, LinearGroup) for g in groups.values())
     assert all(g.pending is None for g in groups.values())
+
+
+@pytest.mark.parametrize("kind, fused", [("llama", 2), ("qwen2", 2), ("qwen3", 2),
+                                         ("qwen2_moe", 0), ("mixtral", 0)])
+def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
+    """On the CPU the extras are MLX's own ops (rms_norm, the SwiGLU, the adds) done by the
+    group call instead of the block: every logit stays the same, prefill and decode."""
+    model, _ = load(_repo(tmp_path, kind))
+    before = _decode(model)
+    group_linears(model)
+    assert fuse_blocks(model) == fused  # MoE blocks keep mlx-lm's step
+    assert sum(isinstance(m, FusedDecoderBlock) for _, m in model.named_modules()) == fused
+    after = _decode(model)
+    for a, b in zip(before, after):
+        assert mx.array_equal(a, b)
+
+
+def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):
+    model, _ = load(_repo(tmp_path, "llama"))
+    group_linears(model)
+    fuse_blocks(model)
+    cache = make_prompt_cache(model)
+    modes = []
+    calls = _count_calls(monkeypatch, modes)
+    mx.eval(model(PROMPT, cache=cache))  # prefill: mlx-lm's block, each linear alone
+    assert calls == [1] * 15 and set(modes) == {(False, False, False)}
+    calls.clear(), modes.clear()
+    mx.eval(model(PROMPT[:, :1], cache=cache))
+    assert calls == [3, 1, 2, 1] * 2 + [1]  # qkv, o, gate/up, down; lm_head
+    norm, residual, gate_residual, plain = ((True, False, False), (False, False, True),
+                                            (False, True, True), (False, False, False))
+    assert modes == [norm, residual, norm, gate_residual] * 2 + [plain]
+    groups = [m.__dict__.get(k) for _, m in model.named_modules() for k in ("_alone", "_group")]
+    assert all(g.extras is kernels.NO_EXTRAS for g in groups if g is not None)  # reset
+
+
+def test_blocks_with_ungrouped_linears_are_not_fused(tmp_path):
+    def codec(name, v):
+        return 4 if name.endswith("v_proj.weight") else default_codec(name, v, 3)
+
+    model, _ = load(_repo(tmp_path, "llama", codec=codec))
+    assert not fusable_block(model.layers[0])  # before grouping: nothing is grouped
+    group_linears(model)  # q/k group without v
+    assert fuse_blocks(model) == 0
+
+
+def test_extras_are_checked():
+    x = mx.zeros((1, 128))
+    one, three = (_member(64),), (_member(64), _member(16), _member(16))
+    bad = [
+        (one, group.Extras(norm=mx.ones((128,)), up=mx.ones((1, 128))), "not both"),
+        (one, group.Extras(norm=mx.ones((96,))), "norm weight"),
+        (one, group.Extras(up=mx.ones((2, 128))), "gate"),
+        (three, group.Extras(residual=mx.ones((1, 64))), "residual"),
+        (one, group.Extras(residual=mx.ones((1, 32))), "residual"),
+    ]
+    for members, extras, message in bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.tq_linear_group(x, members, extras=extras)
