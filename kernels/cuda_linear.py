@@ -77,7 +77,7 @@ _SOURCE = r"""
   constexpr int THREADS = 32 * WARPS;
   constexpr int NSCALES = PADDED / GS;
   constexpr int NB = (N + 3) & ~3;  // keeps the fp16 row 16-byte aligned
-  extern __shared__ float tq_shared[];
+  extern __shared__ __align__(16) float tq_shared[];
   const int block_row0 = blockIdx.x * WARPS * ROWS_PER_WARP;
   if (block_row0 >= OUT) return;
   const int pair = blockIdx.y;

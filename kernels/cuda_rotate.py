@@ -37,14 +37,61 @@ MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per blo
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 
 # The rotation of one row, shared with the fused linear kernel (`cuda_linear`): the row's
-# values TQ_LOAD(i) times the signs `sg` into the float buffer `buf`, the radix-2 stages,
-# the A x A mix `mix_s`; TQ_PUT(i, v) stores rotated value i (padding up to OUTW is stored
-# as zeros).
+# values TQ_LOAD(i) times the signs `sg` into the float buffer `buf` (16-byte aligned),
+# the Hadamard stages, the A x A mix `mix_s`; TQ_PUT(i, v) stores rotated value i (padding
+# up to OUTW is stored as zeros).
 ROTATE_ROW = r"""
-  for (int i = t; i < N; i += THREADS) buf[i] = TQ_LOAD(i) * sg[i];
+  // the Hadamard over P, on every segment at once: three radix-2 stages per pass while
+  // three remain (a thread takes 8 values h apart through registers), then one per pass;
+  // the first pass runs on the loaded values, before they reach shared memory
+  int lh = 0;
+  if (P >= 8) {
+    for (int k = t; k < N / 8; k += THREADS) {
+      float v[8];
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = TQ_LOAD(8 * k + j) * sg[8 * k + j];
+      #pragma unroll
+      for (int s = 1; s < 8; s <<= 1) {
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (j & s) continue;
+          const float a = v[j], b = v[j + s];
+          v[j] = a + b;
+          v[j + s] = a - b;
+        }
+      }
+      float4* o4 = reinterpret_cast<float4*>(buf + 8 * k);
+      o4[0] = make_float4(v[0], v[1], v[2], v[3]);
+      o4[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    lh = 3;
+  } else {
+    for (int i = t; i < N; i += THREADS) buf[i] = TQ_LOAD(i) * sg[i];
+  }
   __syncthreads();
-  // radix-2 stages of the Hadamard over P, on every segment at once
-  for (int lh = 0; (1 << lh) < P; ++lh) {
+  for (; (8 << lh) <= P; lh += 3) {
+    const int h = 1 << lh;
+    for (int k = t; k < N / 8; k += THREADS) {
+      const int i = ((k >> lh) << (lh + 3)) | (k & (h - 1));
+      float v[8];
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = buf[i + j * h];
+      #pragma unroll
+      for (int s = 1; s < 8; s <<= 1) {
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (j & s) continue;
+          const float a = v[j], b = v[j + s];
+          v[j] = a + b;
+          v[j + s] = a - b;
+        }
+      }
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) buf[i + j * h] = v[j];
+    }
+    __syncthreads();
+  }
+  for (; (1 << lh) < P; ++lh) {
     const int h = 1 << lh;
     for (int k = t; k < N / 2; k += THREADS) {
       const int i = ((k >> lh) << (lh + 1)) | (k & (h - 1));
@@ -88,7 +135,8 @@ STATIC_SHARED_BYTES = 48 * 1024  # above this a block's buffer must be dynamic (
 
 def kernel_source(dynamic: bool) -> str:
     """The kernel's body, its row buffer in dynamic or static shared memory."""
-    buffer = "extern __shared__ float buf[];" if dynamic else "__shared__ float buf[N];"
+    buffer = ("extern __shared__ __align__(16) float buf[];" if dynamic
+              else "__shared__ __align__(16) float buf[N];")
     return _SOURCE.replace("TQ_SHARED_BUFFER", buffer)
 
 
@@ -192,6 +240,19 @@ def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
     return run
 
 
+def hadamard_passes(p: int) -> list[tuple[int, int]]:
+    """(first stage, radix) of the kernel's passes over a Hadamard of size p: radix 8
+    while three stages remain, then radix 2."""
+    passes, lh = [], 0
+    while (8 << lh) <= p:
+        passes.append((lh, 8))
+        lh += 3
+    while (1 << lh) < p:
+        passes.append((lh, 2))
+        lh += 1
+    return passes
+
+
 def emulate(x: np.ndarray, signs: np.ndarray, mix: np.ndarray, a: int, p: int,
             width: int) -> np.ndarray:
     """The kernel's arithmetic in numpy (float32): (rows, n) -> (S, rows, width)."""
@@ -199,12 +260,19 @@ def emulate(x: np.ndarray, signs: np.ndarray, mix: np.ndarray, a: int, p: int,
     out = np.zeros((len(signs), rows, width), dtype=np.float32)
     for s in range(len(signs)):
         buf = (x.astype(np.float32) * signs[s]).reshape(rows, n)
-        for lh in range(int(math.log2(p))):
+        for lh, radix in hadamard_passes(p):
             h = 1 << lh
-            k = np.arange(n // 2)
-            i = ((k >> lh) << (lh + 1)) | (k & (h - 1))
-            u, v = buf[:, i].copy(), buf[:, i + h].copy()
-            buf[:, i], buf[:, i + h] = u + v, u - v
+            k = np.arange(n // radix)
+            i = ((k >> lh) << (lh + radix.bit_length() - 1)) | (k & (h - 1))
+            v = [buf[:, i + j * h].copy() for j in range(radix)]
+            step = 1
+            while step < radix:
+                for j in range(radix):
+                    if not j & step:
+                        v[j], v[j + step] = v[j] + v[j + step], v[j] - v[j + step]
+                step <<= 1
+            for j in range(radix):
+                buf[:, i + j * h] = v[j]
         seg = buf.reshape(rows, a, p)
         out[s, :, :n] = np.einsum("ak,rkj->raj", mix[s], seg).reshape(rows, n)
     return out

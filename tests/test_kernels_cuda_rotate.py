@@ -31,6 +31,17 @@ def test_emulated_kernel_matches_rotate(n):
         assert not got[s, :, n:].any()  # zero padding
 
 
+def test_hadamard_passes_cover_every_stage_once():
+    assert cuda_rotate.hadamard_passes(8192) == [(0, 8), (3, 8), (6, 8), (9, 8), (12, 2)]
+    assert cuda_rotate.hadamard_passes(512) == [(0, 8), (3, 8), (6, 8)]
+    assert cuda_rotate.hadamard_passes(4) == [(0, 2), (1, 2)]
+    assert cuda_rotate.hadamard_passes(1) == []
+    for p in (2, 16, 32, 64, 128, 1024, 2048, 4096):
+        stages = [lh + j for lh, radix in cuda_rotate.hadamard_passes(p)
+                  for j in range(radix.bit_length() - 1)]
+        assert stages == list(range(p.bit_length() - 1))
+
+
 def test_factors_by_kind():
     assert cuda_rotate.factors(4096, 1) == (1, 4096)
     assert cuda_rotate.factors(14336, 1) == (28, 512)  # 7 * 2048 -> m = 28
