@@ -35,7 +35,7 @@ from . import cuda_gemv, cuda_rotate
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
 
-_HEADER = cuda_gemv.HEADER + r"""
+_HEADER = cuda_gemv.HEADER + cuda_rotate.HEADER + r"""
 // Position of activation i of the padded row in the swizzled fp16 buffer.
 __device__ __forceinline__ int tq_swizzle(int i) {
   const int unit = i >> 3, g = unit >> 3;

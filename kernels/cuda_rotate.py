@@ -36,6 +36,25 @@ THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 
+# Device functions ROTATE_ROW calls: a kernel using it puts this in its header.
+HEADER = r"""
+#include <cuda_fp16.h>
+
+// The three radix-2 stages of a Hadamard of size 8, in place.
+__device__ __forceinline__ void tq_hadamard8(float v[8]) {
+  #pragma unroll
+  for (int s = 1; s < 8; s <<= 1) {
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j & s) continue;
+      const float a = v[j], b = v[j + s];
+      v[j] = a + b;
+      v[j + s] = a - b;
+    }
+  }
+}
+"""
+
 # The rotation of one row, shared with the fused linear kernel (`cuda_linear`): the row's
 # values TQ_LOAD(i) times the signs `sg` into the float buffer `buf` (16-byte aligned),
 # the Hadamard stages, the A x A mix `mix_s`; TQ_PUT(i, v) stores rotated value i (padding
@@ -50,16 +69,7 @@ ROTATE_ROW = r"""
       float v[8];
       #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = TQ_LOAD(8 * k + j) * sg[8 * k + j];
-      #pragma unroll
-      for (int s = 1; s < 8; s <<= 1) {
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (j & s) continue;
-          const float a = v[j], b = v[j + s];
-          v[j] = a + b;
-          v[j + s] = a - b;
-        }
-      }
+      tq_hadamard8(v);
       float4* o4 = reinterpret_cast<float4*>(buf + 8 * k);
       o4[0] = make_float4(v[0], v[1], v[2], v[3]);
       o4[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -76,16 +86,7 @@ ROTATE_ROW = r"""
       float v[8];
       #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = buf[i + j * h];
-      #pragma unroll
-      for (int s = 1; s < 8; s <<= 1) {
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (j & s) continue;
-          const float a = v[j], b = v[j + s];
-          v[j] = a + b;
-          v[j + s] = a - b;
-        }
-      }
+      tq_hadamard8(v);
       #pragma unroll
       for (int j = 0; j < 8; ++j) buf[i + j * h] = v[j];
     }
@@ -152,7 +153,7 @@ def _kernel(dynamic_bytes: int):
         input_names=["x", "signs", "mix"],
         output_names=["out"],
         source=source,
-        header="#include <cuda_fp16.h>\n",
+        header=HEADER,
         shared_memory=dynamic_bytes,
     )
 
