@@ -11,6 +11,8 @@ Thin orchestration around `turboquant.stages` (the codec) and `turboquant.manife
     repo.py, card.py   manifest.parquet, index, config.json, tokenizer, README.md
     convert.py         the conversion without Prefect (validate, run jobs, finish)
     flow.py            the same as a Prefect 3 flow, one task per job
+    head_start.py      the flow's first steps, begun before Prefect is imported (CLI)
+    flow_api.py        Prefect's API served from this process for the run
     verify.py          re-read a repo: checksums, decoded errors
     progress.py        tqdm bars driven by the ledgers
     distributed.py     the jobs on Dask (local cluster or a scheduler address)

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,31 +292,55 @@ def _worker_init() -> None:
 
 
 class JobRunner:
-    """Runs jobs in a pool of worker processes (spawned), or in this process."""
+    """Runs jobs in a pool of worker processes (spawned), or in this process.
+
+    `start(jobs)` queues jobs on the workers ahead of time (a head start, head_start.py);
+    `run(job)` then waits for the one already started instead of starting it again.
+    """
 
     def __init__(self, p: Prepared):
         self.p = p
         self.pool = None
+        self.started: dict[str, Future] = {}
         if not p.options.in_process:
             ctx = multiprocessing.get_context("spawn")
             self.pool = ProcessPoolExecutor(max_workers=max(1, p.options.workers), mp_context=ctx,
                                             initializer=_worker_init)
 
+    def start(self, jobs: list[Job]) -> None:
+        """Queue `jobs` on the worker processes now, in this order."""
+        if self.pool is None:
+            raise ValueError("jobs run in this process (in_process): nothing to start ahead")
+        for job in jobs:
+            if job.name not in self.started:
+                self.started[job.name] = self.pool.submit(
+                    run_job, job_context(self.p, job, os.getpid()))
+
+    def started_ahead(self, job: Job) -> bool:
+        return job.name in self.started
+
     def run(self, job: Job) -> JobResult:
         if self.pool is None:
             return run_job(job_context(self.p, job))
         try:
-            return self.pool.submit(run_job, job_context(self.p, job, os.getpid())).result()
+            future = self.started.get(job.name)
+            if future is None:
+                future = self.pool.submit(run_job, job_context(self.p, job, os.getpid()))
+            return future.result()
         except BrokenProcessPool:
             raise ConversionError(
                 f"a worker process died (killed, or out of memory) while converting {job.name}; "
                 "what it finished is in the ledger: run the same command again to resume"
             ) from None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker processes: queued jobs are cancelled and, with `wait`, running
+        ones finish and the processes exit before this returns. Without `wait` they exit
+        in the background, and a later `close()` waits for them."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+            self.pool.shutdown(wait=wait, cancel_futures=True)
+            if wait:
+                self.pool = None
 
     def __enter__(self):
         return self

@@ -8,6 +8,11 @@ same command, or of the same deployment, skips finished jobs, and a crashed job 
 from its ledger. With `dask_workers` or `dask_address` the job tasks run on Dask through
 prefect-dask (pipeline/distributed.py) instead of this process's worker processes.
 
+The CLI begins a run before it imports Prefect (head_start.py): validation, the output's
+lock and its worker processes already converting. `run_convert_flow(opts, head)` hands
+that head start to the flow, which takes it over step by step (its tasks wait for the jobs
+started for them) and raises its errors where they belong, so the run is recorded alike.
+
 Importing this module first sets Prefect's quiet defaults (warnings only, analytics off;
 see flow_env.py) unless Prefect was imported already.
 """
@@ -18,6 +23,7 @@ from .flow_env import configure_prefect_env
 
 configure_prefect_env()
 
+import contextvars  # noqa: E402
 import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,7 +38,8 @@ from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD  # noqa: E4
 
 from .convert import (ConvertOptions, JobRunner, Prepared, Summary, finish,  # noqa: E402
                       output_lock, prepare_output, release_sources, validate)
-from .flow_api import local_api  # noqa: E402
+from .flow_api import local_api, note_final_state  # noqa: E402
+from .head_start import HeadStart  # noqa: E402
 from .job import JobContext, JobResult, run_job  # noqa: E402
 from .ledger import WORK  # noqa: E402
 from .plan import Job  # noqa: E402
@@ -50,13 +57,31 @@ def _cache_key(context, parameters) -> str:
     return parameters["key"]
 
 
-@task(name="validate", cache_policy=NO_CACHE, persist_result=False)
-def validate_task(options: ConvertOptions) -> Prepared:
-    """Metadata only: source headers, recipe coverage, shapes, layout, disk."""
-    return validate(options)
+# The head start (head_start.py) that `run_convert_flow` hands to the flow it runs: set
+# for that one call (the flow's parameters are its options; a deployment's run has none)
+_HEAD_START: contextvars.ContextVar[HeadStart | None] = contextvars.ContextVar(
+    "turboquant_head_start", default=None)
 
 
-@task(name="convert-shard", cache_key_fn=_cache_key, persist_result=True)
+def given_head_start() -> HeadStart | None:
+    """The head start handed to this flow run, if any. (The flow calls this rather than
+    reading the ContextVar: prefect-dask pickles the flow's function by value, with the
+    globals it names, and a ContextVar cannot be pickled.)"""
+    return _HEAD_START.get()
+
+
+# each task's final state is recorded by the in-process API before it stops (flow_api.py)
+RECORDED = {"on_completion": [note_final_state], "on_failure": [note_final_state]}
+
+
+@task(name="validate", cache_policy=NO_CACHE, persist_result=False, **RECORDED)
+def validate_task(options: ConvertOptions, head: HeadStart | None = None) -> Prepared:
+    """Metadata only: source headers, recipe coverage, shapes, layout, disk (or the result
+    of that same validation, run by the head start before Prefect was up)."""
+    return head.validated() if head is not None else validate(options)
+
+
+@task(name="convert-shard", cache_key_fn=_cache_key, persist_result=True, **RECORDED)
 def job_task(key: str, job_index: int, prepared, runner, progress) -> JobResult:
     """Convert one job (one output shard) through the plain `run_job`."""
     job = prepared.plan.jobs[job_index]
@@ -74,7 +99,7 @@ def dask_job_task(key: str, ctx: JobContext) -> JobResult:
     return run_job(ctx)
 
 
-@task(name="write-repo-files", cache_policy=NO_CACHE, persist_result=False)
+@task(name="write-repo-files", cache_policy=NO_CACHE, persist_result=False, **RECORDED)
 def finish_task(prepared, results: list[JobResult]) -> Summary:
     return finish(prepared, results)
 
@@ -107,9 +132,11 @@ def convert_flow(
 ) -> Summary:
     """Convert a Hugging Face checkpoint (folder or Hub repo id) into a TurboQuant repo."""
     opts = ConvertOptions(**{k: v for k, v in locals().items()})
-    p = validate_task(opts)
-    with output_lock(p):
-        p.run = prepare_output(p)
+    head = given_head_start()
+    p = validate_task(opts, quote(head))
+    with head.held() if head is not None else output_lock(p):
+        if head is None:
+            p.run = prepare_output(p)
         bars = Progress(p.plan, p.work, opts.progress, opts.workers)
         bars.start()
         try:
@@ -118,13 +145,14 @@ def convert_flow(
 
                 results = run_jobs_on_dask(p, bars)
             else:
-                with JobRunner(p) as runner:
+                with head.jobs() if head is not None else JobRunner(p) as runner:
                     states = []
                     futures = []
                     for job in p.plan.jobs:
                         t = job_task.with_options(
                             name=f"convert-{job.name}",
-                            refresh_cache=not p.work.done(job).exists(),
+                            refresh_cache=(runner.started_ahead(job)
+                                           or not p.work.done(job).exists()),
                         )
                         args = (job_key(p, job), job.index, quote(p), quote(runner), quote(bars))
                         if opts.in_process or opts.workers <= 1:
@@ -145,12 +173,20 @@ def convert_flow(
         return finish_task(quote(p), results)
 
 
-def run_convert_flow(opts: ConvertOptions) -> Summary:
+def run_convert_flow(opts: ConvertOptions, head: HeadStart | None = None) -> Summary:
     """Run `convert_flow` with a task runner bounded to `opts.workers` threads, against
-    PREFECT_API_URL or, when none is set, Prefect's API served in this process (flow_api.py)."""
+    PREFECT_API_URL or, when none is set, Prefect's API served in this process (flow_api.py).
+    `head`: what `head_start.begin(opts)` started before Prefect was imported; the flow
+    takes it over (and it is closed whatever happens)."""
     runner = ThreadPoolTaskRunner(max_workers=max(1, opts.workers))
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     # Prefect's result records (its cache) live with the output they describe
     store = Path(opts.output).resolve() / WORK / "prefect"
-    with local_api({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
-        return convert_flow.with_options(task_runner=runner)(**fields)
+    token = _HEAD_START.set(head)
+    try:
+        with local_api({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
+            return convert_flow.with_options(task_runner=runner)(**fields)
+    finally:
+        _HEAD_START.reset(token)
+        if head is not None:
+            head.close()

@@ -23,6 +23,12 @@ this process's time, a server built a second time among it). Runs are recorded a
 (flow and task runs, states, events, logs); automations are for a lasting server: set
 PREFECT_API_URL to one.
 
+Task runs reach that server as events, which it records asynchronously (its task run
+recorder), and stopping it drops what it has not recorded yet. So before it stops,
+`local_api()` waits (up to 10 s) until the API shows every task run that
+`note_final_state`, a Prefect state hook on each of the conversion's tasks, saw end, in the
+state it ended in.
+
 A set PREFECT_API_URL (a real `prefect server`, Prefect Cloud, a deployment's worker) is used
 as it is, heartbeats included. Either way Prefect's log and event workers are drained before
 `local_api()` returns, so nothing is left for the interpreter's exit to send.
@@ -35,6 +41,12 @@ import contextvars
 import socket
 import threading
 import time
+
+RECORD_TIMEOUT = 10.0  # seconds to wait for the server to record the run's task runs
+
+# {task run id: final state type} of the task runs that ended within local_api()
+_FINAL_STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "turboquant_final_states", default=None)
 
 
 class _Server:
@@ -103,6 +115,39 @@ def _drain_prefect_workers() -> None:
         worker.drain_all(timeout=10, at_exit=False)
 
 
+def note_final_state(task, task_run, state) -> None:
+    """A Prefect state hook (`on_completion`, `on_failure`): remember the final state of a
+    task run that ended within `local_api()`, so that its server records it before it
+    stops. Elsewhere (e.g. on a Dask worker) it does nothing."""
+    final = _FINAL_STATES.get()
+    if final is not None:
+        final[task_run.id] = state.type
+
+
+def wait_until_recorded(final: dict, timeout: float) -> bool:
+    """Poll the API until it shows each task run of `final` ({id: state type}) in that
+    state; False if it did not within `timeout` seconds, or could not be asked (this runs
+    while a run's own error may be on its way out: it never raises one of its own)."""
+    if not final:
+        return True
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+
+    runs = TaskRunFilter(id=TaskRunFilterId(any_=list(final)))
+    deadline = time.monotonic() + timeout
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                seen = {r.id: r.state_type for r in client.read_task_runs(task_run_filter=runs)}
+                if all(seen.get(run) == state for run, state in final.items()):
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the API is gone: nothing more can be recorded
+        return False
+
+
 def server_settings() -> dict:
     """The in-process server's own Prefect settings, on top of the caller's."""
     from prefect.settings import (PREFECT_API_BLOCKS_REGISTER_ON_START,
@@ -133,6 +178,8 @@ def local_api(settings: dict | None = None):
     server = _Server()
     settings.update(server_settings())
     settings.update({PREFECT_API_URL: server.api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    final: dict = {}
+    token = _FINAL_STATES.set(final)
     with temporary_settings(settings):
         try:
             server.start(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
@@ -140,5 +187,7 @@ def local_api(settings: dict | None = None):
                 yield
             finally:
                 _drain_prefect_workers()
+                wait_until_recorded(final, RECORD_TIMEOUT)
         finally:
             server.stop()
+            _FINAL_STATES.reset(token)

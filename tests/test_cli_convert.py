@@ -6,6 +6,7 @@ this process it returns, and leaves the GC as it found it (turboquant/convert.py
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sqlite3
 import subprocess
@@ -110,3 +111,71 @@ def test_own_process_freezes_what_the_prefect_imports_built():
                          check=True, env=no_api_env())
     count, server = run.stdout.split()
     assert int(count) > 100_000 and server == "True"
+
+
+def job_starts(out) -> list[str]:
+    """The jobs whose conversion began (job_start or job_resume events), in order."""
+    lines = (out / ".turboquant" / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    return [e["job"] for e in events if e["event"] in ("job_start", "job_resume")]
+
+
+def test_worker_processes_start_before_prefect_and_are_recorded_as_its_tasks(source, tmp_path):
+    """With worker processes the jobs begin before Prefect is imported (the head start,
+    pipeline/head_start.py); the flow takes them over: every job ran once, and Prefect
+    recorded the same runs as without a head start."""
+    out, home = tmp_path / "out", tmp_path / "prefect"
+    run = turboquant("convert", source, out, "-q", "--job-size", "0", "--workers", "2",
+                     home=home)
+    assert run.returncode == 0, run.stderr
+    assert all(line in run.stdout for line in SUMMARY), run.stdout
+    assert run.stderr == ""  # nothing left behind (e.g. the pool's semaphores) to warn about
+    assert sorted(job_starts(out)) == ["job-00001", "job-00002"]  # none started twice
+    assert verify_repo(out, source).ok
+    flows, tasks = prefect_runs(home)
+    assert flows == ["COMPLETED"]
+    assert tasks == ["COMPLETED"] * 4  # validate, two shards, repo files
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("foreign", "is not a TurboQuant conversion"),  # the output step (flow body)
+    ("recipe", "recipe"),  # the validation step (validate task)
+])
+def test_a_head_start_failure_is_one_line_and_a_failed_flow_run(source, tmp_path, damage,
+                                                                message):
+    """A step of the head start that fails is raised by the flow where it belongs: the
+    same one-line error and exit status, and Prefect records the failed run."""
+    out, home = tmp_path / "out", tmp_path / "prefect"
+    extra = []
+    if damage == "foreign":
+        out.mkdir()
+        (out / "notes.txt").write_text("not a conversion")
+    else:
+        extra = ["--recipe", str(tmp_path / "missing.toml")]
+    run = turboquant("convert", source, out, "-q", "--workers", "2", *extra, home=home)
+    assert run.returncode == 1, run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("turboquant convert: error:"), run.stderr
+    assert message in lines[0]
+    flows, tasks = prefect_runs(home)
+    assert flows == ["FAILED"]
+    assert tasks == (["COMPLETED"] if damage == "foreign" else ["FAILED"])  # validate
+    if damage == "foreign":
+        assert (out / "notes.txt").read_text() == "not a conversion"
+
+
+def test_own_process_imports_prefect_with_the_gc_thresholds_raised():
+    """Prefect's ~300,000 objects would set off hundreds of collections while they load:
+    the thresholds are raised for the imports only, then restored."""
+    code = ("import gc\n"
+            "from turboquant import convert\n"
+            "from turboquant.pipeline import flow_api\n"
+            "seen = []\n"
+            "flow_api.import_server_app = lambda: seen.append(gc.get_threshold())\n"
+            "before = gc.get_threshold()\n"
+            "convert._import_flow(freeze=False)\n"
+            "convert._import_flow(freeze=True)\n"
+            "print(seen == [before, convert.IMPORT_GC_THRESHOLD], gc.get_threshold() == before)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=no_api_env())
+    assert run.stdout.split() == ["True", "True"]

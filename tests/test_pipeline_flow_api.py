@@ -132,3 +132,62 @@ def test_a_configured_api_gets_the_callers_settings_and_a_drain(tmp_path, monkey
             assert PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED.value() == triggers  # not ours
             assert drains == []
     assert drains == [1]
+
+
+SLOW_RECORDER = """
+import asyncio, sqlite3, sys
+from turboquant.pipeline.flow_env import configure_prefect_env
+configure_prefect_env()
+from prefect import flow, task
+from prefect.server.services import task_run_recorder
+from turboquant.pipeline import flow_api
+
+record = task_run_recorder.record_bulk_task_run_events
+
+async def slowly(events):  # a server busy elsewhere: 0.2 s per task run event
+    await asyncio.sleep(0.2)
+    await record(events)
+
+task_run_recorder.record_bulk_task_run_events = slowly
+hooks = {"on_completion": [flow_api.note_final_state], "on_failure": [flow_api.note_final_state]}
+
+@task(**hooks)
+def step(i):
+    return i
+
+@flow
+def steps():
+    return [step(i) for i in range(3)]
+
+with flow_api.local_api():
+    steps()
+with sqlite3.connect(sys.argv[1]) as db:
+    print(sorted(r[0] for r in db.execute("select state_type from task_run")))
+"""
+
+
+@no_api_configured
+def test_the_served_api_records_every_ended_task_run_before_it_stops(tmp_path):
+    """Task runs reach the server as events, recorded asynchronously; stopping the server
+    drops what it has not recorded yet. local_api() waits for the task runs that ended
+    (note_final_state, a state hook) to be recorded in their final states first."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    run = subprocess.run([sys.executable, "-c", SLOW_RECORDER, str(tmp_path / "prefect.db")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == str(["COMPLETED"] * 3), run.stdout + run.stderr
+
+
+def test_waiting_for_records_never_raises_when_the_api_is_gone():
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import StateType
+
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert flow_api.wait_until_recorded({uuid4(): StateType.COMPLETED}, timeout=1) is False
+    assert flow_api.wait_until_recorded({}, timeout=1) is True
