@@ -222,6 +222,19 @@ def print_layer(rows: list[dict], bits: int) -> None:
           + f"  {total['affine4'] / total[f'tq{bits}']:6.2f}")
 
 
+def one_linear(out_f: int, in_f: int, bits: int = 3, calls: int = 8) -> None:
+    """`calls` single-token calls of one fused TQ linear with random codes: a target for
+    Nsight Compute (`ncu --kernel-name regex:tq_linear --launch-skip 4 --launch-count 1`)."""
+    from turboquant.kernels import group
+
+    members = tuple(_tq_members(in_f, (out_f,), bits, seed=0))
+    x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
+    prepared = {}
+    for _ in range(calls):
+        mx.eval(group.tq_linear_group(x, members, prepared))
+    print(f"{calls} calls of a {out_f}x{in_f} {bits}-bit linear")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")
@@ -231,7 +244,12 @@ def main() -> None:
                     help="also time a decoder layer's linears end to end (rotation, grouping)")
     ap.add_argument("--layer-only", action="store_true", help="only the --layer timing")
     ap.add_argument("--breakdown", action="store_true", help="host vs device time per step")
+    ap.add_argument("--one-linear", type=int, nargs="+", metavar="N",
+                    help="OUT IN [BITS]: only call one fused linear a few times (for ncu)")
     args = ap.parse_args()
+    if args.one_linear:
+        one_linear(*args.one_linear)
+        return
     if args.breakdown:
         breakdown()
     if args.layer or args.layer_only:
