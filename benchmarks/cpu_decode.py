@@ -1,12 +1,13 @@
 """Decode speed on MLX's CPU backend: TurboQuant (compiled GEMV and pure-MLX reference)
 against mlx-lm's bf16 and affine 4-bit, on the bundled reference model, in one run.
 
-The reference dense model (reference/models/pystd-dense, 8.4M parameters) is converted at
-3 bits (recipe default) into a temporary folder with `turboquant convert --no-prefect`,
-then each variant decodes `--tokens` tokens greedily after the same prompt through mlx-lm's
+A bundled reference model (`--model`: pystd-dense, 8.4M parameters, or pystd-moe) is
+converted at 3 bits (recipe default) into a temporary folder with `turboquant convert --no-prefect`,
+then each variant decodes `--tokens` tokens greedily (the compiled GEMVs of
+kernels/cpu.py, dense and gathered experts, or the pure-MLX reference) after the same prompt through mlx-lm's
 `generate_step`; the figure is tokens/s after the first token.
 
-Reproduce:  python benchmarks/cpu_decode.py [--tokens 64]
+Reproduce:  python benchmarks/cpu_decode.py [--tokens 64] [--model pystd-moe]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from turboquant.kernels import dispatch
 from turboquant.runtime import load
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "reference" / "models" / "pystd-dense"
+MODELS = ROOT / "reference" / "models"
 PROMPT = "def read_config(path):\n"
 
 
@@ -50,30 +51,39 @@ def measure(model, tokenizer, tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", default="pystd-dense", choices=["pystd-dense", "pystd-moe"])
     args = ap.parse_args()
+    model_dir = MODELS / args.model
     mx.set_default_device(mx.cpu)
     results = {}
-    model, tok = mlx_lm_load(str(MODEL))
-    results["mlx-lm bf16"] = measure(model, tok, args.tokens)
+    model, tok = mlx_lm_load(str(model_dir))
+    try:
+        results["mlx-lm bf16"] = measure(model, tok, args.tokens)
+    except RuntimeError as e:  # MLX's CPU gather_mm (MoE experts) takes float32 only
+        print(f"mlx-lm bf16: {e}; the unquantized peer runs in float32")
+        model.set_dtype(mx.float32)
+        results["mlx-lm float32"] = measure(model, tok, args.tokens)
     nn.quantize(model, group_size=64, bits=4)
     results["mlx-lm affine-4"] = measure(model, tok, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tq3"
-        subprocess.run([sys.executable, "-m", "turboquant", "convert", str(MODEL), str(out),
+        subprocess.run([sys.executable, "-m", "turboquant", "convert", str(model_dir), str(out),
                         "--bits", "3", "--no-prefect", "-q"], check=True)
         model, tok = load(out)
         results["turboquant 3-bit (CPU GEMV)"] = measure(model, tok, args.tokens)
-        kernel = dispatch.get("matvec")
-        dispatch.unregister("cpu", "matvec")
+        kernels = {op: dispatch.get(op) for op in ("matvec", "gather_matmul")}
+        for op in kernels:
+            dispatch.unregister("cpu", op)
         try:
             results["turboquant 3-bit (reference)"] = measure(model, tok, args.tokens)
         finally:
-            dispatch.register("cpu", "matvec", getattr(kernel, "__wrapped__", kernel))
-    print(f"CPU decode, {MODEL.name}, {args.tokens} tokens, greedy (tokens/s after the first)")
+            for op, kernel in kernels.items():
+                dispatch.register("cpu", op, getattr(kernel, "__wrapped__", kernel))
+    print(f"CPU decode, {model_dir.name}, {args.tokens} tokens, greedy (tokens/s after the first)")
     peer = results["mlx-lm affine-4"]
     for name, tps in results.items():
         print(f"  {name:>30}: {tps:8.1f} tok/s  ({tps / peer:.2f}x affine-4)")
-    print("reproduce: python benchmarks/cpu_decode.py")
+    print(f"reproduce: python benchmarks/cpu_decode.py --model {args.model}")
 
 
 if __name__ == "__main__":

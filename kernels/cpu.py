@@ -1,8 +1,9 @@
 """CPU kernels for the dispatch table; imported when MLX runs on the CPU.
 
-Registers the numba kernel of `cpu_gemv` as "matvec" (decode, up to 8 tokens) when numba
-is available; prefill, experts, embeddings and every call it does not cover run the
-pure-MLX reference. (The kernel handles any number of tokens and ran a 256-token prefill
+Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens) and
+"gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs x rows) when
+numba is available; prefill, embeddings and every call they do not cover run the pure-MLX
+reference. (The kernel handles any number of tokens and ran a 256-token prefill
 of a 4096x4096 3-bit matrix 25x faster than the reference GEMM, but MLX's measured peak
 for a 508-token prompt rose with it, 21.8 -> 24.1 MB on the reference dense model and
 19.1 -> 24.3 MB on the MoE one, past what `turboquant plan` projects: prefill stays on the
@@ -12,6 +13,8 @@ CPU backend computes in order anyway).
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -29,5 +32,28 @@ def linear(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_)
     return mx.array(y).reshape(*lead, out_features).astype(x_rot.dtype)
 
 
+# pairs x rows at or below this many: the compiled gathered GEMV (a decode step's experts)
+GATHER_MAX_PAIR_ROWS = 64
+
+
+def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
+    """Experts chosen per token (the reference's signature), for a decode step's few pairs."""
+    if (codes.ndim != 3 or x_rot.ndim < 2 or x_rot.shape[-1] != padded_in
+            or codes.shape[1] != out_features):
+        raise NotImplementedError  # the reference raises the precise error
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    m = x_rot.shape[-2]
+    pairs = math.prod(batch)
+    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
+        raise NotImplementedError  # prefill: the reference's grouped GEMM
+    x = mx.broadcast_to(x_rot.astype(mx.float32), (*batch, m, padded_in)).reshape(-1, m, padded_in)
+    experts = np.asarray(mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64))
+    book = np.asarray(reference.levels(bits))
+    y = cpu_gemv.gather_gemv(np.asarray(x), np.asarray(codes), np.asarray(scales), experts,
+                             book, bits, group_size)
+    return mx.array(y).reshape(*batch, m, out_features).astype(x_rot.dtype)
+
+
 if cpu_gemv.available():
     dispatch.register("cpu", "matvec", linear)
+    dispatch.register("cpu", "gather_matmul", gather)

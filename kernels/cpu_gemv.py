@@ -3,7 +3,8 @@
 On MLX's CPU backend the pure-MLX reference decodes a whole weight matrix per token in a
 dozen array ops (unpack, gather, multiply, two sums); this does, per row, the unpack into a
 row of levels and the per-group dot products with every activation row, rows spread over
-the cores (`numba.prange`). Same algorithm and layout as the reference (docs/FORMAT.md), for one token or a prefill's many:
+the cores (`numba.prange`). `gather_gemv` does the same for MoE experts: each (token,
+expert) pair multiplies its own expert's rows, (pair, row block) tasks spread over the cores. Same algorithm and layout as the reference (docs/FORMAT.md), for one token or a prefill's many:
 
     y[m, r] = sum_g scale[r, g] * sum_j levels[code[r, g*gs + j]] * x[m, g*gs + j]
 
@@ -89,35 +90,56 @@ def _decode_row(words, bits, book, out):
                 out[j] = book[(v >> (bits * i)) & mask]
 
 
+def _rows_times_x(x, codes, scales, book, bits, group_size, r0, count, levels, widened, out):
+    """out[m, r0 + k] for k < count: rows r0.. of (codes, scales) decoded once into levels
+    and widened, then every activation row of x (M, P) against all of them."""
+    groups = x.shape[1] // group_size
+    for k in range(count):
+        _decode_row(codes[r0 + k], bits, book, levels[k])
+        for g in range(groups):
+            widened[k, g] = _half_to_float(scales[r0 + k, g])
+    for m in range(x.shape[0]):
+        xm = x[m]
+        for k in range(count):
+            lk = levels[k]
+            acc = np.float32(0.0)
+            for g in range(groups):
+                s = np.float32(0.0)
+                base = g * group_size
+                for i in range(group_size):
+                    s += lk[base + i] * xm[base + i]
+                acc += s * widened[k, g]
+            out[m, r0 + k] = acc
+
+
 def _gemv(x, codes, scales, book, bits, group_size, out):
     """out (M, R) = TurboQuant rows (codes (R, W), scales (R, G) as uint16) times x (M, P)."""
     rows = codes.shape[0]
-    m_rows, padded = x.shape
-    groups = padded // group_size
+    padded = x.shape[1]
     tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in _prange(tasks):
         r0 = task * ROWS_PER_TASK
-        count = min(rows, r0 + ROWS_PER_TASK) - r0
-        # the task's rows decoded once, then every activation row against all of them:
         # x is read once per task, whatever the number of tokens
         levels = np.empty((ROWS_PER_TASK, padded), dtype=np.float32)
-        widened = np.empty((ROWS_PER_TASK, groups), dtype=np.float32)
-        for k in range(count):
-            _decode_row(codes[r0 + k], bits, book, levels[k])
-            for g in range(groups):
-                widened[k, g] = _half_to_float(scales[r0 + k, g])
-        for m in range(m_rows):
-            xm = x[m]
-            for k in range(count):
-                lk = levels[k]
-                acc = np.float32(0.0)
-                for g in range(groups):
-                    s = np.float32(0.0)
-                    base = g * group_size
-                    for i in range(group_size):
-                        s += lk[base + i] * xm[base + i]
-                    acc += s * widened[k, g]
-                out[m, r0 + k] = acc
+        widened = np.empty((ROWS_PER_TASK, padded // group_size), dtype=np.float32)
+        _rows_times_x(x, codes, scales, book, bits, group_size, r0,
+                      min(rows, r0 + ROWS_PER_TASK) - r0, levels, widened, out)
+
+
+def _gather_gemv(x, codes, scales, experts, book, bits, group_size, out):
+    """out[t] (M, R) = expert experts[t]'s rows (codes (E, R, W), scales (E, R, G) as
+    uint16) times x[t] (M, P), for every pair t: (pair, block of rows) tasks in parallel."""
+    rows = codes.shape[1]
+    padded = x.shape[2]
+    per_pair = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in _prange(x.shape[0] * per_pair):
+        t = task // per_pair
+        r0 = (task % per_pair) * ROWS_PER_TASK
+        e = experts[t]
+        levels = np.empty((ROWS_PER_TASK, padded), dtype=np.float32)
+        widened = np.empty((ROWS_PER_TASK, padded // group_size), dtype=np.float32)
+        _rows_times_x(x[t], codes[e], scales[e], book, bits, group_size, r0,
+                      min(rows, r0 + ROWS_PER_TASK) - r0, levels, widened, out[t])
 
 
 def _prange(n):  # numba.prange once compiled
@@ -133,9 +155,11 @@ def _compiled():
             opts = dict(cache=True, nogil=True, error_model="numpy")
             scope["_half_to_float"] = numba.njit(**opts)(_half_to_float)
             scope["_decode_row"] = numba.njit(**opts)(_decode_row)
+            scope["_rows_times_x"] = numba.njit(fastmath=True, **opts)(_rows_times_x)
             scope["_prange"] = numba.prange
-            _KERNEL.append(numba.njit(parallel=True, fastmath=True, **opts)(_gemv))
-    return _KERNEL[0]
+            for kernel in (_gemv, _gather_gemv):
+                _KERNEL.append(numba.njit(parallel=True, fastmath=True, **opts)(kernel))
+    return _KERNEL
 
 
 def gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, book: np.ndarray, bits,
@@ -143,8 +167,21 @@ def gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, book: np.ndarray,
     """(M, R) float32 for x (M, padded_in) float32, codes (R, words) uint32, scales (R,
     groups) float16, book the codebook (float32), bits 2/3/4 or "ternary"."""
     out = np.empty((x.shape[0], codes.shape[0]), dtype=np.float32)
-    _compiled()(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
-                np.ascontiguousarray(scales).view(np.uint16),
-                np.ascontiguousarray(book, dtype=np.float32),
-                0 if bits == "ternary" else int(bits), int(group_size), out)
+    _compiled()[0](np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
+                   np.ascontiguousarray(scales).view(np.uint16),
+                   np.ascontiguousarray(book, dtype=np.float32),
+                   0 if bits == "ternary" else int(bits), int(group_size), out)
+    return out
+
+
+def gather_gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, experts: np.ndarray,
+                book: np.ndarray, bits, group_size: int) -> np.ndarray:
+    """(T, M, R) float32: for each pair t, expert experts[t] of codes (E, R, words) and
+    scales (E, R, groups) float16 times x[t] (M, padded_in) float32."""
+    out = np.empty((x.shape[0], x.shape[1], codes.shape[1]), dtype=np.float32)
+    _compiled()[1](np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
+                   np.ascontiguousarray(scales).view(np.uint16),
+                   np.ascontiguousarray(experts, dtype=np.int64),
+                   np.ascontiguousarray(book, dtype=np.float32),
+                   0 if bits == "ternary" else int(bits), int(group_size), out)
     return out

@@ -27,8 +27,8 @@ by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does n
   * prefill MLP: (8 x hidden + 24 x ffn) x T + the decode tiles of one layer's MLP
     (or of one expert), ffn = the dense MLP width, or top-k x expert width + shared experts;
   * decode: the tiles of one layer's top-k experts (or dense MLP), or of the lm_head;
-    none on Metal, and only the experts' where a GEMV kernel runs the dense linears
-    (CUDA; the CPU with numba).
+    none on Metal or the CPU with numba (GEMV kernels for the dense linears and the
+    experts), only the experts' on CUDA (a GEMV kernel for the dense linears).
   T = min(prefill chunk, context) (mlx-lm prefills 2048 tokens at a time), S = context.
   A "tile" is what the reference kernels decode at once: min(weights, 4 x 4Mi) x 8.15
   bytes (2 and 4 bits, ternary) or x 20.1 bytes (3 bits: the unpacking needs more).
@@ -390,12 +390,12 @@ class _Tiles:
         # seen to overlap the last layer's last MLP tile
         self.head = head if has_head else emb
         decode = max(body, self.head + single) if self.head else body
-        # Metal decodes one token with its GEMV kernels: no decoded tiles. CUDA and the CPU
-        # (with numba) have GEMV kernels for the dense linears; their experts still decode
-        # the gathered rows' tiles
-        if backend_name == "metal":
+        # Metal and the CPU (with numba) decode one token with their GEMV kernels, experts
+        # included: no decoded tiles. CUDA has GEMV kernels for the dense linears; its
+        # experts still decode the gathered rows' tiles
+        if backend_name == "metal" or (backend_name == "cpu" and NUMBA):
             self.decode = 0.0
-        elif backend_name == "cuda" or (backend_name == "cpu" and NUMBA):
+        elif backend_name == "cuda":
             self.decode = max((gathered.get(i, 0) for i in layers), default=0.0)
         else:
             self.decode = decode

@@ -2,7 +2,9 @@
 
 Every width, group sizes 32/64/128, row lengths that pad, several activation rows, and
 scales that are zero, subnormal or large; the float16 widening is checked on all 65,536
-bit patterns. Skipped where numba is not installed (the reference runs there).
+bit patterns; the gathered variant (MoE experts) for any pairs and index shapes, through
+the dispatch (`kernels/cpu.py`) and in a loaded MoE model. Skipped where numba is not
+installed (the reference runs there).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboquant.kernels import cpu_gemv, dispatch, reference
+from turboquant.kernels import cpu, cpu_gemv, dispatch, reference
 from turboquant.stages import decode, encode
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="numba is not installed")
@@ -95,3 +97,75 @@ def test_the_cpu_dispatch_runs_it_and_layers_agree_with_the_decoded_weights():
         got = layer(x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                    atol=2e-5 * float(mx.abs(want).max()))
+
+
+def _experts(bits, group_size, experts, rows, cols, seed):
+    qts = [encode(mx.random.normal((rows, cols), key=mx.random.key(seed + e)) * 0.05, bits,
+                  group_size, seed=seed) for e in range(experts)]  # one rotation a layer
+    return mx.stack([q.codes for q in qts]), mx.stack([q.scales for q in qts]), qts[0].spec
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bits=st.sampled_from(WIDTHS),
+    group_size=st.sampled_from([32, 64]),
+    experts=st.integers(1, 6),
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 300),
+    tokens=st.integers(1, 4),
+    top_k=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gathered_experts_match_the_reference(bits, group_size, experts, rows, cols, tokens,
+                                              top_k, seed):
+    """mlx-lm's SwitchGLU shapes: x (tokens, 1, 1, K) against indices (tokens, top_k)."""
+    codes, scales, spec = _experts(bits, group_size, experts, rows, cols, seed)
+    x = mx.random.normal((tokens, 1, 1, spec.padded_in), key=mx.random.key(seed + 99))
+    idx = mx.random.randint(0, experts, (tokens, top_k), key=mx.random.key(seed + 7))
+    want = reference.tq_gather_matmul(x, codes, scales, idx, bits, group_size, rows,
+                                      spec.padded_in)
+    got = cpu.gather(x, codes, scales, idx, bits, group_size, rows, spec.padded_in)
+    assert got.shape == want.shape == (tokens, top_k, 1, rows) and got.dtype == want.dtype
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(idx[t, j].item())
+            _assert_close(np.asarray(got[t, j]), np.asarray(want[t, j]), x[t, 0],
+                          codes[e], scales[e], bits, group_size, spec.padded_in)
+
+
+def test_the_cpu_dispatch_gathers_decode_steps_and_leaves_prefill_to_the_reference(
+        monkeypatch):
+    assert dispatch.describe()["gather_matmul"] == "cpu"
+    codes, scales, spec = _experts(3, 64, 4, 24, 128, seed=3)
+    calls = []
+    real = cpu_gemv.gather_gemv
+    monkeypatch.setattr(cpu_gemv, "gather_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    for tokens in (2, cpu.GATHER_MAX_PAIR_ROWS):  # a decode step; a prefill's many pairs
+        x = mx.random.normal((tokens, 1, 1, 128))
+        idx = mx.random.randint(0, 4, (tokens, 2))
+        got = dispatch.tq_gather(x, codes, scales, idx, 3, 64, 24, 128)
+        want = reference.tq_gather_matmul(x, codes, scales, idx, 3, 64, 24, 128)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=1e-5 * float(mx.abs(want).max()))
+    assert calls == [(4, 1, 128)]  # 2 tokens x 2 experts; the prefill went to the reference
+
+
+def test_a_loaded_moe_model_decodes_as_with_the_reference(tmp_path):
+    from test_runtime_fixtures import make_checkpoint, write_repo
+
+    from turboquant.runtime import load
+
+    config, weights = make_checkpoint("qwen3_moe", seed=4)
+    write_repo(tmp_path / "moe", config, weights, bits=3)
+    model, _ = load(tmp_path / "moe")
+    tokens = mx.array([[1, 5, 70, 33]])
+    got = model(tokens[:, :1])  # one token: top-2 of 4 experts per layer, the CPU kernel
+    kernel = dispatch.get("gather_matmul")
+    dispatch.unregister("cpu", "gather_matmul")
+    try:
+        want = model(tokens[:, :1])
+    finally:
+        dispatch.register("cpu", "gather_matmul", kernel.__wrapped__)
+    assert kernel.__wrapped__ is cpu.gather
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-4 * float(mx.abs(want).max()))
