@@ -126,7 +126,7 @@ def run_job(ctx: JobContext) -> JobResult:
         done = writer.open()
         work.event("job_start" if done == 0 else "job_resume", job=job.name, run=ctx.run,
                    units_done=done, units=len(job.units))
-        with _Reader(ctx) as reader:
+        with _Reader(ctx) as reader, writer.syncing_on_failure():
             for i in range(done, len(job.units)):
                 _check_parent()
                 items = [_write_item(it, reader, writer, ctx.refit) for it in job.units[i].items]

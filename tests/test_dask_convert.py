@@ -83,7 +83,9 @@ def test_worker_killed_mid_job_is_resumed_on_another_worker(checkpoint, tmp_path
     src, reference = checkpoint
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = dict(os.environ, TURBOQUANT_CHUNK_ELEMENTS="4096", PYTHONUNBUFFERED="1")
+    # every unit synced on its own: "unit_committed:3" is the third unit
+    env = dict(os.environ, TURBOQUANT_CHUNK_ELEMENTS="4096", PYTHONUNBUFFERED="1",
+               TURBOQUANT_SYNC_BYTES="0")
     env.pop("TURBOQUANT_CRASH_AT", None)
     log = open(tmp_path / "dask.log", "wb")
     worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",

@@ -195,7 +195,9 @@ def test_deployment_resumes_after_its_worker_is_killed(prefect_server, tmp_path,
     assert deployment_fields(svc.url, "turboquant-convert/qwen_moe") == made
 
     worker_cmd = [*PREFECT, "worker", "start", "--pool", POOL, "--type", "process"]
-    slow = {"TURBOQUANT_CHUNK_ELEMENTS": "512"}  # a conversion of several seconds
+    # a conversion of several seconds, every unit synced on its own (the kill below waits
+    # for units of the next job in the ledger)
+    slow = {"TURBOQUANT_CHUNK_ELEMENTS": "512", "TURBOQUANT_SYNC_BYTES": "0"}
     if crash == "heartbeats":
         slow["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
     worker = svc.start("worker-1", worker_cmd, slow)

@@ -34,8 +34,10 @@ def cli(src, out, *extra, crash=None, timeout=300, kill_after=None, env_extra=No
         chunk=CHUNK):
     """Run `python -m turboquant convert` in its own process group; SIGKILL the group
     after `kill_after` seconds if given. Returns (returncode, output)."""
+    # TURBOQUANT_SYNC_BYTES=0: every unit synced on its own, so each crash point's n-th
+    # occurrence is the n-th unit (test_sigkill_between_batched_syncs sets a batch size)
     env = dict(os.environ, TURBOQUANT_CHUNK_ELEMENTS=chunk, PYTHONUNBUFFERED="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", TURBOQUANT_SYNC_BYTES="0")
     env.pop("TURBOQUANT_CRASH_AT", None)
     if crash:
         env["TURBOQUANT_CRASH_AT"] = crash
@@ -135,6 +137,51 @@ def test_sigkill_at_a_point_then_resume(tmp_path, dense, point):
         assert "job_adopted" in kinds
     if point.startswith(("mid_tensor", "unit_", "ledger_torn", "before_rename")):
         assert "job_resume" in kinds
+
+
+@pytest.mark.parametrize("point", ["unit_data_durable:2", "ledger_torn:3", "unit_committed:2"])
+def test_sigkill_between_batched_syncs(tmp_path, dense, point):
+    """Units made durable a batch at a time (TURBOQUANT_SYNC_BYTES): a kill loses the
+    units of the batch not synced yet, and the rerun redoes them to the same bytes."""
+    src, reference = dense
+    out = tmp_path / "out"
+    batched = {"TURBOQUANT_SYNC_BYTES": "20000"}  # several units a sync in this checkpoint
+    rc, text = cli(src, out, "--no-prefect", "--in-process", crash=point, env_extra=batched)
+    assert rc == -signal.SIGKILL, text
+    lines = ledger_lines(out)
+    units = sum(1 for e in events(out) if e["event"] in ("job_start", "job_resume"))
+    assert lines and units  # killed mid-job, after a sync or within one
+    rc, text = cli(src, out, "--no-prefect", "--in-process", env_extra=batched)
+    assert rc == 0, text
+    assert snapshot(out) == reference
+    assert "job_resume" in {e["event"] for e in events(out)}
+
+
+def test_batched_syncs_fsync_far_less_than_once_a_unit(tmp_path, dense, monkeypatch):
+    """In process: with the default batch size this small checkpoint's jobs sync once each
+    (at the end), against two fsyncs a unit with TURBOQUANT_SYNC_BYTES=0."""
+    from turboquant.pipeline import ledger
+    from turboquant.pipeline.convert import ConvertOptions, convert
+
+    src, _ = dense
+    counts, snapshots = {}, {}
+    real = os.fsync
+    for batch in (None, "0"):
+        if batch is None:
+            monkeypatch.delenv(ledger.SYNC_BYTES_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ledger.SYNC_BYTES_ENV, batch)
+        calls = []
+        monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real(fd))
+        out = tmp_path / f"out-{batch}"
+        convert(ConvertOptions(str(src), str(out), min_job_bytes=0, in_process=True,
+                               progress=False))
+        counts[batch] = len(calls)
+        snapshots[batch] = snapshot(out)
+    assert snapshots[None] == snapshots["0"]  # the same bytes either way
+    units = ledger_lines(tmp_path / "out-0")
+    assert counts["0"] >= 2 * units
+    assert counts[None] < counts["0"] - units
 
 
 @pytest.fixture(scope="module")
