@@ -3,10 +3,11 @@
 mlx-lm's attention calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` on the same x, and its MLPs
 `gate_proj(x)` and `up_proj(x)`. `group_linears(model)` turns such siblings into
 `TQGroupedLinear`s sharing a `layers.LinearGroup`: the first of them called with a new x computes
-every member's output in one `kernels.tq_linear_group` call (on CUDA: one rotation launch
-for all seeds and one GEMV over the stacked rows), the others return their share for that
-same x. Parameters, their names and the results are unchanged; only the launches are
-fewer. Prefill (many tokens) runs each layer on its own, as before.
+every member's output in one `kernels.tq_linear_group` call (on CUDA: one launch that
+rotates with each member's seed and runs the GEMV over their stacked rows), the others
+return their share for that same x. Parameters, their names and the results are
+unchanged; only the launches are fewer. Prefill (many tokens) runs each layer on its own,
+as before.
 
 `fuse_blocks(model)` goes one step further for the pre-norm decoder blocks of mlx-lm's
 Llama, Qwen2 and Qwen3 (and the families mapped onto them): when decoding, the block hands
