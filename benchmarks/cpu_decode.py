@@ -8,6 +8,7 @@ kernels/cpu.py, dense and gathered experts, or the pure-MLX reference) after the
 `generate_step`; the figure is tokens/s after the first token.
 
 Reproduce:  python benchmarks/cpu_decode.py [--tokens 64] [--model pystd-moe]
+            python benchmarks/cpu_decode.py --gemv   # one GEMV: the kernel vs MLX affine
 """
 
 from __future__ import annotations
@@ -48,11 +49,50 @@ def measure(model, tokenizer, tokens: int) -> float:
     return tokens_per_second(model, tokenizer, tokens)
 
 
+def gemv_table(shapes=((1024, 4096), (4096, 4096)), reps: int = 20) -> None:
+    """One token's GEMV on the CPU: the compiled TurboQuant kernel (numba) against MLX's
+    affine `quantized_matmul` at the same bits, microseconds per product, same run."""
+    import numpy as np
+
+    from turboquant.kernels import cpu_gemv, reference
+    from turboquant.stages import encode
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e6
+
+    print("CPU GEMV, one token, microseconds (best of %d)" % reps)
+    for out_f, in_f in shapes:
+        w = mx.random.normal((out_f, in_f)) * 0.02
+        x = mx.random.normal((1, in_f))
+        for bits in (2, 3, 4):
+            qt = encode(w, bits, 64, seed=1)
+            args = (np.asarray(x), np.asarray(qt.codes), np.asarray(qt.scales),
+                    np.asarray(reference.levels(bits)), bits, 64)
+            tq = best(lambda: cpu_gemv.gemv(*args))
+            wq, sc, bi = mx.quantize(w, group_size=64, bits=bits)
+            affine = best(lambda: mx.eval(mx.quantized_matmul(x, wq, sc, bi, transpose=True,
+                                                              group_size=64, bits=bits)))
+            print(f"  {out_f}x{in_f} {bits}-bit: TurboQuant {tq:8.1f}  MLX affine {affine:8.1f}"
+                  f"  ({affine / tq:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--model", default="pystd-dense", choices=["pystd-dense", "pystd-moe"])
+    ap.add_argument("--gemv", action="store_true", help="only the GEMV table (against MLX "
+                    "affine quantized_matmul)")
     args = ap.parse_args()
+    if args.gemv:
+        mx.set_default_device(mx.cpu)
+        gemv_table()
+        return
     model_dir = MODELS / args.model
     mx.set_default_device(mx.cpu)
     results = {}

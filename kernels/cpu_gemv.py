@@ -57,6 +57,15 @@ def _decode_row(words, bits, book, out):
         for b in range(words.shape[0] // 3):
             lo = np.uint64(words[3 * b]) | (np.uint64(words[3 * b + 1]) << np.uint64(32))
             hi = np.uint64(words[3 * b + 2])
+            j0 = 32 * b
+            if j0 + 32 <= n:  # a whole block: fixed shifts, no branches
+                for k in range(21):
+                    out[j0 + k] = book[(lo >> np.uint64(3 * k)) & np.uint64(7)]
+                out[j0 + 21] = book[((lo >> np.uint64(63)) | (hi << np.uint64(1)))
+                                    & np.uint64(7)]
+                for k in range(22, 32):
+                    out[j0 + k] = book[(hi >> np.uint64(3 * k - 64)) & np.uint64(7)]
+                continue
             for k in range(32):
                 j = 32 * b + k
                 if j >= n:
@@ -81,7 +90,18 @@ def _decode_row(words, bits, book, out):
     else:
         per = 32 // bits
         mask = (1 << bits) - 1
-        for w in range(words.shape[0]):
+        whole = min(words.shape[0], n // per)  # words whose codes all fall in the row
+        if bits == 4:  # literal counts and shifts: unrolled, no branches
+            for w in range(whole):
+                v = words[w]
+                for i in range(8):
+                    out[8 * w + i] = book[(v >> (4 * i)) & 15]
+        else:  # 2 bits
+            for w in range(whole):
+                v = words[w]
+                for i in range(16):
+                    out[16 * w + i] = book[(v >> (2 * i)) & 3]
+        for w in range(whole, words.shape[0]):
             v = words[w]
             for i in range(per):
                 j = per * w + i
