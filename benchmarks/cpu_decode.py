@@ -111,7 +111,7 @@ def main() -> None:
                         "--bits", "3", "--no-prefect", "-q"], check=True)
         model, tok = load(out)
         results["turboquant 3-bit (CPU GEMV)"] = measure(model, tok, args.tokens)
-        kernels = {op: dispatch.get(op) for op in ("matvec", "gather_matmul")}
+        kernels = {op: dispatch.get(op) for op in ("matvec", "gather_matmul", "linear_group")}
         for op in kernels:
             dispatch.unregister("cpu", op)
         try:

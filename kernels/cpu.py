@@ -19,7 +19,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_gemv, dispatch, reference
+from . import cpu_gemv, dispatch, group, reference
 
 
 def linear(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):
@@ -54,6 +54,25 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     return mx.array(y).reshape(*batch, m, out_features).astype(x_rot.dtype)
 
 
+def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+    """Linears sharing an input, for a decode step: every member's rotated input evaluated
+    at once (one synchronisation with MLX's graph instead of one a member), then the GEMV of
+    each; the reference's results and signature."""
+    if (x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS
+            or any(m.codes.ndim != 2 for m in members)):
+        raise NotImplementedError
+    row = group.input_of(x, extras)
+    rotated = [group.rotated_input(row, m) for m in members]
+    mx.eval(rotated)
+    outs = []
+    for m, xr in zip(members, rotated):
+        y = linear(xr, m.codes, m.scales, m.bits, m.group_size, m.out_features, m.padded_in)
+        y = y.astype(x.dtype)
+        outs.append(y if m.bias is None else y + m.bias)
+    return group.with_residual(outs, extras)
+
+
 if cpu_gemv.available():
     dispatch.register("cpu", "matvec", linear)
     dispatch.register("cpu", "gather_matmul", gather)
+    dispatch.register("cpu", "linear_group", linear_group)

@@ -41,7 +41,7 @@ _SOURCE_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 
 def load(path_or_repo_id, *, dtype=None, lazy: bool = False, revision: str | None = None,
          expert_budget=None, expert_pin=None, expert_prefetch: bool = False,
-         expert_threads: int = 4):
+         expert_threads: int = 4, fuse: bool = True):
     """(model, tokenizer) for a TurboQuant repo: a local folder or a Hub repo id.
 
     `dtype` ("float32", "bfloat16", "float16" or an mx.Dtype) casts the tensors kept in
@@ -54,20 +54,25 @@ def load(path_or_repo_id, *, dtype=None, lazy: bool = False, revision: str | Non
     `expert_pin` (a JSON file or [[layer, expert], ...]) keeps some resident,
     `expert_prefetch` reads the next layer's likely experts ahead, `expert_threads` reads
     in parallel. Outputs are bit-identical to the fully loaded model.
+
+    `fuse` (default) lets the device's kernels run the linears that share an input as one
+    call, and, on CUDA, a decoder block's norms and residuals inside them
+    (runtime/fuse.py); `fuse=False` keeps every layer on its own (for comparisons).
     """
     from mlx_lm.utils import load_tokenizer
 
     path = resolve(path_or_repo_id, revision=revision)
     model, config = load_model(
         path, dtype=dtype, lazy=lazy, expert_budget=expert_budget, expert_pin=expert_pin,
-        expert_prefetch=expert_prefetch, expert_threads=expert_threads,
+        expert_prefetch=expert_prefetch, expert_threads=expert_threads, fuse=fuse,
     )
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 
 
 def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budget=None,
-               expert_pin=None, expert_prefetch: bool = False, expert_threads: int = 4):
+               expert_pin=None, expert_prefetch: bool = False, expert_threads: int = 4,
+               fuse: bool = True):
     """(model, config) for a local TurboQuant repo folder (options as in `load`)."""
     repo = open_repo(Path(path))
     config = _config(repo)
@@ -100,11 +105,13 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
 
         start_cache(model, repo, stream, wrapped)
     groups = blocks = 0
-    if kernels.backend() == "cuda":  # where a kernel runs q/k/v and gate/up as one
-        from . import fuse
+    # where a kernel runs q/k/v (gate/up) as one call: CUDA, and the CPU with numba
+    if fuse and kernels.describe()["linear_group"] != "reference":
+        from . import fuse as fusing
 
-        groups = fuse.group_linears(model)
-        blocks = fuse.fuse_blocks(model) if fuse.BLOCKS else 0
+        groups = fusing.group_linears(model)
+        if fusing.BLOCKS and kernels.backend() == "cuda":  # norms and adds in its kernels
+            blocks = fusing.fuse_blocks(model)
     tq_types = (TQLinear, TQSwitchLinear, TQEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(

@@ -169,3 +169,33 @@ def test_a_loaded_moe_model_decodes_as_with_the_reference(tmp_path):
     assert kernel.__wrapped__ is cpu.gather
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-4 * float(mx.abs(want).max()))
+
+
+def test_a_group_call_matches_the_reference_group():
+    """kernels/cpu.py's linear_group: the members' rotated inputs evaluated together, then
+    the GEMV of each; with a norm before and a residual after (a single member)."""
+    from turboquant.kernels import group
+
+    def members(outs, bias):
+        out = []
+        for i, o in enumerate(outs):
+            qt = encode(mx.random.normal((o, 192), key=mx.random.key(i)) * 0.05, 3, 64, seed=i)
+            b = mx.random.normal((o,), key=mx.random.key(50 + i)) if bias else None
+            out.append(group.Member(qt.codes, qt.scales, 3, 64, 192, o, qt.spec.padded_in,
+                                    qt.spec.seed, b))
+        return tuple(out)
+
+    x = mx.random.normal((2, 1, 192), key=mx.random.key(9)).astype(mx.bfloat16)
+    cases = [
+        (members((64, 32, 32), bias=True), group.Extras(norm=mx.ones((192,)) * 0.5, eps=1e-5)),
+        (members((48,), bias=False), group.Extras(residual=mx.ones((2, 1, 48), mx.bfloat16))),
+    ]
+    for ms, extras in cases:
+        got = cpu.linear_group(x, ms, None, extras)
+        want = group.reference_group(x, ms, None, extras)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            err = float(mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max())
+            assert err <= 1e-2 * float(mx.abs(w.astype(mx.float32)).max())
+    with pytest.raises(NotImplementedError):  # prefill: the reference's GEMM
+        cpu.linear_group(mx.zeros((1, 20, 192)), cases[1][0])

@@ -1,7 +1,7 @@
 """Grouped q/k/v and gate/up linears (runtime/fuse.py): same results, fewer kernel calls.
 
-On the CPU the group runs the reference member by member, so logits must be identical to
-the ungrouped model's; the count of `tq_linear_group` calls shows the grouping (on CUDA one
+On the CPU the group runs member by member (the compiled GEMV with numba, else the
+reference), so logits must be identical to those of the model loaded with `fuse=False`; the count of `tq_linear_group` calls shows the grouping (on CUDA one
 call is one rotation launch and one GEMV launch). The CUDA kernels themselves are compared
 with the reference in tests/test_kernels_cuda_linear.py.
 """
@@ -47,7 +47,7 @@ def _repo(tmp_path, kind, codec=None):
 
 @pytest.mark.parametrize("kind, groups", [("llama", 4), ("qwen2_moe", 4)])
 def test_grouping_keeps_every_logit(tmp_path, kind, groups):
-    model, _ = load(_repo(tmp_path, kind))
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
     before = _decode(model)
     assert group_linears(model) == groups  # per layer: q/k/v and gate/up (qwen2_moe's shared expert)
     after = _decode(model)
@@ -74,7 +74,7 @@ def _count_calls(monkeypatch, modes: list | None = None) -> list[int]:
 
 
 def test_one_call_per_group_when_decoding(tmp_path, monkeypatch):
-    model, _ = load(_repo(tmp_path, "llama"))
+    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
     cache = make_prompt_cache(model)
     mx.eval(model(PROMPT, cache=cache))
     calls = _count_calls(monkeypatch)
@@ -93,7 +93,7 @@ def test_members_with_other_codecs_stay_apart(tmp_path, monkeypatch):
     def codec(name, v):
         return 4 if name.endswith("v_proj.weight") else default_codec(name, v, 3)
 
-    model, _ = load(_repo(tmp_path, "llama", codec=codec))
+    model, _ = load(_repo(tmp_path, "llama", codec=codec), fuse=False)
     before = _decode(model, steps=1)
     assert group_linears(model) == 4  # q/k and gate/up in each layer
     assert type(model.layers[0].self_attn.v_proj).__name__ == "TQLinear"
@@ -129,7 +129,7 @@ def test_no_output_outlives_the_forward_pass(tmp_path):
     prefill output per layer would be gigabytes on a big model)."""
     from turboquant.runtime.layers import LinearGroup
 
-    model, _ = load(_repo(tmp_path, "llama"))
+    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
     group_linears(model)
     cache = make_prompt_cache(model)
     mx.eval(model(PROMPT, cache=cache))  # prefill: layers one by one
@@ -145,7 +145,7 @@ def test_no_output_outlives_the_forward_pass(tmp_path):
 def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
     """On the CPU the extras are MLX's own ops (rms_norm, the SwiGLU, the adds) done by the
     group call instead of the block: every logit stays the same, prefill and decode."""
-    model, _ = load(_repo(tmp_path, kind))
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
     before = _decode(model)
     group_linears(model)
     assert fuse_blocks(model) == fused  # MoE blocks keep mlx-lm's step
@@ -156,7 +156,7 @@ def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
 
 
 def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):
-    model, _ = load(_repo(tmp_path, "llama"))
+    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
     group_linears(model)
     fuse_blocks(model)
     cache = make_prompt_cache(model)
@@ -178,7 +178,7 @@ def test_blocks_with_ungrouped_linears_are_not_fused(tmp_path):
     def codec(name, v):
         return 4 if name.endswith("v_proj.weight") else default_codec(name, v, 3)
 
-    model, _ = load(_repo(tmp_path, "llama", codec=codec))
+    model, _ = load(_repo(tmp_path, "llama", codec=codec), fuse=False)
     assert not fusable_block(model.layers[0])  # before grouping: nothing is grouped
     group_linears(model)  # q/k group without v
     assert fuse_blocks(model) == 0
@@ -197,3 +197,15 @@ def test_extras_are_checked():
     for members, extras, message in bad:
         with pytest.raises(ValueError, match=message):
             kernels.tq_linear_group(x, members, extras=extras)
+
+
+def test_the_loader_groups_where_a_kernel_runs_groups(tmp_path):
+    """CUDA, and the CPU with numba, have a linear_group kernel: `load` groups q/k/v and
+    gate/up there (decoder blocks are fused on CUDA only); `fuse=False` keeps them apart."""
+    repo = _repo(tmp_path, "llama")
+    grouped = kernels.describe()["linear_group"] != "reference"
+    model, _ = load(repo)
+    assert isinstance(model.layers[0].self_attn.q_proj, TQGroupedLinear) == grouped
+    assert not isinstance(model.layers[0], FusedDecoderBlock)  # not on the CPU
+    model, _ = load(repo, fuse=False)
+    assert type(model.layers[0].self_attn.q_proj).__name__ == "TQLinear"
