@@ -1,9 +1,10 @@
 """CPU kernels for the dispatch table; imported when MLX runs on the CPU.
 
-Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens) and
-"gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs x rows) when
-numba is available; prefill, embeddings and every call they do not cover run the pure-MLX
-reference. (The kernel handles any number of tokens and ran a 256-token prefill
+Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens),
+"linear_group" (the same for linears sharing an input: one evaluation of their rotated
+inputs) and "gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs
+x rows) when numba is available; prefill, embeddings and every call they do not cover run
+the pure-MLX reference. (The kernel handles any number of tokens and ran a 256-token prefill
 of a 4096x4096 3-bit matrix 25x faster than the reference GEMM, but MLX's measured peak
 for a 508-token prompt rose with it, 21.8 -> 24.1 MB on the reference dense model and
 19.1 -> 24.3 MB on the MoE one, past what `turboquant plan` projects: prefill stays on the
