@@ -48,10 +48,11 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
         raise NotImplementedError  # prefill: the reference's grouped GEMM
     x = mx.broadcast_to(x_rot.astype(mx.float32), (*batch, m, padded_in)).reshape(-1, m, padded_in)
-    experts = np.asarray(mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64))
+    experts = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64)
+    mx.eval(x, experts)  # one synchronisation with MLX's graph for both
     book = np.asarray(reference.levels(bits))
-    y = cpu_gemv.gather_gemv(np.asarray(x), np.asarray(codes), np.asarray(scales), experts,
-                             book, bits, group_size)
+    y = cpu_gemv.gather_gemv(np.asarray(x), np.asarray(codes), np.asarray(scales),
+                             np.asarray(experts), book, bits, group_size)
     return mx.array(y).reshape(*batch, m, out_features).astype(x_rot.dtype)
 
 
