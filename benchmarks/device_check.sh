@@ -27,7 +27,8 @@ for s in "$@"; do
     tests-kv) step tests-kv 240 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py ;;
     first-token)  # twice: does MLX's disk cache of compiled kernels remove the first-token cost?
       step first-token-1 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8
-      step first-token-2 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8 ;;
+      step first-token-2 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8
+      step first-token-layers 120 python3 benchmarks/kv_first_token.py --per-layer ;;
     graphs)  # the CUDA-graphs hypothesis of NOTES.md: graph size against TQ3's slowdown
       for ops in 20 200 1000; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \

@@ -121,15 +121,24 @@ def first_token(model, cache, prompt, on_cuda: bool) -> tuple[dict, float]:
     return rows, time.perf_counter() - t0
 
 
-def report(name: str, rows: dict, wall: float):
+def report(name: str, rows: dict, wall: float, per_layer: bool = False):
+    """Pieces in ms: layer 0, the other layers together, all; with `per_layer` a column
+    for every layer instead (is a cost paid once, or by every layer?)."""
     print(f"\n{name}: first decode token, pieces in ms (eval + synchronize after each)")
-    print(f"{'piece':<22} {'layer 0':>9} {'layers 1..':>11} {'all':>9}")
+    layers = sorted({k for per in rows.values() for k in per})
+    heads = [f"layer {k}" for k in layers] if per_layer else ["layer 0", "layers 1.."]
+    print(f"{'piece':<22} " + " ".join(f"{h:>9}" for h in heads) + f" {'all':>9}")
     total = 0.0
     for piece, per in rows.items():
-        first, rest = per.get(0, 0.0), sum(v for k, v in per.items() if k > 0)
-        total += first + rest
-        print(f"{piece:<22} {first * 1e3:9.1f} {rest * 1e3:11.1f} {(first + rest) * 1e3:9.1f}")
-    print(f"{'sum of pieces':<22} {'':>9} {'':>11} {total * 1e3:9.1f}   (wall {wall * 1e3:.1f})")
+        if per_layer:
+            cells = [per.get(k, 0.0) for k in layers]
+        else:
+            cells = [per.get(0, 0.0), sum(v for k, v in per.items() if k > 0)]
+        total += sum(cells)
+        print(f"{piece:<22} " + " ".join(f"{c * 1e3:9.1f}" for c in cells)
+              + f" {sum(cells) * 1e3:9.1f}")
+    print(f"{'sum of pieces':<22} " + " ".join(f"{'':>9}" for _ in heads)
+          + f" {total * 1e3:9.1f}   (wall {wall * 1e3:.1f})")
 
 
 def main(argv=None):
@@ -144,6 +153,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=1024, help="prefill tokens")
     ap.add_argument("--caches", nargs="+", default=["fp16", "K4V3"], choices=["fp16", "K4V3"])
     ap.add_argument("--hidden", type=int, default=None, help="smaller model (smoke test)")
+    ap.add_argument("--per-layer", action="store_true", help="a column for every layer")
     args = ap.parse_args(argv)
     shape = dict(SHAPE, num_hidden_layers=args.layers)
     if args.hidden:
@@ -163,7 +173,7 @@ def main(argv=None):
     for name in args.caches:
         cache = (make_prompt_cache(model) if name == "fp16"
                  else make_turboquant_cache(model, bits_k=4, bits_v=3))
-        report(name, *first_token(model, cache, prompt, on_cuda))
+        report(name, *first_token(model, cache, prompt, on_cuda), per_layer=args.per_layer)
         del cache
         mx.clear_cache()
     print("\nreproduce: python benchmarks/kv_first_token.py " + " ".join(sys.argv[1:]))
