@@ -4,7 +4,9 @@ On MLX's CPU backend the pure-MLX reference decodes a whole weight matrix per to
 dozen array ops (unpack, gather, multiply, two sums); this does, per row, the unpack into a
 row of levels and the per-group dot products with every activation row, rows spread over
 the cores (`numba.prange`). `gather_gemv` does the same for MoE experts: each (token,
-expert) pair multiplies its own expert's rows, (pair, row block) tasks spread over the cores. Same algorithm and layout as the reference (docs/FORMAT.md), for one token or a prefill's many:
+expert) pair multiplies its own expert's rows, (pair, row block) tasks spread over the
+cores. Same algorithm and layout as the reference (docs/FORMAT.md), for one token or a
+prefill's many:
 
     y[m, r] = sum_g scale[r, g] * sum_j levels[code[r, g*gs + j]] * x[m, g*gs + j]
 
@@ -187,11 +189,21 @@ def gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, book: np.ndarray,
     """(M, R) float32 for x (M, padded_in) float32, codes (R, words) uint32, scales (R,
     groups) float16, book the codebook (float32), bits 2/3/4 or "ternary"."""
     out = np.empty((x.shape[0], codes.shape[0]), dtype=np.float32)
-    _compiled()[0](np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
-                   np.ascontiguousarray(scales).view(np.uint16),
-                   np.ascontiguousarray(book, dtype=np.float32),
-                   0 if bits == "ternary" else int(bits), int(group_size), out)
+    x, codes, scales = _operands(x, codes, scales)
+    _compiled()[0](x, codes, scales, *_code_args(book, bits, group_size), out)
     return out
+
+
+def _operands(x, codes, scales):
+    """The kernels' views: float32 activations, codes, float16 scales as their bits."""
+    return (np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
+            np.ascontiguousarray(scales).view(np.uint16))
+
+
+def _code_args(book, bits, group_size) -> tuple:
+    """(codebook float32, width (0 for ternary), group size): the kernels' last inputs."""
+    return (np.ascontiguousarray(book, dtype=np.float32), 0 if bits == "ternary" else int(bits),
+            int(group_size))
 
 
 def gather_gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, experts: np.ndarray,
@@ -199,9 +211,7 @@ def gather_gemv(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, experts: n
     """(T, M, R) float32: for each pair t, expert experts[t] of codes (E, R, words) and
     scales (E, R, groups) float16 times x[t] (M, padded_in) float32."""
     out = np.empty((x.shape[0], x.shape[1], codes.shape[1]), dtype=np.float32)
-    _compiled()[1](np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(codes),
-                   np.ascontiguousarray(scales).view(np.uint16),
-                   np.ascontiguousarray(experts, dtype=np.int64),
-                   np.ascontiguousarray(book, dtype=np.float32),
-                   0 if bits == "ternary" else int(bits), int(group_size), out)
+    x, codes, scales = _operands(x, codes, scales)
+    _compiled()[1](x, codes, scales, np.ascontiguousarray(experts, dtype=np.int64),
+                   *_code_args(book, bits, group_size), out)
     return out
