@@ -4,7 +4,7 @@
 #   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
-#   launch-cost  ncu-linear  ncu-kv
+#   launch-cost  ncu-linear  ncu-kv  kernels  lab
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -35,18 +35,24 @@ for s in "$@"; do
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
     decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
+    decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
+      step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
+        --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;
     decode-ab)  # end-to-end figures vary by up to 30% between runs: alternate, in one process
       step decode-ab 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped ;;
     ncu-linear)  # Nsight Compute on one fused TQ3 linear per shape (benchmarks/results/ncu-h200.txt)
       for shape in "28672 8192" "4096 4096" "4096 14336"; do
-        step "ncu-linear-${shape// /x}" 120 ncu --kernel-name regex:tq_linear --launch-skip 4 \
+        step "ncu-linear-${shape// /x}" 120 ncu --clock-control none --kernel-name regex:tq_linear --launch-skip 4 \
           --launch-count 1 $NCU_SECTIONS python3 -P benchmarks/kernels.py --one-linear $shape
       done ;;
     ncu-kv) step ncu-kv 200 ncu --kernel-name regex:partial --launch-skip 3 --launch-count 1 \
       $NCU_SECTIONS python3 benchmarks/kv.py --gpu-attention --contexts 32768 --gpu-configs K4V3 ;;
     kv-decode) step kv-decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
       --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
+    kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
+    lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): benchmarks/cuda_lab.py
+      step lab 240 bash -c "python3 benchmarks/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;
     layer) step layer 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer-only ;;
     launch-cost) step launch-cost 170 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py ;;
     *) echo "unknown step $s" ;;

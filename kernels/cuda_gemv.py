@@ -10,8 +10,9 @@ arranged so a code costs about two integer instructions:
   the stored layout; 3-bit codes are repacked once at load into a 2-bit plane (stored
   layout) and a 1-bit plane whose bits are pre-placed at nibble bit 2 (`repack_3bit`);
 - products accumulate in half2 over 16 codes, then in fp32 with the group scale;
-- one warp per 8 rows (activations loaded once for all), each lane one group of 64 codes
-  per step (16-byte code loads), every load of a step issued before its arithmetic;
+- one warp per 4 rows (activations loaded once for all), each lane one group of 64 codes
+  per step (16-byte code loads), the next step's weights fetched into a second register
+  buffer while the lane decodes this one;
 - activations stay in natural order: `repack` permutes the codes instead.
 
 Rows are padded to a multiple of 64 codes (padding codes meet zero activations).
@@ -27,8 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 GROUP_CODES = 64  # codes a lane handles per step
-ROWS_PER_WARP = 8
-WARPS_WANTED = 2048  # about 16 warps per SM on an H100/H200: enough loads in flight
+ROWS_PER_WARP = 4  # most rows a warp runs: its two register buffers of weights fit in ~96 registers
+WARPS_WANTED = 512  # below this many warps a matrix runs fewer rows per warp
 WARPS_PER_BLOCK = 4
 
 HEADER = r"""
@@ -85,86 +86,102 @@ __device__ __forceinline__ float tq_hsum(__half2 v) {
   float2 f = __half22float2(v);
   return f.x + f.y;
 }
+
+// The scales of codes 0-31 and 32-63 of 64-code group g in a row's scales (groups of GS).
+template <int GS>
+__device__ __forceinline__ float2 tq_scales(const __half* sr, int g) {
+  static_assert(GS == 32 || GS == 64 || GS == 128, "groups of 32, 64 or 128 weights");
+  if (GS == 32) return __half22float2(__ldg(reinterpret_cast<const __half2*>(sr) + g));
+  const float s = __half2float(__ldg(sr + (GS == 64 ? g : g / 2)));
+  return make_float2(s, s);
+}
+
+// acc + the codes of 16-code block b (0-3) of a 64-code group (words cw, 3-bit high plane
+// hw) against the 16 halves of x in x0 and x1 (see x_permutation for which meets which).
+template <int BITS>
+__device__ __forceinline__ __half2 tq_block16(const uint32_t t[8], const uint4* cw, uint2 hw,
+                                              int b, uint4 x0, uint4 x1, __half2 acc) {
+  if (BITS == 4) {
+    const uint32_t w8[8] = {cw[0].x, cw[0].y, cw[0].z, cw[0].w,
+                            cw[BITS == 4].x, cw[BITS == 4].y, cw[BITS == 4].z, cw[BITS == 4].w};
+    acc = tq_dot8<4>(t, w8[2 * b], x0, acc);
+    return tq_dot8<4>(t, w8[2 * b + 1], x1, acc);
+  }
+  const uint32_t l4[4] = {cw[0].x, cw[0].y, cw[0].z, cw[0].w};
+  if (BITS == 2) {
+    acc = tq_dot8<2>(t, l4[b] & 0x33333333u, x0, acc);
+    return tq_dot8<2>(t, (l4[b] >> 2) & 0x33333333u, x1, acc);
+  }
+  const uint32_t h = (b >> 1) ? hw.y : hw.x;
+  const uint32_t he = (b & 1) ? (h << 2) : h;
+  const uint32_t ho = (b & 1) ? (h << 1) : (h >> 1);
+  acc = tq_dot8<3>(t, (l4[b] & 0x33333333u) | (he & 0x44444444u), x0, acc);
+  return tq_dot8<3>(t, ((l4[b] >> 2) & 0x33333333u) | (ho & 0x44444444u), x1, acc);
+}
 """
 
 # The rows of one warp, shared with the fused linear kernel (`cuda_linear`): rows
 # [row0, row0 + ROWS_PER_WARP) of `expert` against the activations TQ_X(g, i) (uint4 i of
 # 64-code group g), each finished row v stored by TQ_STORE; needs lane, pair, seg, t.
-ROWS = r"""
+#
+# Each lane runs 64-code groups g = lane, lane + 32, ...; the weights of a group (code
+# words, high bits, scales of every row) are fetched one group ahead, into one of two
+# register buffers, so a lane's loads are in flight while it decodes the group before.
+# ROWS_SETUP declares the buffers and fetches the first group (the fused kernel does it
+# before it rotates, so the rotation hides those loads); ROWS_RESET starts a new row0;
+# ROWS_LOOP decodes and stores.
+ROWS_RESET = r"""
+  #pragma unroll
+  for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    total[r] = 0.f;
+    erow[r] = min(row0 + r, OUT - 1);  // rows past the end read the last row, never stored
+  }
+  if (lane < GROUPS) TQ_FETCH(cwA, hwA, scA, lane);
+"""
+
+ROWS_SETUP = r"""
   constexpr int GROUPS = PADDED / 64;
+  constexpr int CWORDS = BITS == 4 ? 2 : 1;  // 16-byte code words per row and group
+  const uint4* cbase = reinterpret_cast<const uint4*>(codes) + (size_t)expert * OUT * GROUPS * CWORDS;
+  const uint2* hbase = reinterpret_cast<const uint2*>(hplane) + (size_t)expert * OUT * GROUPS;
+  const __half* sbase = scales + (size_t)expert * OUT * NSCALES;
   float total[ROWS_PER_WARP];
-  #pragma unroll
-  for (int r = 0; r < ROWS_PER_WARP; ++r) total[r] = 0.f;
-
-  // rows past the end read the last row (always in bounds) and are never stored
-  size_t erow[ROWS_PER_WARP];
-  #pragma unroll
-  for (int r = 0; r < ROWS_PER_WARP; ++r) erow[r] = (size_t)expert * OUT + min(row0 + r, OUT - 1);
-
-  for (int g = lane; g < GROUPS; g += 32) {
-    // issue every load of this step before any arithmetic
-    uint4 xv[8];
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) xv[i] = TQ_X(g, i);
-    uint4 cw[ROWS_PER_WARP][BITS == 4 ? 2 : 1];
-    uint2 hw[ROWS_PER_WARP];
-    #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-      if (BITS == 4) {
-        const uint4* cr = reinterpret_cast<const uint4*>(codes + erow[r] * (PADDED / 8)) + 2 * g;
-        cw[r][0] = __ldg(cr);
-        cw[r][BITS == 4 ? 1 : 0] = __ldg(cr + 1);
-      } else {
-        cw[r][0] = __ldg(reinterpret_cast<const uint4*>(codes + erow[r] * (PADDED / 16)) + g);
-      }
-      if (BITS == 3) hw[r] = __ldg(reinterpret_cast<const uint2*>(hplane + erow[r] * (PADDED / 32)) + g);
+  int erow[ROWS_PER_WARP];
+  uint4 cwA[ROWS_PER_WARP][CWORDS], cwB[ROWS_PER_WARP][CWORDS];
+  uint2 hwA[ROWS_PER_WARP], hwB[ROWS_PER_WARP];
+  float2 scA[ROWS_PER_WARP], scB[ROWS_PER_WARP];  // scales of codes 0-31 and 32-63
+  // group g of every row into one buffer
+  #define TQ_FETCH(cw, hw, sc, g) \
+    _Pragma("unroll") for (int r = 0; r < ROWS_PER_WARP; ++r) { \
+      const uint4* cr = cbase + ((size_t)erow[r] * GROUPS + (g)) * CWORDS; \
+      cw[r][0] = __ldg(cr); \
+      if (CWORDS == 2) cw[r][CWORDS - 1] = __ldg(cr + 1); \
+      if (BITS == 3) hw[r] = __ldg(hbase + (size_t)erow[r] * GROUPS + (g)); \
+      sc[r] = tq_scales<GS>(sbase + (size_t)erow[r] * NSCALES, (g)); \
     }
-    #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-      float part[4];
-      if (BITS == 3) {
-        const uint32_t l4[4] = {cw[r][0].x, cw[r][0].y, cw[r][0].z, cw[r][0].w};
-        const uint32_t h2[2] = {hw[r].x, hw[r].y};
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const uint32_t h = h2[b >> 1];
-          const uint32_t he = (b & 1) ? (h << 2) : h;
-          const uint32_t ho = (b & 1) ? (h << 1) : (h >> 1);
-          const uint32_t se = (l4[b] & 0x33333333u) | (he & 0x44444444u);
-          const uint32_t so = ((l4[b] >> 2) & 0x33333333u) | (ho & 0x44444444u);
-          __half2 acc = __float2half2_rn(0.f);
-          acc = tq_dot8<3>(t, se, xv[2 * b], acc);
-          acc = tq_dot8<3>(t, so, xv[2 * b + 1], acc);
-          part[b] = tq_hsum(acc);
-        }
-      } else if (BITS == 2) {
-        const uint32_t l4[4] = {cw[r][0].x, cw[r][0].y, cw[r][0].z, cw[r][0].w};
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          __half2 acc = __float2half2_rn(0.f);
-          acc = tq_dot8<2>(t, l4[b] & 0x33333333u, xv[2 * b], acc);
-          acc = tq_dot8<2>(t, (l4[b] >> 2) & 0x33333333u, xv[2 * b + 1], acc);
-          part[b] = tq_hsum(acc);
-        }
-      } else {
-        const uint4 c0 = cw[r][0], c1 = cw[r][BITS == 4 ? 1 : 0];
-        const uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          __half2 acc = __float2half2_rn(0.f);
-          acc = tq_dot8<4>(t, w8[2 * b], xv[2 * b], acc);
-          acc = tq_dot8<4>(t, w8[2 * b + 1], xv[2 * b + 1], acc);
-          part[b] = tq_hsum(acc);
-        }
-      }
-      const __half* sr = scales + erow[r] * NSCALES;
-      if (GS == 64) {
-        total[r] += __half2float(sr[g]) * (part[0] + part[1] + part[2] + part[3]);
-      } else {
-        #pragma unroll
-        for (int b = 0; b < 4; ++b) total[r] += __half2float(sr[(g * 64 + 16 * b) / GS]) * part[b];
-      }
+""" + ROWS_RESET
+
+ROWS_LOOP = r"""
+  // one buffer's group g against x: per 16-code block b, x loaded once for all rows;
+  // products summed in half2 over each 32-code half (one scale), then in fp32
+  #define TQ_DECODE(cw, hw, sc, g) \
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
+      __half2 acc[ROWS_PER_WARP]; \
+      _Pragma("unroll") for (int r = 0; r < ROWS_PER_WARP; ++r) acc[r] = __float2half2_rn(0.f); \
+      _Pragma("unroll") for (int b = 2 * h; b < 2 * h + 2; ++b) { \
+        const uint4 x0 = TQ_X(g, 2 * b), x1 = TQ_X(g, 2 * b + 1); \
+        _Pragma("unroll") for (int r = 0; r < ROWS_PER_WARP; ++r) \
+          acc[r] = tq_block16<BITS>(t, cw[r], hw[r], b, x0, x1, acc[r]); \
+      } \
+      _Pragma("unroll") for (int r = 0; r < ROWS_PER_WARP; ++r) \
+        total[r] += (h ? sc[r].y : sc[r].x) * tq_hsum(acc[r]); \
     }
+  for (int g = lane; g < GROUPS; g += 64) {
+    if (g + 32 < GROUPS) TQ_FETCH(cwB, hwB, scB, g + 32);
+    TQ_DECODE(cwA, hwA, scA, g);
+    if (g + 32 >= GROUPS) break;
+    if (g + 64 < GROUPS) TQ_FETCH(cwA, hwA, scA, g + 64);
+    TQ_DECODE(cwB, hwB, scB, g + 32);
   }
   #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -178,6 +195,8 @@ ROWS = r"""
     }
   }
 """
+
+ROWS = ROWS_SETUP + ROWS_LOOP
 
 # Inputs: x (pairs' rows of the permuted, padded activations, fp16), codes planes, scales,
 # levels, pair_expert (which expert a pair reads), pair_row (which x row).
@@ -235,9 +254,10 @@ def _kernel(segments: int = 1):
 
 
 def rows_per_warp_for(out_features: int) -> int:
-    """Most rows per warp (8, 4, 2, 1) that still gives the GPU `WARPS_WANTED` warps: small
-    matrices need more, shorter warps to keep enough loads in flight."""
-    for rpw in (8, 4, 2):
+    """Most rows per warp (4, 2, 1) that still gives the GPU `WARPS_WANTED` warps. More
+    rows per warp read x fewer times (H200, `benchmarks/cuda_lab.py`: 28672x8192 3-bit
+    47 us at 4 rows, 73 us at 2; 4096x4096 7.1 us at 4, 8.1 at 2)."""
+    for rpw in (ROWS_PER_WARP, 2):
         if out_features // rpw >= WARPS_WANTED:
             return rpw
     return 1

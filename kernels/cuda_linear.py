@@ -2,9 +2,11 @@
 
 Each block rotates its token's activation row with its member's seed into shared memory
 (`cuda_rotate.ROTATE_ROW`: signs, Hadamard stages, segment mix, fp16), then its warps run
-the GEMV rows of `cuda_gemv.ROWS` against that row. Every block repeats the rotation of
-one row (a few microseconds of shared-memory work that other resident blocks hide), and
-in exchange a decode step pays one kernel call per group instead of two: on MLX's CUDA
+the GEMV rows of `cuda_gemv.ROWS` against that row, one tile of rows after another (up to
+`tiles_for` tiles, so big matrices rotate once per 128 rows). Each warp fetches its first
+weights before the rotation starts, so the rotation hides their latency. Every block
+repeats the rotation of one row, and in exchange a decode step pays one kernel call per
+group instead of two: on MLX's CUDA
 backend each call costs the host several microseconds to build and to encode
 (`benchmarks/launch_cost.py`), and decode is bound by that host time.
 
@@ -78,7 +80,7 @@ _SOURCE = r"""
   constexpr int NSCALES = PADDED / GS;
   constexpr int NB = (N + 3) & ~3;  // keeps the fp16 row 16-byte aligned
   extern __shared__ __align__(16) float tq_shared[];
-  const int block_row0 = blockIdx.x * WARPS * ROWS_PER_WARP;
+  const int block_row0 = blockIdx.x * TILES * WARPS * ROWS_PER_WARP;
   if (block_row0 >= OUT) return;
   const int pair = blockIdx.y;
   const int expert = 0;
@@ -87,7 +89,12 @@ _SOURCE = r"""
   if (SEGS > 1) seg += block_row0 >= END0;
   if (SEGS > 2) seg += block_row0 >= END1;
   __half* xs = reinterpret_cast<__half*>(tq_shared + NB);
-  {
+  const int lane = threadIdx.x & 31;
+  int row0 = block_row0 + (threadIdx.x >> 5) * ROWS_PER_WARP;
+  uint32_t t[8];
+  tq_tables(levels, 1 << BITS, t);
+""" + cuda_gemv.ROWS_SETUP + r"""
+  {  // the weights of the first group are on their way while the block rotates its row
     float* buf = tq_shared;
     const int t = threadIdx.x;
     const InT* xr = x + (size_t)pair * N;
@@ -100,14 +107,17 @@ _SOURCE = r"""
     #undef TQ_PUT
   }
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int row0 = block_row0 + (threadIdx.x >> 5) * ROWS_PER_WARP;
-  if (row0 >= OUT) return;
-  uint32_t t[8];
-  tq_tables(levels, 1 << BITS, t);
   const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
   #define TQ_X(g, i) xs4[(g) * 8 + ((i) ^ ((g) & 7))]
-""" + cuda_gemv.ROWS
+  // the block's TILES tiles of WARPS * ROWS_PER_WARP rows, one rotation for all of them
+  for (int tile = 0; row0 < OUT;) {
+""" + cuda_gemv.ROWS_LOOP + r"""
+    if (++tile == TILES) break;
+    row0 += WARPS * ROWS_PER_WARP;
+    if (row0 >= OUT) break;
+""" + cuda_gemv.ROWS_RESET + r"""
+  }
+"""
 
 
 def shared_bytes(n: int, padded: int) -> int:
@@ -177,6 +187,21 @@ def rows_per_warp_for(ends: tuple[int, ...]) -> int:
     return rpw
 
 
+BLOCKS_WANTED = 200  # about 1.5 blocks per SM of an H100/H200
+
+
+def tiles_for(ends: tuple[int, ...], rows_per_warp: int) -> int:
+    """Tiles per block (4, 2, 1): the most that still leave `BLOCKS_WANTED` blocks with
+    member boundaries between blocks. A block rotates its row once for all its tiles (H200,
+    `benchmarks/cuda_lab.py`: 28672x8192 3-bit 54 us at 4 tiles, 62 at 2, 69 at 1)."""
+    tile_rows = WARPS_PER_BLOCK * rows_per_warp
+    for tiles in (4, 2):
+        if (ends[-1] // (tile_rows * tiles) >= BLOCKS_WANTED
+                and not any(e % (tile_rows * tiles) for e in ends[:-1])):
+            return tiles
+    return 1
+
+
 def fits(n: int, padded: int, a: int) -> bool:
     """Whether one block holds the row (the mix keeps A values per thread in registers)."""
     return (shared_bytes(n, padded) <= cuda_rotate.MAX_SHARED_BYTES
@@ -205,24 +230,30 @@ class Launch:
 
 def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],
            lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool,
-           mode: tuple[bool, bool, bool] = (False, False, False)) -> Launch:
+           mode: tuple[bool, bool, bool] = (False, False, False),
+           rows_per_warp: int | None = None, tiles: int | None = None) -> Launch:
     """The launch for members with stacked row ends `ends` on inputs of leading shape
     `lead` (tokens = its product) and last axis n, rotated as A segments of n / A, doing
-    the extras of `mode` (`group.Extras.mode`)."""
+    the extras of `mode` (`group.Extras.mode`). A block runs `tiles` tiles of
+    WARPS_PER_BLOCK * rows_per_warp rows after one rotation (`rows_per_warp_for` and
+    `tiles_for` unless given); member boundaries must fall between blocks."""
     if mode[2] and len(ends) > 1:
         raise ValueError("a residual is added to the output of a single member")
     if len(ends) > len(cuda_gemv.STORES):
         raise ValueError(f"at most {len(cuda_gemv.STORES)} members in a group, got {len(ends)}")
     if n % a or padded % 64 or padded < n:
         raise ValueError(f"bad rotation/padding: n={n}, A={a}, padded={padded}")
-    rpw = rows_per_warp_for(ends)
+    rpw = rows_per_warp or rows_per_warp_for(ends)
+    tiles = tiles or tiles_for(ends, rpw)
     out = ends[-1]
     bounds = list(ends[:-1]) + [out] * 2
-    block_rows = WARPS_PER_BLOCK * rpw
+    block_rows = WARPS_PER_BLOCK * rpw * tiles
+    if any(e % block_rows for e in ends[:-1]):
+        raise ValueError(f"member ends {ends} must be multiples of a block's {block_rows} rows")
     constants = [
         ("InT", in_dtype), ("OutT", out_dtype), ("N", n), ("A", a), ("PADDED", padded),
         ("BITS", bits), ("GS", group_size), ("OUT", out), ("ROWS_PER_WARP", rpw),
-        ("WARPS", WARPS_PER_BLOCK), ("SEGS", len(ends)), ("END0", bounds[0]),
+        ("WARPS", WARPS_PER_BLOCK), ("TILES", tiles), ("SEGS", len(ends)), ("END0", bounds[0]),
         ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
     ]
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]

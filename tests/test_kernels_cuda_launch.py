@@ -94,8 +94,8 @@ def test_a_group_is_one_launch(kernels):
     t = _constants(prepared)
     # 256 rows want 1 row per warp (cuda_gemv.rows_per_warp_for); blocks of 8 warps = 8 rows
     assert t == dict(InT=mx.bfloat16, OutT=mx.bfloat16, N=256, A=1, PADDED=256, BITS=3, GS=64,
-                     OUT=256, ROWS_PER_WARP=1, WARPS=8, SEGS=3, END0=128, END1=192,
-                     HAS_BIAS=True)
+                     OUT=256, ROWS_PER_WARP=1, WARPS=8, TILES=1, SEGS=3, END0=128,
+                     END1=192, HAS_BIAS=True)
     body = rec.name[4]
     assert "constexpr int END1 = 192;" in body and "using InT = __nv_bfloat16;" in body
     assert call["grid"] == (32 * cuda_linear.THREADS, 1, 1)
@@ -161,11 +161,31 @@ def test_a_residual_needs_a_single_member():
 
 
 def test_fused_rows_per_warp_keep_members_in_whole_blocks():
-    # 6144 rows alone would take 2 per warp (16 per block): 4096 and 5120 are multiples
-    assert cuda_linear.rows_per_warp_for((4096, 5120, 6144)) == 2
+    # 4 rows per warp (32 per block): 4096 and 5120 are multiples
+    assert cuda_linear.rows_per_warp_for((4096, 5120, 6144)) == 4
+    assert cuda_linear.rows_per_warp_for((16, 2064, 4112)) == 2  # 16 rows a block at most
     # a member of 8 rows forces blocks of 8 rows
     assert cuda_linear.rows_per_warp_for((8, 32768)) == 1
-    assert cuda_linear.rows_per_warp_for((28672,)) == cuda_gemv.rows_per_warp_for(28672)
+    assert cuda_linear.rows_per_warp_for((28672,)) == cuda_gemv.rows_per_warp_for(28672) == 4
+    assert cuda_gemv.rows_per_warp_for(1024) == 2 and cuda_gemv.rows_per_warp_for(256) == 1
+
+
+def test_tiles_per_block_only_where_blocks_stay_many(kernels):
+    # 28672 rows: 4 tiles of 32 rows still leave 224 blocks; q/k/v (6144 rows) keep 1
+    assert cuda_linear.tiles_for((28672,), 4) == 4
+    assert cuda_linear.tiles_for((14336, 28672), 4) == 4  # gate/up: the boundary is whole
+    assert cuda_linear.tiles_for((14336 + 32, 28704), 4) == 1  # 14368 rows: not in 64s
+    assert cuda_linear.tiles_for((4096, 5120, 6144), 4) == 1
+    assert cuda_linear.tiles_for((4096,), 4) == 1
+    launch = cuda_linear.launch(n=8192, a=1, padded=8192, bits=3, group_size=64,
+                                ends=(28672,), lead=(1,), in_dtype=mx.bfloat16,
+                                out_dtype=mx.bfloat16, add_bias=False)
+    assert dict(launch.constants)["TILES"] == 4
+    assert launch.grid == (224 * cuda_linear.THREADS, 1, 1)
+    with pytest.raises(ValueError, match="multiples of a block"):
+        cuda_linear.launch(n=256, a=1, padded=256, bits=3, group_size=64, ends=(64, 128),
+                           lead=(1,), in_dtype=mx.bfloat16, out_dtype=mx.bfloat16,
+                           add_bias=False, rows_per_warp=4, tiles=4)
 
 
 def test_a_wide_row_needs_dynamic_shared_memory_within_the_limit():

@@ -19,11 +19,11 @@ CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
 
 
-def _members(in_f, outs, bits, bias=False, seed=0):
+def _members(in_f, outs, bits, bias=False, seed=0, group_size=64):
     out = []
     for i, o in enumerate(outs):
         w = mx.random.normal((o, in_f), key=mx.random.key(seed + i)) * 0.02
-        qt = encode(w, bits, 64, seed=1000 * seed + i + 1)
+        qt = encode(w, bits, group_size, seed=1000 * seed + i + 1)
         b = mx.random.normal((o,), key=mx.random.key(99 + i)) * 0.1 if bias else None
         s = qt.spec
         out.append(group.Member(qt.codes, qt.scales, bits, s.group_size, in_f, o,
@@ -68,6 +68,35 @@ def test_group_matches_reference(bits, in_f, outs):
             err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
             print(f"bits {bits} in {in_f} out {m.out_features} tokens {tokens} {dtype}: {err:.2e}")
             assert err < 1e-2, err
+
+
+TILE_CASES = [  # (in_features, outs, bits, group size, rows per warp, tiles per block)
+    (4096, (4096, 1024, 1024), 3, 64, 4, 4),
+    (14336, (512,), 4, 64, 2, 2),
+    (992, (64, 40), 2, 64, 1, 8),  # the last block's tiles run past the rows
+    (4096, (2048, 2048), 3, 32, 4, 2),
+    (4096, (1024,), 4, 128, 2, 4),
+]
+
+
+@pytest.mark.parametrize("in_f, outs, bits, gs, rpw, tiles", TILE_CASES)
+def test_blocks_of_several_tiles_match_reference(monkeypatch, in_f, outs, bits, gs, rpw, tiles):
+    """A block rotating once for several tiles of rows, with 1, 2 or 4 rows per warp and
+    groups of 32, 64 or 128 weights (the defaults pick tiles only for large matrices)."""
+    from turboquant.kernels import cuda_linear
+
+    monkeypatch.setattr(cuda_linear, "rows_per_warp_for", lambda ends: rpw)
+    monkeypatch.setattr(cuda_linear, "tiles_for", lambda ends, rows_per_warp: tiles)
+    members = _members(in_f, outs, bits, group_size=gs)
+    prepared = {}
+    x = mx.random.normal((2, in_f), key=mx.random.key(3)).astype(mx.bfloat16)
+    got = kernels.tq_linear_group(x, members, prepared)
+    constants = dict(next(iter(prepared["cuda"].launches.values())).constants)
+    assert (constants["ROWS_PER_WARP"], constants["TILES"]) == (rpw, tiles)
+    for g, w in zip(got, _reference(x, members)):
+        err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
+        print(f"tiles {tiles} rpw {rpw} bits {bits} gs {gs} out {g.shape[-1]}: {err:.2e}")
+        assert err < 1e-2, err
 
 
 @pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])

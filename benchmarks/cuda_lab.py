@@ -1,0 +1,281 @@
+"""GPU time of the CUDA kernels alone: a standalone CUDA program, built from their sources.
+
+MLX adds host time to every launch (`launch_cost.py`), so `kernels.py` measures the host
+and the GPU together. This script writes the kernels as `mx.fast.cuda_kernel` would build
+them (the source the runtime would launch, for one shape and configuration per variant)
+into one .cu file with a `main` that fills random operands, checks that the variants of
+one family give the same outputs, and times each with CUDA events over many launches
+that cycle through enough weight copies to stream from HBM. It needs only nvcc on the GPU
+machine: no MLX install there.
+
+    python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
+    bash DIR/run.sh                                # on the GPU machine: results to stdout
+
+Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
+rotation + GEMV of `cuda_linear`), each at the shapes and rows-per-warp listed in
+`VARIANTS`; the bandwidth column counts the weight bytes (codes and scales) per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cuda_source import MLX_DEFAULT_HEADER, kernel_source  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+LAUNCHES = 200
+
+_C_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+            mx.uint32: "uint32_t", mx.int32: "int32_t"}
+
+
+@dataclass
+class Buffer:
+    """One kernel argument: dtype, element count, how to fill it, whether it is a weight
+    (a copy per launch slot, so launches stream it from HBM)."""
+
+    dtype: object
+    count: int
+    fill: str  # bits | scale | x | sign | const:V | levels:a,b,... | zero | iota
+    weight: bool = False
+
+
+@dataclass
+class Variant:
+    name: str
+    family: str  # variants of one family must give the same outputs
+    func: str
+    source: str  # the kernel's full text (header + __global__ function)
+    grid: tuple[int, int, int]  # blocks
+    block: int
+    shared: int
+    args: list[tuple[str, Buffer]] = field(default_factory=list)
+    outputs: list[tuple[str, object, int]] = field(default_factory=list)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(b.count * _size(b.dtype) for _, b in self.args if b.weight)
+
+
+def _size(dtype) -> int:
+    return {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2, mx.uint32: 4, mx.int32: 4}[dtype]
+
+
+def _no_mlx_kernels():
+    """Sources only: building an MLX kernel object needs the CUDA backend."""
+    mx.fast.cuda_kernel = lambda **_: None
+
+
+def _weights(out_f: int, padded: int, bits: int) -> list[tuple[str, Buffer]]:
+    words = {2: padded // 16, 3: padded // 16, 4: padded // 8}[bits]
+    hwords = padded // 32 if bits == 3 else 1
+    return [
+        ("codes", Buffer(mx.uint32, out_f * words, "bits", True)),
+        ("hplane", Buffer(mx.uint32, out_f * hwords, "bits", bits == 3)),
+        ("scales", Buffer(mx.float16, out_f * padded // 64, "scale", True)),
+    ]
+
+
+def _levels(bits: int) -> Buffer:
+    from turboquant.stages import codebook_values
+
+    values = [float(v) for v in codebook_values(bits).tolist()]
+    return Buffer(mx.float32, len(values), "levels:" + ",".join(f"{v:.6f}" for v in values))
+
+
+def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int) -> Variant:
+    from turboquant.kernels import cuda_gemv
+
+    launch = cuda_gemv.launch(bits=bits, group_size=64, out_features=out_f, padded=in_f,
+                              nscales=in_f // 64, pairs=1, out_dtype=mx.float16,
+                              rows_per_warp=rpw)
+    func = f"gemv_{out_f}x{in_f}_b{bits}_r{rpw}"
+    w = dict(_weights(out_f, in_f, bits))
+    args = [("x", Buffer(mx.float16, in_f, "x")), ("codes", w["codes"]),
+            ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits)),
+            ("pair_expert", Buffer(mx.int32, 1, "zero")), ("pair_row", Buffer(mx.int32, 1, "zero")),
+            ("bias", Buffer(mx.float32, 1, "zero"))]
+    body = cuda_gemv.kernel_source(1)
+    src = kernel_source(func, [a for a, _ in args], ["out0"], body,
+                        [b.dtype for _, b in args], [mx.float16], launch.template)
+    return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
+                   (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0], 0,
+                   args, [("out0", mx.float16, out_f)])
+
+
+def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
+    """The fused launch of one TurboQuant linear (a Llama-shaped power-of-two rotation)."""
+    from turboquant.kernels import cuda_linear
+
+    launch = cuda_linear.launch(n=in_f, a=1, padded=in_f, bits=bits, group_size=64,
+                                ends=(out_f,), lead=(1,), in_dtype=mx.bfloat16,
+                                out_dtype=mx.bfloat16, add_bias=False, **options)
+    tag = "_".join(f"{k}{v}" for k, v in options.items())
+    func = f"linear_{out_f}x{in_f}_b{bits}{'_' + tag if tag else ''}"
+    w = dict(_weights(out_f, in_f, bits))
+    args = [("x", Buffer(mx.bfloat16, in_f, "x")), ("signs", Buffer(mx.float32, in_f, "sign")),
+            ("mix", Buffer(mx.float32, 1, f"const:{1 / math.sqrt(in_f):.9f}")),
+            ("codes", w["codes"]), ("hplane", w["hplane"]), ("scales", w["scales"]),
+            ("levels", _levels(bits)), ("bias", Buffer(mx.float32, 1, "zero"))]
+    header, _ = cuda_linear.source(1)
+    src = kernel_source(func, [a for a, _ in args], ["out0"], launch.body,
+                        [b.dtype for _, b in args], [mx.bfloat16], [])
+    threads = launch.threads if hasattr(launch, "threads") else cuda_linear.THREADS
+    return Variant(func, f"linear_{out_f}x{in_f}_b{bits}", func, header + src,
+                   (launch.grid[0] // threads, launch.grid[1], 1), threads,
+                   cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
+
+
+# (kind, out, in, bits, options): what `--emit` writes by default
+VARIANTS = [
+    ("gemv", 28672, 8192, 3, {"rpw": 4}), ("gemv", 28672, 8192, 2, {"rpw": 4}),
+    ("gemv", 28672, 8192, 4, {"rpw": 4}), ("gemv", 8192, 28672, 3, {"rpw": 4}),
+    ("gemv", 4096, 4096, 3, {"rpw": 2}), ("gemv", 4096, 4096, 3, {"rpw": 4}),
+    *[("linear", 28672, 8192, 3, {"rows_per_warp": 4, "tiles": t}) for t in (4, 2)],
+    ("linear", 28672, 8192, 2, {"rows_per_warp": 4, "tiles": 4}),
+    ("linear", 28672, 8192, 4, {"rows_per_warp": 4, "tiles": 4}),
+    ("linear", 6144, 4096, 3, {"rows_per_warp": 4, "tiles": 1}),
+    ("linear", 4096, 4096, 3, {"rows_per_warp": 4, "tiles": 1}),
+    *[("linear", 28672, 4096, 3, {"rows_per_warp": 4, "tiles": t}) for t in (2, 4)],
+    ("linear", 4096, 14336, 3, {"rows_per_warp": 4, "tiles": 1}),
+]
+
+
+def build(specs=VARIANTS) -> list[Variant]:
+    _no_mlx_kernels()
+    out = []
+    for kind, o, i, bits, options in specs:
+        out.append(gemv_variant(o, i, bits, **options) if kind == "gemv"
+                   else linear_variant(o, i, bits, **options))
+    return out
+
+
+def _fill_code(var: str, buf: Buffer, copies: int) -> str:
+    ctype = _C_TYPES[buf.dtype]
+    n = buf.count * copies
+    kind, _, arg = buf.fill.partition(":")
+    value = {
+        "bits": "h[i] = next32();",
+        "scale": "h[i] = __float2half(0.01f + 0.02f * unit());",
+        "x": f"h[i] = ({ctype})(2.f * unit() - 1.f);",
+        "sign": "h[i] = (next32() & 1) ? 1.f : -1.f;",
+        "const": f"h[i] = {arg}f;",
+        "zero": f"h[i] = ({ctype})0;",
+    }
+    if kind == "levels":
+        init = "{" + ",".join(f"{v}f" for v in arg.split(",")) + "}"
+        line = f"{{ static const float lv[] = {init}; for (size_t i = 0; i < {n}; ++i) h[i] = lv[i % {buf.count}]; }}"
+    else:
+        line = f"for (size_t i = 0; i < {n}; ++i) {{ {value[kind]} }}"
+    return (f"  {ctype}* {var} = nullptr;\n  {{ std::vector<{ctype}> hv({n}); {ctype}* h = hv.data();\n"
+            f"    {line}\n    CK(cudaMalloc(&{var}, sizeof({ctype}) * {n}));\n"
+            f"    CK(cudaMemcpy({var}, h, sizeof({ctype}) * {n}, cudaMemcpyHostToDevice)); }}\n")
+
+
+def program(variants: list[Variant]) -> str:
+    """The .cu text: the kernels, then main() filling, checking and timing them."""
+    parts = [MLX_DEFAULT_HEADER, "#include <cstdio>\n#include <vector>\n#include <cmath>\n"]
+    split = [v.source.partition("namespace mlx::core::cu {") for v in variants]
+    headers = list(dict.fromkeys(h for h, _, _ in split))
+    # a header another one includes (the GEMV's, inside the fused linear's) goes once
+    parts += [h for h in headers if not any(h != o and h in o for o in headers)]
+    parts += ["namespace mlx::core::cu {" + rest for _, _, rest in split]
+    parts.append(r"""
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
+static unsigned long long rng_state = 88172645463325252ull;
+static uint32_t next32() { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17; return (uint32_t)(rng_state >> 11); }
+static float unit() { return (next32() & 0xffffff) / 16777216.f; }
+template <typename T> static float tofloat(T v) { return (float)v; }
+template <> float tofloat<__half>(__half v) { return __half2float(v); }
+template <> float tofloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+using namespace mlx::core::cu;
+
+int main() {
+  cudaEvent_t t0, t1;
+  CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
+  std::vector<std::pair<std::string, std::vector<float>>> refs;
+  printf("%-40s %10s %10s %12s\n", "variant", "us/launch", "GB/s", "max rel diff");
+""")
+    for k, v in enumerate(variants):
+        copies = max(1, min(16, math.ceil(3 * L2_BYTES / max(1, v.weight_bytes))))
+        body = [f"  {{ // {v.name}: the same operands for every variant of a family",
+                "  rng_state = 88172645463325252ull;"]
+        for name, buf in v.args:
+            body.append(_fill_code(f"a_{name}", buf, copies if buf.weight else 1))
+        for name, dtype, count in v.outputs:
+            body.append(f"  {_C_TYPES[dtype]}* o_{name}; CK(cudaMalloc(&o_{name}, {count * _size(dtype)}));")
+        call_args = ", ".join(
+            [f"a_{n} + (size_t)(c) * {b.count}" if b.weight else f"a_{n}" for n, b in v.args]
+            + [f"o_{n}" for n, _, _ in v.outputs])
+        if v.shared > 48 * 1024:
+            body.append(f"  CK(cudaFuncSetAttribute({v.func}, cudaFuncAttributeMaxDynamicSharedMemorySize, {v.shared}));")
+        grid = f"dim3({v.grid[0]}, {v.grid[1]}, {v.grid[2]})"
+        body.append(f"#define LAUNCH(c) {v.func}<<<{grid}, {v.block}, {v.shared}>>>({call_args})")
+        body.append("  LAUNCH(0); CK(cudaGetLastError()); CK(cudaDeviceSynchronize());")
+        out_name, out_dtype, out_count = v.outputs[0]
+        ctype = _C_TYPES[out_dtype]
+        body.append(f"""  std::vector<{ctype}> hout({out_count});
+  CK(cudaMemcpy(hout.data(), o_{out_name}, sizeof({ctype}) * {out_count}, cudaMemcpyDeviceToHost));
+  std::vector<float> got({out_count});
+  for (int i = 0; i < {out_count}; ++i) got[i] = tofloat(hout[i]);
+  float diff = -1.f;
+  for (auto& r : refs) if (r.first == "{v.family}") {{
+    float md = 0.f, mx_ = 1e-30f;
+    for (int i = 0; i < {out_count}; ++i) {{ md = fmaxf(md, fabsf(got[i] - r.second[i])); mx_ = fmaxf(mx_, fabsf(r.second[i])); }}
+    diff = md / mx_;
+  }}
+  if (diff < 0.f) refs.push_back({{"{v.family}", got}});
+  for (int i = 0; i < 20; ++i) LAUNCH(i % {copies});
+  CK(cudaEventRecord(t0));
+  for (int i = 0; i < {LAUNCHES}; ++i) LAUNCH(i % {copies});
+  CK(cudaEventRecord(t1)); CK(cudaEventSynchronize(t1)); CK(cudaGetLastError());
+  float ms; CK(cudaEventElapsedTime(&ms, t0, t1));
+  const float us = 1000.f * ms / {LAUNCHES};
+  printf("%-40s %10.2f %10.1f %12s\\n", "{v.name}", us, {v.weight_bytes}.0 / us / 1e3,
+         diff < 0.f ? "(reference)" : std::to_string(diff).c_str());
+  fflush(stdout);
+#undef LAUNCH""")
+        for name, _ in v.args:
+            body.append(f"  cudaFree(a_{name});")
+        for name, _, _ in v.outputs:
+            body.append(f"  cudaFree(o_{name});")
+        body.append("  }")
+        parts.append("\n".join(body) + "\n")
+    parts.append("  return 0;\n}\n")
+    return "".join(parts)
+
+
+RUN_SH = r"""#!/usr/bin/env bash
+# Build and run the kernel lab on the GPU machine (nvcc only).
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+nvcc -O3 -std=c++17 -arch=sm_90 -Xptxas -v "$here/lab.cu" -o /tmp/tq_lab 2> /tmp/tq_lab_build.txt \
+  || { cat /tmp/tq_lab_build.txt; exit 1; }
+grep -E "registers|spill" /tmp/tq_lab_build.txt | grep -v "0 bytes spill" | sed 's/ptxas info    : //' || true
+/tmp/tq_lab
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--emit", type=Path, required=True, help="folder for lab.cu and run.sh")
+    args = ap.parse_args()
+    args.emit.mkdir(parents=True, exist_ok=True)
+    variants = build()
+    (args.emit / "lab.cu").write_text(program(variants))
+    (args.emit / "run.sh").write_text(RUN_SH)
+    print(f"wrote {args.emit}/lab.cu ({len(variants)} variants) and run.sh; on the GPU machine: "
+          f"bash {args.emit}/run.sh")
+
+
+if __name__ == "__main__":
+    main()
