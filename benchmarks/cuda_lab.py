@@ -43,7 +43,7 @@ class Buffer:
 
     dtype: object
     count: int
-    fill: str  # bits | scale | x | sign | const:V | levels:a,b,... | zero | iota
+    fill: str  # bits | scale | x | sign | const:V | levels:a,b,... (values, repeated) | zero
     weight: bool = False
 
 
@@ -106,22 +106,25 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int) -> Variant:
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.float16], launch.template)
     return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
-                   (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0], 0,
+                   (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0], 2 * in_f,
                    args, [("out0", mx.float16, out_f)])
 
 
 def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
-    """The fused launch of one TurboQuant linear (a Llama-shaped power-of-two rotation)."""
-    from turboquant.kernels import cuda_linear
+    """The fused launch of one TurboQuant linear, rotated as a weight of width in_f is."""
+    from turboquant.kernels import cuda_linear, cuda_rotate
 
-    launch = cuda_linear.launch(n=in_f, a=1, padded=in_f, bits=bits, group_size=64,
+    seed = 7  # the rotation of a weight with this seed: its segments and mixing matrix
+    a, _ = cuda_rotate.factors(in_f, seed)
+    mix = cuda_rotate._mixing(seed, in_f).reshape(-1).tolist()
+    launch = cuda_linear.launch(n=in_f, a=a, padded=in_f, bits=bits, group_size=64,
                                 ends=(out_f,), lead=(1,), in_dtype=mx.bfloat16,
                                 out_dtype=mx.bfloat16, add_bias=False, **options)
     tag = "_".join(f"{k}{v}" for k, v in options.items())
     func = f"linear_{out_f}x{in_f}_b{bits}{'_' + tag if tag else ''}"
     w = dict(_weights(out_f, in_f, bits))
     args = [("x", Buffer(mx.bfloat16, in_f, "x")), ("signs", Buffer(mx.float32, in_f, "sign")),
-            ("mix", Buffer(mx.float32, 1, f"const:{1 / math.sqrt(in_f):.9f}")),
+            ("mix", Buffer(mx.float32, a * a, "levels:" + ",".join(f"{v:.9f}" for v in mix))),
             ("codes", w["codes"]), ("hplane", w["hplane"]), ("scales", w["scales"]),
             ("levels", _levels(bits)), ("bias", Buffer(mx.float32, 1, "zero"))]
     header, _ = cuda_linear.source(1)
@@ -133,18 +136,16 @@ def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
                    cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
 
 
-# (kind, out, in, bits, options): what `--emit` writes by default
+# (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
+# GEMV as `cuda_gemv.rows_per_warp_for` picks them; the fused launches take their defaults)
 VARIANTS = [
-    ("gemv", 28672, 8192, 3, {"rpw": 4}), ("gemv", 28672, 8192, 2, {"rpw": 4}),
-    ("gemv", 28672, 8192, 4, {"rpw": 4}), ("gemv", 8192, 28672, 3, {"rpw": 4}),
-    ("gemv", 4096, 4096, 3, {"rpw": 2}), ("gemv", 4096, 4096, 3, {"rpw": 4}),
-    *[("linear", 28672, 8192, 3, {"rows_per_warp": 4, "tiles": t}) for t in (4, 2)],
-    ("linear", 28672, 8192, 2, {"rows_per_warp": 4, "tiles": 4}),
-    ("linear", 28672, 8192, 4, {"rows_per_warp": 4, "tiles": 4}),
-    ("linear", 6144, 4096, 3, {"rows_per_warp": 4, "tiles": 1}),
-    ("linear", 4096, 4096, 3, {"rows_per_warp": 4, "tiles": 1}),
-    *[("linear", 28672, 4096, 3, {"rows_per_warp": 4, "tiles": t}) for t in (2, 4)],
-    ("linear", 4096, 14336, 3, {"rows_per_warp": 4, "tiles": 1}),
+    *[("gemv", o, i, b, {"rpw": 4}) for o, i, b in (
+        (28672, 8192, 3), (28672, 8192, 2), (28672, 8192, 4), (8192, 28672, 3),
+        (8192, 8192, 3), (4096, 4096, 3))],
+    ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
+    # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj
+    ("linear", 6144, 4096, 3, {}), ("linear", 4096, 4096, 3, {}),
+    ("linear", 28672, 4096, 3, {}), ("linear", 4096, 14336, 3, {}),
 ]
 
 

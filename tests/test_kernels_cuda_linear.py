@@ -99,6 +99,22 @@ def test_blocks_of_several_tiles_match_reference(monkeypatch, in_f, outs, bits, 
         assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("in_f, out_f", [(8192, 2048), (992, 40), (14336, 512)])
+def test_matvec_matches_reference(bits, in_f, out_f):
+    """The GEMV alone on a rotated row (`dispatch.tq_linear`, few tokens): one matrix, its
+    row staged in shared memory; rows past the last whole warp read moved-back rows."""
+    (m,) = _members(in_f, (out_f,), bits)
+    x = mx.random.normal((3, in_f), key=mx.random.key(5))
+    x_rot = group.rotated_input(x, m)
+    got = kernels.tq_linear(x_rot, m.codes, m.scales, bits, m.group_size, out_f, m.padded_in)
+    want = reference.tq_matvec(x_rot, m.codes, m.scales, bits, m.group_size, out_f, m.padded_in)
+    assert kernels.describe()["matvec"] == "cuda"
+    err = float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
+    print(f"matvec bits {bits} {out_f}x{in_f}: {err:.2e}")
+    assert got.shape == (3, out_f) and err < 1e-2, err
+
+
 @pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])
 def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
     monkeypatch.setattr(cuda, "FUSED", False)
