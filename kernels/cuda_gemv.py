@@ -132,8 +132,9 @@ __device__ __forceinline__ __half2 tq_block16(const uint32_t t[8], const uint4* 
 """
 
 # The rows of one warp, shared with the fused linear kernel (`cuda_linear`): rows
-# [row0, row0 + ROWS_PER_WARP) of `expert` (those below OUT) against the activations TQ_X(g, i) (uint4 i of
-# 64-code group g), each finished row v stored by TQ_STORE; needs lane, pair, seg, t.
+# [row0, row0 + ROWS_PER_WARP) of `expert` (those below OUT) against the activations
+# TQ_X(g, i) (uint4 i of 64-code group g), each finished row v stored by TQ_STORE; needs
+# lane, pair, seg, t.
 #
 # Each lane runs 64-code groups g = lane, lane + 32, ...; the weights of a group (code
 # words, high bits, scales of every row) are fetched one group ahead, into one of two

@@ -6,9 +6,9 @@ the GEMV rows of `cuda_gemv.ROWS` against that row, one tile of rows after anoth
 `tiles_for` tiles, so big matrices rotate once per 128 rows). Each warp fetches its first
 weights before the rotation starts, so the rotation hides their latency. Every block
 repeats the rotation of one row, and in exchange a decode step pays one kernel call per
-group instead of two: on MLX's CUDA
-backend each call costs the host several microseconds to build and to encode
-(`benchmarks/launch_cost.py`), and decode is bound by that host time.
+group instead of two: on MLX's CUDA backend each call costs the host several microseconds
+to build and to encode (`benchmarks/launch_cost.py`), and decode is bound by that host
+time.
 
 A block's rows lie in one member (the member boundaries are multiples of the rows a block
 runs), so a block rotates with one seed. The fp16 row is stored swizzled in 16-byte units

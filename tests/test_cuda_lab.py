@@ -1,0 +1,60 @@
+"""benchmarks/cuda_lab.py writes a standalone CUDA program from the kernels' own sources:
+it must keep up with their launch signatures (nvcc compiles it here; the GPU runs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+LAB = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_lab.py"
+
+
+@pytest.fixture
+def lab(monkeypatch):
+    # building MLX kernel objects needs the CUDA backend: the lab only takes sources
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **_: None)
+    spec = importlib.util.spec_from_file_location("cuda_lab", LAB)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "cuda_lab", module)
+    spec.loader.exec_module(module)
+    yield module
+    from turboquant.kernels import cuda_gemv, cuda_linear
+
+    cuda_gemv._kernel.cache_clear()  # the lab built them with the stand-in above
+    cuda_linear._kernel.cache_clear()
+
+
+SPECS = [("gemv", 1024, 4096, 3, {"rpw": 4}), ("linear", 512, 14336, 4, {}),
+         ("linear", 256, 1024, 2, {"rows_per_warp": 2, "tiles": 2})]
+
+
+def test_variants_carry_the_launch_their_kernels_need(lab):
+    gemv, down, small = lab.build(SPECS)
+    assert gemv.grid == (1024 // 4 * 32 // 128, 1, 1) and gemv.block == 128
+    assert gemv.shared == 2 * 4096  # the staged fp16 row
+    names = [n for n, _ in down.args]
+    assert names == ["x", "signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
+    mix = dict(down.args)["mix"]
+    assert mix.count == 28 * 28  # 14336 rotates as 28 segments of 512, as the runtime does
+    assert down.shared > 48 * 1024  # asks for more than the default shared memory
+    assert "constexpr int TILES = 2;" in small.source
+    # weights are what streams: codes, high plane (3-bit only), scales
+    assert down.weight_bytes == 512 * 14336 * 4 // 8 + 512 * 14336 // 64 * 2
+
+
+def test_program_compiles_with_nvcc(lab, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    text = lab.program(lab.build(SPECS))
+    assert text.count("int main()") == 1 and text.count("rng_state = ") == len(SPECS) + 1
+    (tmp_path / "lab.cu").write_text(text)
+    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(tmp_path / "lab.cu"),
+                          "-o", str(tmp_path / "lab.o")], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
