@@ -10,6 +10,7 @@ machine: no MLX install there.
 
     python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
     bash DIR/run.sh                                # on the GPU machine: results to stdout
+    TQ_LAB_BOTH=1 bash DIR/run.sh                  # then again on managed memory (MLX's kind)
 
 Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
 rotation + GEMV of `cuda_linear`), each at the shapes and rows-per-warp listed in
@@ -176,13 +177,14 @@ def _fill_code(var: str, buf: Buffer, copies: int) -> str:
     else:
         line = f"for (size_t i = 0; i < {n}; ++i) {{ {value[kind]} }}"
     return (f"  {ctype}* {var} = nullptr;\n  {{ std::vector<{ctype}> hv({n}); {ctype}* h = hv.data();\n"
-            f"    {line}\n    CK(cudaMalloc(&{var}, sizeof({ctype}) * {n}));\n"
+            f"    {line}\n    CK(lab_malloc((void**)&{var}, sizeof({ctype}) * {n}));\n"
             f"    CK(cudaMemcpy({var}, h, sizeof({ctype}) * {n}, cudaMemcpyHostToDevice)); }}\n")
 
 
 def program(variants: list[Variant]) -> str:
     """The .cu text: the kernels, then main() filling, checking and timing them."""
-    parts = [MLX_DEFAULT_HEADER, "#include <cstdio>\n#include <vector>\n#include <cmath>\n"]
+    parts = [MLX_DEFAULT_HEADER,
+             "#include <cstdio>\n#include <cstdlib>\n#include <vector>\n#include <cmath>\n"]
     split = [v.source.partition("namespace mlx::core::cu {") for v in variants]
     headers = list(dict.fromkeys(h for h, _, _ in split))
     # a header another one includes (the GEMV's, inside the fused linear's) goes once
@@ -195,6 +197,12 @@ static unsigned long long rng_state = 88172645463325252ull;
 static uint32_t next32() { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7;
   rng_state ^= rng_state << 17; return (uint32_t)(rng_state >> 11); }
 static float unit() { return (next32() & 0xffffff) / 16777216.f; }
+// TQ_LAB_MANAGED=1: every buffer in managed memory (cudaMallocManaged), as MLX's CUDA
+// allocator hands them out, instead of device memory (cudaMalloc)
+static bool lab_managed() { static const bool m = getenv("TQ_LAB_MANAGED") != nullptr; return m; }
+static cudaError_t lab_malloc(void** p, size_t bytes) {
+  return lab_managed() ? cudaMallocManaged(p, bytes) : cudaMalloc(p, bytes);
+}
 template <typename T> static float tofloat(T v) { return (float)v; }
 template <> float tofloat<__half>(__half v) { return __half2float(v); }
 template <> float tofloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -204,6 +212,7 @@ int main() {
   cudaEvent_t t0, t1;
   CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
   std::vector<std::pair<std::string, std::vector<float>>> refs;
+  printf("buffers in %s memory\n", lab_managed() ? "managed" : "device");
   printf("%-40s %10s %10s %12s\n", "variant", "us/launch", "GB/s", "max rel diff");
 """)
     for k, v in enumerate(variants):
@@ -213,7 +222,8 @@ int main() {
         for name, buf in v.args:
             body.append(_fill_code(f"a_{name}", buf, copies if buf.weight else 1))
         for name, dtype, count in v.outputs:
-            body.append(f"  {_C_TYPES[dtype]}* o_{name}; CK(cudaMalloc(&o_{name}, {count * _size(dtype)}));")
+            body.append(f"  {_C_TYPES[dtype]}* o_{name}; "
+                        f"CK(lab_malloc((void**)&o_{name}, {count * _size(dtype)}));")
         call_args = ", ".join(
             [f"a_{n} + (size_t)(c) * {b.count}" if b.weight else f"a_{n}" for n, b in v.args]
             + [f"o_{n}" for n, _, _ in v.outputs])
@@ -263,6 +273,7 @@ nvcc -O3 -std=c++17 -arch=sm_90 -Xptxas -v "$here/lab.cu" -o /tmp/tq_lab 2> /tmp
   || { cat /tmp/tq_lab_build.txt; exit 1; }
 grep -E "registers|spill" /tmp/tq_lab_build.txt | grep -v "0 bytes spill" | sed 's/ptxas info    : //' || true
 /tmp/tq_lab
+[ -z "${TQ_LAB_BOTH:-}" ] || TQ_LAB_MANAGED=1 /tmp/tq_lab  # the same kernels on managed memory
 """
 
 
