@@ -4,7 +4,7 @@
 #   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
-#   launch-cost  ncu-linear  ncu-kv  kernels  lab
+#   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -50,6 +50,11 @@ for s in "$@"; do
       $NCU_SECTIONS python3 benchmarks/kv.py --gpu-attention --contexts 32768 --gpu-configs K4V3 ;;
     kv-decode) step kv-decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
       --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
+    gemv-loop)  # the GEMV under MLX, 200 launches per evaluation; then ncu over them
+      step gemv-loop 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --loop
+      step ncu-gemv-loop 200 env MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none \
+        --kernel-name regex:tq_gemv --launch-skip 400 --launch-count 5 --section SpeedOfLight \
+        --section LaunchStats --section Occupancy python3 -P benchmarks/kernels.py --loop ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): benchmarks/cuda_lab.py
       step lab 240 bash -c "python3 benchmarks/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;

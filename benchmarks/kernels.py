@@ -248,6 +248,40 @@ def one_linear(out_f: int, in_f: int, bits: int = 3, calls: int = 8) -> None:
     print(f"{calls} calls of a {out_f}x{in_f} {bits}-bit linear")
 
 
+def gemv_loop(out_f: int = 28672, in_f: int = 8192, bits: int = 3, per_eval: int = 200,
+              evals: int = 5) -> None:
+    """The GEMV under MLX with many launches per evaluation, next to MLX's affine at the
+    same bits: microseconds per GEMV and per call of graph building. Compare with the
+    kernel's GPU time alone (`cuda_lab.py`); a target for Nsight Compute over
+    back-to-back launches (`ncu --clock-control none --kernel-name regex:tq_gemv
+    --launch-skip 400 --launch-count 5`)."""
+    _, low, high, scales = tq_operands(out_f, in_f, bits, seed=bits)
+    ops = [(low, high, scales), (low + 0, high + 0, scales + 0)]
+    x = mx.random.normal((1, in_f)).astype(mx.float16)
+    q = mx.quantize(mx.random.normal((out_f, in_f)).astype(mx.bfloat16) * 0.02,
+                    group_size=64, bits=bits)
+    qs = [q, tuple(a + 0 for a in q)]
+    mx.eval(ops, x, qs)
+    xb = x.astype(mx.bfloat16)
+    calls = {
+        f"tq{bits}": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f),
+        f"affine{bits}": lambda i: mx.quantized_matmul(xb, *qs[i % 2], transpose=True,
+                                                       group_size=64, bits=bits),
+    }
+    for name, call in calls.items():
+        mx.eval([call(i) for i in range(per_eval)])
+        rows = []
+        for _ in range(evals):
+            t0 = time.perf_counter()
+            outs = [call(i) for i in range(per_eval)]
+            t1 = time.perf_counter()
+            mx.eval(outs)
+            rows.append(((time.perf_counter() - t0) / per_eval, (t1 - t0) / per_eval))
+        total, build = sorted(rows)[len(rows) // 2]
+        print(f"{name} {out_f}x{in_f}, {per_eval} per eval: {total * 1e6:7.1f} us per GEMV "
+              f"({build * 1e6:.1f} us of graph building per call)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")
@@ -257,9 +291,14 @@ def main() -> None:
                     help="also time a decoder layer's linears end to end (rotation, grouping)")
     ap.add_argument("--layer-only", action="store_true", help="only the --layer timing")
     ap.add_argument("--breakdown", action="store_true", help="host vs device time per step")
+    ap.add_argument("--loop", type=int, nargs="*", metavar="N",
+                    help="[OUT IN BITS]: only the GEMV with 200 launches per evaluation")
     ap.add_argument("--one-linear", type=int, nargs="+", metavar="N",
                     help="OUT IN [BITS]: only call one fused linear a few times (for ncu)")
     args = ap.parse_args()
+    if args.loop is not None:
+        gemv_loop(*args.loop)
+        return
     if args.one_linear:
         one_linear(*args.one_linear)
         return
