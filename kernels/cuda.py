@@ -8,12 +8,14 @@
   TURBOQUANT_CUDA_FUSED=0 (for comparison) it is two launches, `cuda_rotate` for all
   members then one `cuda_gemv`, and the extras are MLX ops.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
+- "gather_matmul" (with TURBOQUANT_CUDA_GATHER=1 until its GPU tests have run): a decode
+  step's MoE experts, one GEMV launch over the (token, expert) pairs.
 
-Ternary, prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) and gathered experts
-fall back to the reference. The GEMV reads codes in its own layout (3-bit codes as two
-planes, codes placed next to their activations), prepared once per weight (or group) on
-first use and kept beside the stored codes: in the caller's `prepared` dict when it passes
-one (runtime layers do), else in a cache keyed on the code arrays and freed with them.
+Ternary and prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) fall back to the
+reference. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed
+next to their activations), prepared once per weight (or group, or switch layer) on first
+use and kept beside the stored codes: in the caller's `prepared` dict when it passes one
+(runtime layers do), else in a cache keyed on the code arrays and freed with them.
 """
 
 from __future__ import annotations
@@ -224,5 +226,56 @@ def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_)
     return y.reshape(*lead, out_features)
 
 
+def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: int,
+                     padded_in: int):
+    """The kernel's layout of every expert of a switch layer, stacked by rows (expert e's
+    rows at e * out), built on first use and kept with the (E, out, words) codes."""
+    def build():
+        e, out = codes.shape[:2]
+        layout = _repack_one(codes.reshape(e * out, -1), scales.reshape(e * out, -1), bits,
+                             group_size, padded_in)
+        mx.eval(layout)
+        return layout
+
+    return _cached((codes,), build)
+
+
+# a decode step's (token, expert) pairs x rows at or below this many: the GEMV kernel
+GATHER_MAX_PAIR_ROWS = 64
+
+# the gathered GEMV is off until its GPU tests have run (TURBOQUANT_CUDA_GATHER=1 turns it on)
+GATHER = os.environ.get("TURBOQUANT_CUDA_GATHER", "0") == "1"
+
+
+def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
+    """Experts chosen per token (the reference's signature), for a decode step's few pairs:
+    one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout."""
+    if (bits == "ternary" or codes.ndim != 3 or x_rot.ndim < 2
+            or x_rot.shape[-1] != padded_in or codes.shape[1] != out_features):
+        raise NotImplementedError  # the reference raises the precise error
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    m = x_rot.shape[-2]
+    pairs = math.prod(batch)
+    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
+        raise NotImplementedError  # prefill: the reference's grouped GEMM
+    low, high, scales64 = prepared_experts(codes, scales, bits, group_size, padded_in)
+    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in)
+    x = x.astype(mx.float16)
+    padded64 = _padded64(padded_in)
+    if padded64 > padded_in:
+        x = mx.pad(x, [(0, 0), (0, padded64 - padded_in)])
+    experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
+    pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)  # each row of a pair
+    _, pair_row = _pair_arrays(pairs * m)
+    y = cuda_gemv.gemv(
+        x, low, high, scales64, _levels(bits), pair_expert, pair_row,
+        bits=bits, group_size=group_size, out_features=out_features, out_dtype=mx.float32,
+        rows_per_warp=cuda_gemv.rows_per_warp_for(out_features),
+    )
+    return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
+
+
 dispatch.register("cuda", "matvec", matvec)
 dispatch.register("cuda", "linear_group", linear_group)
+if GATHER:
+    dispatch.register("cuda", "gather_matmul", gather)

@@ -273,6 +273,45 @@ _NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype, extras mode)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def _experts(n_experts, out_f, in_f, bits=3):
+    """A switch layer's codes (E, out, words) and scales (E, out, groups), and padded_in."""
+    qt = encode(mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(3)) * 0.02,
+                bits, 64, seed=5)
+    codes = qt.codes.reshape(n_experts, out_f, -1)
+    return codes, qt.scales.reshape(n_experts, out_f, -1), qt.spec.padded_in
+
+
+def test_gathered_experts_are_one_gemv_over_the_pairs(kernels):
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.zeros((1, 2, 1, 1, padded))  # mlx-lm's SwitchGLU: (B, L, 1, M=1, K)
+    indices = mx.array([[[3, 0, 2], [1, 1, 0]]])  # (B, L, top-k)
+    y = cuda.gather(x, codes, scales, indices, 3, 64, 64, padded)
+    assert y.shape == (1, 2, 3, 1, 64) and y.dtype == x.dtype
+    call = _only(kernels, "cuda_gemv").calls[0]
+    pair_expert, pair_row = call["inputs"][5], call["inputs"][6]
+    assert pair_expert.tolist() == [3, 0, 2, 1, 1, 0] and pair_row.tolist() == list(range(6))
+    assert call["inputs"][0].shape == (6, padded) and call["inputs"][0].dtype == mx.float16
+    assert call["inputs"][1].shape[0] == 4 * 64  # every expert's rows, stacked
+    assert call["template"]["OUT"] == 64 and call["grid"][1] == 6
+    # two rows per pair: each row of a pair reads the pair's expert
+    cuda.gather(mx.zeros((2, 1, 2, padded)), codes, scales, mx.array([[2], [0]]), 3, 64, 64,
+                padded)
+    again = _only(kernels, "cuda_gemv").calls[1]
+    assert again["inputs"][5].tolist() == [2, 2, 0, 0] and again["inputs"][6].tolist() == [0, 1, 2, 3]
+    assert again["inputs"][1] is call["inputs"][1]  # the layout is built once per switch layer
+
+
+def test_gathered_experts_leave_prefill_and_ternary_to_the_reference(kernels):
+    codes, scales, padded = _experts(2, 32, 256)
+    many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, padded))
+    with pytest.raises(NotImplementedError):
+        cuda.gather(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32), 3, 64, 32, padded)
+    with pytest.raises(NotImplementedError):
+        cuda.gather(mx.zeros((1, 1, padded)), codes, scales, mx.zeros((1,), mx.int32),
+                    "ternary", 64, 32, padded)
+    assert not kernels  # nothing was launched
+
+
 def test_sources_compile_with_nvcc(tmp_path, kernels):
     """The fused kernel (and the unfused pair) for the shapes of a Llama layer and a mixed
     rotation, as mx.fast.cuda_kernel would build them."""

@@ -115,6 +115,27 @@ def test_matvec_matches_reference(bits, in_f, out_f):
     assert got.shape == (3, out_f) and err < 1e-2, err
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("in_f, out_f, rows", [(4096, 1024, 1), (992, 40, 2)])
+def test_gathered_experts_match_reference(bits, in_f, out_f, rows):
+    """A decode step's MoE experts in one GEMV launch (`cuda.gather`, off by default until
+    this passes on the GPU: TURBOQUANT_CUDA_GATHER=1), against the reference."""
+    n_experts = 6
+    w = mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(11)) * 0.02
+    qt = encode(w, bits, 64, seed=21)
+    codes = qt.codes.reshape(n_experts, out_f, -1)
+    scales = qt.scales.reshape(n_experts, out_f, -1)
+    padded = qt.spec.padded_in
+    x = mx.random.normal((2, 3, 1, rows, padded), key=mx.random.key(12))  # (B, L, 1, M, K)
+    indices = mx.array([[[5, 0], [2, 2], [1, 4]], [[3, 0], [0, 5], [4, 1]]])  # (B, L, top-2)
+    got = cuda.gather(x, codes, scales, indices, bits, 64, out_f, padded)
+    want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, out_f, padded)
+    assert got.shape == want.shape == (2, 3, 2, rows, out_f)
+    err = float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
+    print(f"gather bits {bits} {out_f}x{in_f} rows {rows}: {err:.2e}")
+    assert err < 1e-2, err
+
+
 @pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])
 def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
     monkeypatch.setattr(cuda, "FUSED", False)
