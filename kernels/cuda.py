@@ -8,11 +8,12 @@
   TURBOQUANT_CUDA_FUSED=0 (for comparison) it is two launches, `cuda_rotate` for all
   members then one `cuda_gemv`, and the extras are MLX ops.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
-- "gather_matmul" (with TURBOQUANT_CUDA_GATHER=1 until its GPU tests have run): a decode
-  step's MoE experts, one GEMV launch over the (token, expert) pairs.
+- "gather_matmul": a decode step's MoE experts, one GEMV launch over the (token, expert)
+  pairs, and ternary codes (run as 2-bit codes): both written without a GPU at hand and
+  used only with TURBOQUANT_CUDA_EXPERIMENTAL=1 until their GPU tests have run.
 
-Ternary and prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) fall back to the
-reference. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed
+Prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) falls back to the reference, as do
+ternary codes without that setting. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed
 next to their activations), prepared once per weight (or group, or switch layer) on first
 use and kept beside the stored codes: in the caller's `prepared` dict when it passes one
 (runtime layers do), else in a cache keyed on the code arrays and freed with them.
@@ -45,9 +46,16 @@ def _padded64(padded_in: int) -> int:
     return math.ceil(padded_in / 64) * 64
 
 
+def kernel_bits(bits: int | str) -> int:
+    """The GEMV width that runs codes of `bits`: ternary codes (0, 1, 2) run as 2-bit codes
+    against a 4-entry codebook whose last entry no code uses."""
+    return 2 if bits == "ternary" else bits
+
+
 def _repack_one(codes, scales, bits, group_size, padded_in):
     padded64 = _padded64(padded_in)
-    low, high = cuda_gemv.repack(unpack_codes(codes, bits, padded_in), bits, padded64)
+    low, high = cuda_gemv.repack(unpack_codes(codes, bits, padded_in), kernel_bits(bits),
+                                 padded64)
     groups = padded64 // group_size
     if scales.shape[-1] < groups:
         pad = mx.zeros((scales.shape[0], groups - scales.shape[-1]), dtype=scales.dtype)
@@ -92,8 +100,11 @@ def _repack_group(members):
 
 
 @functools.lru_cache(maxsize=None)
-def _levels(bits: int) -> mx.array:
-    return mx.array(codebook_values(bits))
+def _levels(bits: int | str) -> mx.array:
+    levels = codebook_values(bits)
+    if bits == "ternary":  # [-c, 0, +c] and an unused fourth entry for the 2-bit table
+        levels = mx.concatenate([levels, mx.zeros((1,), dtype=levels.dtype)])
+    return levels
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,7 +221,7 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
 
 
 def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):
-    if bits == "ternary" or codes.ndim != 2:
+    if (bits == "ternary" and not EXPERIMENTAL) or codes.ndim != 2:
         raise NotImplementedError
     low, high, scales64 = prepared(codes, scales, bits, group_size, padded_in)
     lead = x_rot.shape[:-1]
@@ -221,7 +232,8 @@ def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_)
     expert, row = _pair_arrays(x.shape[0])
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), expert, row,
-        bits=bits, group_size=group_size, out_features=out_features, out_dtype=mx.float32,
+        bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
+        out_dtype=mx.float32,
     )
     return y.reshape(*lead, out_features)
 
@@ -243,14 +255,16 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
 # a decode step's (token, expert) pairs x rows at or below this many: the GEMV kernel
 GATHER_MAX_PAIR_ROWS = 64
 
-# the gathered GEMV is off until its GPU tests have run (TURBOQUANT_CUDA_GATHER=1 turns it on)
-GATHER = os.environ.get("TURBOQUANT_CUDA_GATHER", "0") == "1"
+# paths written without a GPU at hand, off until their GPU tests have run:
+# TURBOQUANT_CUDA_EXPERIMENTAL=1 registers the gathered GEMV and lets ternary codes run
+EXPERIMENTAL = os.environ.get("TURBOQUANT_CUDA_EXPERIMENTAL", "0") == "1"
 
 
 def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
     """Experts chosen per token (the reference's signature), for a decode step's few pairs:
-    one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout."""
-    if (bits == "ternary" or codes.ndim != 3 or x_rot.ndim < 2
+    one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout
+    (ternary experts as 2-bit codes)."""
+    if (codes.ndim != 3 or x_rot.ndim < 2
             or x_rot.shape[-1] != padded_in or codes.shape[1] != out_features):
         raise NotImplementedError  # the reference raises the precise error
     batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
@@ -269,7 +283,8 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     _, pair_row = _pair_arrays(pairs * m)
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), pair_expert, pair_row,
-        bits=bits, group_size=group_size, out_features=out_features, out_dtype=mx.float32,
+        bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
+        out_dtype=mx.float32,
         rows_per_warp=cuda_gemv.rows_per_warp_for(out_features),
     )
     return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
@@ -277,5 +292,5 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
 
 dispatch.register("cuda", "matvec", matvec)
 dispatch.register("cuda", "linear_group", linear_group)
-if GATHER:
+if EXPERIMENTAL:
     dispatch.register("cuda", "gather_matmul", gather)

@@ -301,15 +301,27 @@ def test_gathered_experts_are_one_gemv_over_the_pairs(kernels):
     assert again["inputs"][1] is call["inputs"][1]  # the layout is built once per switch layer
 
 
-def test_gathered_experts_leave_prefill_and_ternary_to_the_reference(kernels):
+def test_gathered_experts_leave_prefill_to_the_reference(kernels):
     codes, scales, padded = _experts(2, 32, 256)
     many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, padded))
     with pytest.raises(NotImplementedError):
         cuda.gather(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32), 3, 64, 32, padded)
-    with pytest.raises(NotImplementedError):
-        cuda.gather(mx.zeros((1, 1, padded)), codes, scales, mx.zeros((1,), mx.int32),
-                    "ternary", 64, 32, padded)
     assert not kernels  # nothing was launched
+
+
+def test_ternary_runs_as_two_bit_codes_only_when_asked(kernels, monkeypatch):
+    codes, scales, padded = _experts(2, 32, 256, bits="ternary")
+    x = mx.zeros((1, 1, 1, padded))
+    cuda.gather(x, codes, scales, mx.array([[1]]), "ternary", 64, 32, padded)
+    call = _only(kernels, "cuda_gemv").calls[0]
+    assert call["template"]["BITS"] == 2
+    levels = call["inputs"][4]
+    assert levels.shape == (4,) and levels[3].item() == 0.0  # [-c, 0, c] and a spare
+    dense = (codes[0], scales[0])
+    with pytest.raises(NotImplementedError):  # the dense GEMV keeps ternary off by default
+        cuda.matvec(x[0, 0], *dense, "ternary", 64, 32, padded)
+    monkeypatch.setattr(cuda, "EXPERIMENTAL", True)
+    assert cuda.matvec(x[0, 0], *dense, "ternary", 64, 32, padded).shape == (1, 32)
 
 
 def test_sources_compile_with_nvcc(tmp_path, kernels):

@@ -97,6 +97,32 @@ def test_repacked_lookup_matches_codebook(bits, n):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [64, 200])
+def test_ternary_codes_run_as_two_bit_codes(n):
+    """Ternary weights on CUDA: the stored base-3 words unpacked, repacked as 2-bit codes,
+    looked up in a 4-entry table [-c, 0, c, unused] (`cuda.kernel_bits`, `cuda._levels`)."""
+    from turboquant.kernels import cuda
+    from turboquant.stages import pack_codes, unpack_codes
+
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 3, size=(2, n), dtype=np.uint8)
+    stored = pack_codes(mx.array(codes), "ternary")
+    padded = -(-n // 64) * 64
+    unpacked = unpack_codes(stored, "ternary", n)
+    low, _ = (np.array(a) for a in cuda_gemv.repack(unpacked, cuda.kernel_bits("ternary"), padded))
+    levels = np.array(cuda._levels("ternary"))
+    three = np.array(codebook_values("ternary"))
+    assert levels.shape == (4,) and np.array_equal(levels[:3], three)
+    x = np.zeros(padded, dtype=np.float32)
+    x[:n] = rng.standard_normal(n)
+    for r in range(2):
+        got = block_sums(2, low[r], None, x, levels)
+        full = np.zeros(padded, dtype=np.float32)
+        full[:n] = three[codes[r]].astype(np.float16).astype(np.float32)
+        want = (full * x).reshape(-1, 16).sum(1)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_repack_pads_rows_to_64_codes():
     codes = mx.zeros((3, 40), dtype=mx.uint8)
     low, high = cuda_gemv.repack(codes, 3, 64)
