@@ -1,5 +1,10 @@
 """End-to-end decode speed of an 8B-shaped Llama: TurboQuant vs mlx-lm affine vs bf16.
 
+`--moe`: a Qwen3-30B-A3B-shaped MoE instead (hidden 2048, 128 experts of 768, top 8, 32/4
+heads of 128; `--layers` of its 48 decoder layers, 12 by default), the experts as
+`TQSwitchLinear` (a decode step's experts through the "gather_matmul" kernel: on CUDA
+with TURBOQUANT_CUDA_EXPERIMENTAL=1) against mlx-lm's affine `QuantizedSwitchLinear`.
+
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads, vocab
 128256) and random weights (speed does not depend on their values). Three variants are
 built in turn in the same run: bf16; mlx-lm's affine 4-bit (`nn.quantize`, group 64); and
@@ -22,13 +27,13 @@ import mlx.nn as nn
 import time
 
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3_moe
 from mlx_lm.sample_utils import make_sampler
 
 from turboquant.kernels import cuda, dispatch
 from turboquant.runtime import fuse
 from turboquant.runtime.fuse import fuse_blocks, group_linears
-from turboquant.runtime.layers import TQLinear, padded
+from turboquant.runtime.layers import TQLinear, TQSwitchLinear, padded
 from turboquant.kernels.reference import words_per_row
 
 LLAMA3_8B = dict(
@@ -38,23 +43,48 @@ LLAMA3_8B = dict(
 )
 
 
-def build(variant: str, bits: int = 3) -> nn.Module:
-    model = llama.Model(llama.ModelArgs.from_dict(LLAMA3_8B))
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=12, intermediate_size=6144,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=151936,
+    rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=40960,
+)
+
+
+def _random_codes(lead: tuple, in_f: int, b: int) -> tuple[mx.array, mx.array]:
+    """Random codes (*lead, words) and scales (*lead, groups) of a width-in_f weight."""
+    p = padded(in_f, 64)
+    codes = mx.random.randint(0, 2**31 - 1, (*lead, words_per_row(p, b))).astype(mx.uint32) * 2 + 1
+    scales = (mx.random.uniform(shape=(*lead, p // 64)) * 0.02 + 0.01).astype(mx.float16)
+    return codes, scales
+
+
+def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
+    if moe:
+        model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(QWEN3_30B_A3B))
+    else:
+        model = llama.Model(llama.ModelArgs.from_dict(LLAMA3_8B))
     model.set_dtype(mx.bfloat16)
     if variant.startswith("affine"):
         nn.quantize(model, group_size=64, bits=int(variant[-1]),
-                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and p != "lm_head")
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and p != "lm_head"
+                    and not isinstance(m, nn.Embedding))
     elif variant.startswith("tq"):
         b = int(variant[2])
 
         def swap(path, m):
+            seed = hash(path) % 2**31
+            if type(m).__name__ == "SwitchLinear":
+                n_experts, out_f, in_f = m.weight.shape
+                layer = TQSwitchLinear(in_f, out_f, n_experts, bits=b, group_size=64, seed=seed)
+                layer.codes, layer.scales = _random_codes((n_experts, out_f), in_f, b)
+                return layer
             if not isinstance(m, nn.Linear) or path == "lm_head":
                 return m
             out_f, in_f = m.weight.shape
-            layer = TQLinear(in_f, out_f, bits=b, group_size=64, seed=hash(path) % 2**31)
-            p = padded(in_f, 64)
-            layer.codes = mx.random.randint(0, 2**31 - 1, (out_f, words_per_row(p, b))).astype(mx.uint32) * 2 + 1
-            layer.scales = (mx.random.uniform(shape=(out_f, p // 64)) * 0.02 + 0.01).astype(mx.float16)
+            layer = TQLinear(in_f, out_f, bits=b, group_size=64, seed=seed)
+            layer.codes, layer.scales = _random_codes((out_f,), in_f, b)
             return layer
 
         leaves = [(path, m) for path, m in model.named_modules()]
@@ -105,6 +135,8 @@ def main() -> None:
                          "tqN-grouped: grouped, mlx-lm's blocks; tqN-single: one kernel per linear")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
+    ap.add_argument("--layers", type=int, default=12, help="decoder layers of the --moe model")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the host side of decoding (first variant only), top 30 by own time")
     args = ap.parse_args()
@@ -115,12 +147,17 @@ def main() -> None:
           f"decoder blocks {'fused' if fuse.BLOCKS else 'as mlx-lm'}")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
+    QWEN3_30B_A3B.update(num_hidden_layers=args.layers)
     if args.tiny:
         LLAMA3_8B.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        QWEN3_30B_A3B.update(num_hidden_layers=2, hidden_size=256, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=128,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             vocab_size=512)
     results = {}
     for variant in args.variants.split(","):
-        model = build(variant)
+        model = build(variant, moe=args.moe)
         decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
         if args.profile:
             import cProfile

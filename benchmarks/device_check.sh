@@ -4,7 +4,7 @@
 #   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
-#   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop
+#   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  decode-moe
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -38,6 +38,9 @@ for s in "$@"; do
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;
+    decode-moe)  # a Qwen3-30B-A3B-shaped MoE (12 layers): experts through the gathered GEMV
+      step decode-moe 420 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_EXPERIMENTAL=1 python3 \
+        benchmarks/decode.py --moe --variants affine4,tq3,affine4,tq3 ;;
     decode-ab)  # end-to-end figures vary by up to 30% between runs: alternate, in one process
       step decode-ab 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped ;;
