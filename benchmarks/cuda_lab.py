@@ -14,7 +14,9 @@ machine: no MLX install there.
 
 Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
 rotation + GEMV of `cuda_linear`), each at the shapes and rows-per-warp listed in
-`VARIANTS`; the bandwidth column counts the weight bytes (codes and scales) per launch.
+`VARIANTS`, and the KV decode kernels (`cuda_kv`'s partial and merge, one layer of an
+8B-shaped model, K4/V3) at `KV_CONTEXTS` compressed tokens. The bandwidth column counts
+the bytes that stream per launch (weight codes and scales; the cache's codes and norms).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class Buffer:
 
     dtype: object
     count: int
-    fill: str  # bits | scale | x | sign | const:V | levels:a,b,... (values, repeated) | zero
+    fill: str  # bits | scale | norm | x | sign | const:V | levels:a,b,... (repeated) | zero
     weight: bool = False
+    shape: tuple = ()  # for kernels that read `<name>_shape` / `_strides` (row-major here)
 
 
 @dataclass
@@ -137,6 +140,59 @@ def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
                    cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
 
 
+def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: int = 4,
+                head_dim: int = 128, sink: int = 4, tail: int = 64) -> list[Variant]:
+    """The KV decode kernels (`cuda_kv`: partial, then merge) for one layer of an 8B-shaped
+    model at `context` compressed tokens, as `cuda_kv.prepare` lays them out (the cache's
+    codes and norms are the weights that stream)."""
+    from turboquant.kernels import cuda_kv
+    from turboquant.kernels.kv_reference import KVParts, PackedKV, kv_words
+
+    def zeros(*shape, dtype=mx.uint32):
+        return mx.zeros(shape, dtype=dtype)
+
+    packed = PackedKV(zeros(1, kv, context, kv_words(head_dim, bits_k)),
+                      zeros(1, kv, context, dtype=mx.float16),
+                      zeros(1, kv, context, kv_words(head_dim, bits_v)),
+                      zeros(1, kv, context, dtype=mx.float16), bits_k, bits_v, 12345,
+                      head_dim, head_dim)
+    fp = [zeros(1, kv, n, head_dim, dtype=mx.float16) for n in (sink, sink, tail, tail)]
+    parts = KVParts(fp[0], fp[1], packed, fp[2], fp[3])
+    launch = cuda_kv.prepare(zeros(1, kv * r, 1, head_dim, dtype=mx.bfloat16), parts,
+                             head_dim ** -0.5)
+    lay = launch.layout
+    fills = {"queries": "x", "consts": "levels:" + ",".join(
+        f"{v:.8f}" for v in lay.consts.tolist()), "k_codes": "bits", "v_codes": "bits",
+        "k_norms": "norm", "v_norms": "norm", "mask": "zero"}
+    streamed = {"k_codes", "k_norms", "v_codes", "v_norms"}
+    args = [(name, Buffer(a.dtype, a.size, fills.get(name, "x"), name in streamed,
+                          tuple(a.shape)))
+            for name, a in zip(cuda_kv.PARTIAL_INPUTS, launch.inputs)]
+    tag = f"{context}_k{bits_k}v{bits_v}"
+    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_partial"]
+    ml_shape, acc_shape = lay.partial_shapes
+    partial = Variant(
+        f"kv_partial_{tag}", f"kv_partial_{tag}", f"kv_partial_{tag}",
+        cuda_kv.HEADER + kernel_source(f"kv_partial_{tag}", inputs, outputs, body,
+                                       [b.dtype for _, b in args], [mx.float32] * 2,
+                                       lay.partial_template),
+        (lay.partial_grid[0] // cuda_kv.NT, lay.partial_grid[1], 1), cuda_kv.NT, 0, args,
+        [("part_ml", mx.float32, math.prod(ml_shape)),
+         ("part_acc", mx.float32, math.prod(acc_shape))])
+    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge"]
+    margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "x", False, ml_shape)),
+             ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
+             ("unrot", Buffer(mx.float32, head_dim * head_dim, "x", False,
+                              (head_dim, head_dim)))]
+    merge = Variant(
+        f"kv_merge_{tag}", f"kv_merge_{tag}", f"kv_merge_{tag}",
+        cuda_kv.HEADER + kernel_source(f"kv_merge_{tag}", inputs, outputs, body,
+                                       [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
+        (lay.merge_grid[0] // cuda_kv.NT, 1, 1), cuda_kv.NT, 0, margs,
+        [("out", lay.out_dtype, math.prod(lay.out_shape))])
+    return [partial, merge]
+
+
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
 # GEMV as `cuda_gemv.rows_per_warp_for` picks them; the fused launches take their defaults)
 VARIANTS = [
@@ -150,12 +206,17 @@ VARIANTS = [
 ]
 
 
-def build(specs=VARIANTS) -> list[Variant]:
+KV_CONTEXTS = (1024, 32768)
+
+
+def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS) -> list[Variant]:
     _no_mlx_kernels()
     out = []
     for kind, o, i, bits, options in specs:
         out.append(gemv_variant(o, i, bits, **options) if kind == "gemv"
                    else linear_variant(o, i, bits, **options))
+    for context in kv_contexts:
+        out += kv_variants(context)
     return out
 
 
@@ -166,6 +227,7 @@ def _fill_code(var: str, buf: Buffer, copies: int) -> str:
     value = {
         "bits": "h[i] = next32();",
         "scale": "h[i] = __float2half(0.01f + 0.02f * unit());",
+        "norm": f"h[i] = ({ctype})(0.5f + unit());",
         "x": f"h[i] = ({ctype})(2.f * unit() - 1.f);",
         "sign": "h[i] = (next32() & 1) ? 1.f : -1.f;",
         "const": f"h[i] = {arg}f;",
@@ -179,6 +241,21 @@ def _fill_code(var: str, buf: Buffer, copies: int) -> str:
     return (f"  {ctype}* {var} = nullptr;\n  {{ std::vector<{ctype}> hv({n}); {ctype}* h = hv.data();\n"
             f"    {line}\n    CK(lab_malloc((void**)&{var}, sizeof({ctype}) * {n}));\n"
             f"    CK(cudaMemcpy({var}, h, sizeof({ctype}) * {n}, cudaMemcpyHostToDevice)); }}\n")
+
+
+def _call_args(name: str, buf: Buffer, source: str) -> list[str]:
+    """The pointer (into copy c when the buffer is a weight), then the shape, strides and
+    ndim MLX passes when the kernel's source names them (`<name>_shape`, ...)."""
+    args = [f"a_{name} + (size_t)(c) * {buf.count}" if buf.weight else f"a_{name}"]
+    shape = buf.shape or (buf.count,)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    if f"{name}_shape" in source:
+        args.append("Shape{" + ", ".join(map(str, shape)) + "}")
+    if f"{name}_strides" in source:
+        args.append("Strides{" + ", ".join(map(str, strides)) + "}")
+    if f"{name}_ndim" in source:
+        args.append(str(len(shape)))
+    return args
 
 
 def program(variants: list[Variant]) -> str:
@@ -225,7 +302,7 @@ int main() {
             body.append(f"  {_C_TYPES[dtype]}* o_{name}; "
                         f"CK(lab_malloc((void**)&o_{name}, {count * _size(dtype)}));")
         call_args = ", ".join(
-            [f"a_{n} + (size_t)(c) * {b.count}" if b.weight else f"a_{n}" for n, b in v.args]
+            [arg for n, b in v.args for arg in _call_args(n, b, v.source)]
             + [f"o_{n}" for n, _, _ in v.outputs])
         if v.shared > 48 * 1024:
             body.append(f"  CK(cudaFuncSetAttribute({v.func}, cudaFuncAttributeMaxDynamicSharedMemorySize, {v.shared}));")

@@ -35,7 +35,7 @@ SPECS = [("gemv", 1024, 4096, 3, {"rpw": 4}), ("linear", 512, 14336, 4, {}),
 
 
 def test_variants_carry_the_launch_their_kernels_need(lab):
-    gemv, down, small = lab.build(SPECS)
+    gemv, down, small = lab.build(SPECS, kv_contexts=())
     assert gemv.grid == (1024 // 4 * 32 // 128, 1, 1) and gemv.block == 128
     assert gemv.shared == 2 * 4096  # the staged fp16 row
     names = [n for n, _ in down.args]
@@ -48,11 +48,28 @@ def test_variants_carry_the_launch_their_kernels_need(lab):
     assert down.weight_bytes == 512 * 14336 * 4 // 8 + 512 * 14336 // 64 * 2
 
 
+def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
+    partial, merge = lab.build([], kv_contexts=(4096,))
+    from turboquant.kernels import cuda_kv
+
+    assert [n for n, _ in partial.args] == cuda_kv.PARTIAL_INPUTS
+    args = dict(partial.args)
+    assert args["k_codes"].shape == (1, 8, 4096, 16) and args["k_codes"].weight  # K4: 16 words
+    assert args["v_codes"].shape == (1, 8, 4096, 12)  # V3: 12 words of 128 codes
+    assert lab._call_args("k_codes", args["k_codes"], partial.source) == [
+        "a_k_codes + (size_t)(c) * 524288", "Shape{1, 8, 4096, 16}",
+        "Strides{524288, 65536, 16, 1}"]
+    assert partial.grid[1] == 8 and partial.block == cuda_kv.NT
+    assert [n for n, _, _ in partial.outputs] == ["part_ml", "part_acc"]
+    assert merge.grid == (32, 1, 1) and merge.outputs[0][2] == 32 * 128
+
+
 def test_program_compiles_with_nvcc(lab, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
-    text = lab.program(lab.build(SPECS))
-    assert text.count("int main()") == 1 and text.count("rng_state = ") == len(SPECS) + 1
+    variants = lab.build(SPECS, kv_contexts=(1024,))
+    text = lab.program(variants)
+    assert text.count("int main()") == 1 and text.count("rng_state = ") == len(variants) + 1
     (tmp_path / "lab.cu").write_text(text)
     res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(tmp_path / "lab.cu"),
                           "-o", str(tmp_path / "lab.o")], capture_output=True, text=True,
