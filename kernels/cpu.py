@@ -15,7 +15,6 @@ CPU backend computes in order anyway).
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -39,14 +38,8 @@ GATHER_MAX_PAIR_ROWS = 64
 
 def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
     """Experts chosen per token (the reference's signature), for a decode step's few pairs."""
-    if (codes.ndim != 3 or x_rot.ndim < 2 or x_rot.shape[-1] != padded_in
-            or codes.shape[1] != out_features):
-        raise NotImplementedError  # the reference raises the precise error
-    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
-    m = x_rot.shape[-2]
-    pairs = math.prod(batch)
-    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
-        raise NotImplementedError  # prefill: the reference's grouped GEMM
+    batch, m, _ = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
+                                         GATHER_MAX_PAIR_ROWS)
     x = mx.broadcast_to(x_rot.astype(mx.float32), (*batch, m, padded_in)).reshape(-1, m, padded_in)
     experts = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64)
     mx.eval(x, experts)  # one synchronisation with MLX's graph for both

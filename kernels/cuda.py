@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from turboquant.stages import codebook_values, unpack_codes
 
-from . import cuda_gemv, cuda_linear, cuda_rotate, dispatch, group
+from . import cuda_gemv, cuda_linear, cuda_rotate, dispatch, group, reference
 
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
@@ -264,14 +264,8 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     """Experts chosen per token (the reference's signature), for a decode step's few pairs:
     one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout
     (ternary experts as 2-bit codes)."""
-    if (codes.ndim != 3 or x_rot.ndim < 2
-            or x_rot.shape[-1] != padded_in or codes.shape[1] != out_features):
-        raise NotImplementedError  # the reference raises the precise error
-    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
-    m = x_rot.shape[-2]
-    pairs = math.prod(batch)
-    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
-        raise NotImplementedError  # prefill: the reference's grouped GEMM
+    batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
+                                             GATHER_MAX_PAIR_ROWS)
     low, high, scales64 = prepared_experts(codes, scales, bits, group_size, padded_in)
     x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in)
     x = x.astype(mx.float16)

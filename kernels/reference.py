@@ -26,6 +26,7 @@ Everything is computed in float32 and returned in x's dtype.
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
@@ -232,6 +233,21 @@ def tq_gather_matmul(
     else:
         y = _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk)
     return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
+
+
+def decode_pairs(x_rot, codes, indices, out_features, padded_in, max_pair_rows):
+    """(batch, M, pairs) of a gathered call a backend's decode kernel takes: NotImplementedError
+    (the caller falls back here, which raises the precise error) for malformed arguments,
+    no pairs, or more than `max_pair_rows` pairs x rows (prefill)."""
+    if (codes.ndim != 3 or x_rot.ndim < 2 or x_rot.shape[-1] != padded_in
+            or codes.shape[1] != out_features):
+        raise NotImplementedError
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    m = x_rot.shape[-2]
+    pairs = math.prod(batch)
+    if pairs == 0 or pairs * m > max_pair_rows:
+        raise NotImplementedError
+    return batch, m, pairs
 
 
 def _gather_rows(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk):
