@@ -10,6 +10,8 @@ machine: no MLX install there.
 
     python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
     bash DIR/run.sh                                # on the GPU machine: results to stdout
+                                                   # (`lab/`, the usual DIR, is git-ignored:
+                                                   #  the device call carries it)
     TQ_LAB_BOTH=1 bash DIR/run.sh                  # then again on managed memory (MLX's kind)
 
 Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
