@@ -89,11 +89,16 @@ def _weights(out_f: int, padded: int, bits: int) -> list[tuple[str, Buffer]]:
     ]
 
 
+def _values(values) -> Buffer:
+    """A float32 input holding these values."""
+    values = list(values)
+    return Buffer(mx.float32, len(values), "levels:" + ",".join(f"{v:.9f}" for v in values))
+
+
 def _levels(bits: int) -> Buffer:
     from turboquant.stages import codebook_values
 
-    values = [float(v) for v in codebook_values(bits).tolist()]
-    return Buffer(mx.float32, len(values), "levels:" + ",".join(f"{v:.6f}" for v in values))
+    return _values(codebook_values(bits).tolist())
 
 
 def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int) -> Variant:
@@ -112,7 +117,8 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int) -> Variant:
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.float16], launch.template)
     return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
-                   (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0], 2 * in_f,
+                   (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0],
+                   cuda_gemv.shared_bytes(1, in_f),
                    args, [("out0", mx.float16, out_f)])
 
 
@@ -130,13 +136,13 @@ def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
     func = f"linear_{out_f}x{in_f}_b{bits}{'_' + tag if tag else ''}"
     w = dict(_weights(out_f, in_f, bits))
     args = [("x", Buffer(mx.bfloat16, in_f, "x")), ("signs", Buffer(mx.float32, in_f, "sign")),
-            ("mix", Buffer(mx.float32, a * a, "levels:" + ",".join(f"{v:.9f}" for v in mix))),
+            ("mix", _values(mix)),
             ("codes", w["codes"]), ("hplane", w["hplane"]), ("scales", w["scales"]),
             ("levels", _levels(bits)), ("bias", Buffer(mx.float32, 1, "zero"))]
     header, _ = cuda_linear.source(1)
     src = kernel_source(func, [a for a, _ in args], ["out0"], launch.body,
                         [b.dtype for _, b in args], [mx.bfloat16], [])
-    threads = launch.threads if hasattr(launch, "threads") else cuda_linear.THREADS
+    threads = cuda_linear.THREADS
     return Variant(func, f"linear_{out_f}x{in_f}_b{bits}", func, header + src,
                    (launch.grid[0] // threads, launch.grid[1], 1), threads,
                    cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
@@ -163,9 +169,8 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     launch = cuda_kv.prepare(zeros(1, kv * r, 1, head_dim, dtype=mx.bfloat16), parts,
                              head_dim ** -0.5)
     lay = launch.layout
-    fills = {"queries": "x", "consts": "levels:" + ",".join(
-        f"{v:.8f}" for v in lay.consts.tolist()), "k_codes": "bits", "v_codes": "bits",
-        "k_norms": "norm", "v_norms": "norm", "mask": "zero"}
+    fills = {"queries": "x", "consts": _values(lay.consts.tolist()).fill, "k_codes": "bits",
+             "v_codes": "bits", "k_norms": "norm", "v_norms": "norm", "mask": "zero"}
     streamed = {"k_codes", "k_norms", "v_codes", "v_norms"}
     args = [(name, Buffer(a.dtype, a.size, fills.get(name, "x"), name in streamed,
                           tuple(a.shape)))

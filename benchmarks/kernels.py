@@ -63,7 +63,7 @@ def tq_launch(out_f, padded, bits, nscales, group=64, rows_per_warp=None):
     """(launch, (levels, pair_expert, pair_row, bias)) of a one-token GEMV, built once."""
     run = cuda_gemv.launch(
         bits=bits, group_size=group, out_features=out_f, padded=padded, nscales=nscales,
-        pairs=1, rows_per_warp=rows_per_warp or cuda_gemv.rows_per_warp_for(out_f))
+        pairs=1, rows_per_warp=rows_per_warp)
     pairs = mx.zeros((1,), dtype=mx.int32)
     operands = (codebook_values(bits), pairs, pairs, mx.zeros((1,), dtype=mx.float32))
     mx.eval(operands)

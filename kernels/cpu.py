@@ -15,7 +15,6 @@ CPU backend computes in order anyway).
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 

@@ -13,10 +13,11 @@
   used only with TURBOQUANT_CUDA_EXPERIMENTAL=1 until their GPU tests have run.
 
 Prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) falls back to the reference, as do
-ternary codes without that setting. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed
-next to their activations), prepared once per weight (or group, or switch layer) on first
-use and kept beside the stored codes: in the caller's `prepared` dict when it passes one
-(runtime layers do), else in a cache keyed on the code arrays and freed with them.
+ternary codes without that setting. The GEMV reads codes in its own layout (3-bit codes as
+two planes, codes placed next to their activations), prepared once per weight (or group,
+or switch layer) on first use and kept beside the stored codes: in the caller's `prepared`
+dict when it passes one (runtime layers do), else in a cache keyed on the code arrays and
+freed with them.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class _Plan:
         gemv = cuda_gemv.launch(
             bits=self.bits, group_size=self.group_size, out_features=self.ends[-1],
             padded=self.width, nscales=self.scales.shape[-1], pairs=tokens,
-            out_dtype=out_dtype, rows_per_warp=cuda_gemv.rows_per_warp_for(self.ends[-1]),
+            out_dtype=out_dtype,
             ends=self.ends if grouped else (), x_rows=tokens if grouped else 0,
             add_bias=self.has_bias,
         )
@@ -220,15 +221,22 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
     return plan(x, extras)
 
 
+def _gemv_rows(x: mx.array, padded_in: int) -> mx.array:
+    """Rotated rows (rows, padded_in) as the GEMV reads them: float16, zero-padded to whole
+    64-code groups."""
+    x = x.astype(mx.float16)
+    padded64 = _padded64(padded_in)
+    if padded64 > padded_in:
+        x = mx.pad(x, [(0, 0), (0, padded64 - padded_in)])
+    return x
+
+
 def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):
     if (bits == "ternary" and not EXPERIMENTAL) or codes.ndim != 2:
         raise NotImplementedError
     low, high, scales64 = prepared(codes, scales, bits, group_size, padded_in)
     lead = x_rot.shape[:-1]
-    x = x_rot.reshape(-1, padded_in).astype(mx.float16)
-    padded64 = _padded64(padded_in)
-    if padded64 > padded_in:
-        x = mx.pad(x, [(0, 0), (0, padded64 - padded_in)])
+    x = _gemv_rows(x_rot.reshape(-1, padded_in), padded_in)
     expert, row = _pair_arrays(x.shape[0])
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), expert, row,
@@ -267,11 +275,8 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
                                              GATHER_MAX_PAIR_ROWS)
     low, high, scales64 = prepared_experts(codes, scales, bits, group_size, padded_in)
-    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in)
-    x = x.astype(mx.float16)
-    padded64 = _padded64(padded_in)
-    if padded64 > padded_in:
-        x = mx.pad(x, [(0, 0), (0, padded64 - padded_in)])
+    x = _gemv_rows(mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in),
+                   padded_in)
     experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
     pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)  # each row of a pair
     _, pair_row = _pair_arrays(pairs * m)
@@ -279,7 +284,6 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
         x, low, high, scales64, _levels(bits), pair_expert, pair_row,
         bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
         out_dtype=mx.float32,
-        rows_per_warp=cuda_gemv.rows_per_warp_for(out_features),
     )
     return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
 

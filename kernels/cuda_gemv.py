@@ -279,6 +279,11 @@ def _kernel(segments: int = 1, shared: int = 0):
     )
 
 
+def shared_bytes(segments: int, padded: int) -> int:
+    """Dynamic shared memory of a block: a single matrix stages its fp16 row there."""
+    return 2 * padded if segments == 1 else 0
+
+
 def rows_per_warp_for(out_features: int) -> int:
     """Most rows per warp (4, 2, 1) that still gives the GPU `WARPS_WANTED` warps. More
     rows per warp read x fewer times (H200, `benchmarks/cuda_lab.py`: 28672x8192 3-bit
@@ -367,7 +372,7 @@ def launch(
     nscales: int,
     pairs: int,
     out_dtype=mx.float16,
-    rows_per_warp: int = ROWS_PER_WARP,
+    rows_per_warp: int | None = None,
     ends: tuple[int, ...] = (),
     x_rows: int = 0,
     add_bias: bool = False,
@@ -375,6 +380,7 @@ def launch(
     """The launch `gemv` makes, for callers that keep it (see `gemv` for the arguments;
     `x_rows` is the number of rows in each member's block of a group's x)."""
     segments = len(ends) or 1
+    rows_per_warp = rows_per_warp or rows_per_warp_for(out_features)
     if segments > len(STORES):
         raise ValueError(f"at most {len(STORES)} members in a group, got {segments}")
     bounds = list(ends[:-1]) + [out_features] * 2
@@ -398,7 +404,7 @@ def launch(
         ("HAS_BIAS", bool(add_bias)),
         ("OutT", out_dtype),
     )
-    shared = 2 * padded if segments == 1 else 0  # the staged fp16 row
+    shared = shared_bytes(segments, padded)
     return Launch(_kernel(segments, shared), list(template), (grid_x, pairs, 1), (threads, 1, 1),
                   [(pairs, w) for w in widths], [out_dtype] * segments, not ends)
 
@@ -416,7 +422,7 @@ def gemv(
     group_size: int,
     out_features: int,
     out_dtype=mx.float16,
-    rows_per_warp: int = ROWS_PER_WARP,
+    rows_per_warp: int | None = None,
     ends: tuple[int, ...] = (),
     bias: mx.array | None = None,
 ) -> mx.array | list[mx.array]:
@@ -425,6 +431,8 @@ def gemv(
     x_perm: (rows_x, padded) float16, rotated and zero-padded, in natural order (`repack`
     already placed each code where the kernel meets its activation).
     codes/hplane: from `repack`; scales: (E*out, padded // group_size) float16, padded.
+
+    `rows_per_warp`: `rows_per_warp_for(out_features)` unless given.
 
     A group (`ends` given): the rows are the members' weights stacked, member s owning
     rows [ends[s-1], ends[s]) (`ends[-1] == out_features`, every boundary a multiple of
