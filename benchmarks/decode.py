@@ -2,8 +2,9 @@
 
 `--moe`: a Qwen3-30B-A3B-shaped MoE instead (hidden 2048, 128 experts of 768, top 8, 32/4
 heads of 128; `--layers` of its 48 decoder layers, 12 by default), the experts as
-`TQSwitchLinear` (a decode step's experts through the "gather_matmul" kernel: on CUDA
-with TURBOQUANT_CUDA_EXPERIMENTAL=1) against mlx-lm's affine `QuantizedSwitchLinear`.
+`TQSwitchLinear` (a decode step's experts through the "gather_matmul" kernel: on CUDA one
+GEMV launch over the step's (token, expert) pairs) against mlx-lm's affine
+`QuantizedSwitchLinear`.
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads, vocab
 128256) and random weights (speed does not depend on their values). Three variants are

@@ -4,7 +4,8 @@
 #   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
-#   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  decode-moe
+#   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
+#   tests-new  decode-tq3x3
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -39,7 +40,7 @@ for s in "$@"; do
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;
     decode-moe)  # a Qwen3-30B-A3B-shaped MoE (12 layers): experts through the gathered GEMV
-      step decode-moe 420 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_EXPERIMENTAL=1 python3 \
+      step decode-moe 420 env MLX_USE_CUDA_GRAPHS=0 python3 \
         benchmarks/decode.py --moe --variants affine4,tq3,affine4,tq3 ;;
     decode-ab)  # end-to-end figures vary by up to 30% between runs: alternate, in one process
       step decode-ab 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
@@ -58,6 +59,12 @@ for s in "$@"; do
       step ncu-gemv-loop 200 env MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none \
         --kernel-name regex:tq_gemv --launch-skip 400 --launch-count 5 --section SpeedOfLight \
         --section LaunchStats --section Occupancy python3 -P benchmarks/kernels.py --loop ;;
+    tests-new)  # the gathered experts and ternary codes on CUDA (passed 15/15 in session 7)
+      step tests-new 240 python3 -P -m pytest -q -k "ternary or gathered or gather" \
+        tests/test_kernels_cuda_linear.py tests/test_kernels_cuda_launch.py ;;
+    gemv-loop-only) step gemv-loop 150 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --loop ;;
+    decode-tq3x3)  # does TQ3's rate fall from round to round in one process?
+      step decode-tq3x3 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants tq3,tq3,tq3 ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): benchmarks/cuda_lab.py
       step lab 240 bash -c "python3 benchmarks/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;

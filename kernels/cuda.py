@@ -9,15 +9,13 @@
   members then one `cuda_gemv`, and the extras are MLX ops.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
 - "gather_matmul": a decode step's MoE experts, one GEMV launch over the (token, expert)
-  pairs, and ternary codes (run as 2-bit codes): both written without a GPU at hand and
-  used only with TURBOQUANT_CUDA_EXPERIMENTAL=1 until their GPU tests have run.
+  pairs. Ternary codes run everywhere as 2-bit codes against a 4-entry codebook.
 
-Prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) falls back to the reference, as do
-ternary codes without that setting. The GEMV reads codes in its own layout (3-bit codes as
-two planes, codes placed next to their activations), prepared once per weight (or group,
-or switch layer) on first use and kept beside the stored codes: in the caller's `prepared`
-dict when it passes one (runtime layers do), else in a cache keyed on the code arrays and
-freed with them.
+Prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) falls back to the reference. The
+GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next to their
+activations), prepared once per weight (or group, or switch layer) on first use and kept
+beside the stored codes: in the caller's `prepared` dict when it passes one (runtime
+layers do), else in a cache keyed on what was built and the code arrays, freed with them.
 """
 
 from __future__ import annotations
@@ -64,9 +62,11 @@ def _repack_one(codes, scales, bits, group_size, padded_in):
     return low, high, scales
 
 
-def _cached(sources: tuple, build):
-    """build(), kept until one of `sources` is freed (or replaced under the same id)."""
-    key = tuple(id(a) for a in sources)
+def _cached(kind: str, sources: tuple, build):
+    """build(), kept until one of `sources` is freed (or replaced under the same id);
+    `kind` keeps apart what different callers build from the same arrays (a one-member
+    group's plan and its weight's GEMV layout)."""
+    key = (kind, *(id(a) for a in sources))
     hit = _PREPARED.get(key)
     if hit is None or any(ref() is not a for ref, a in zip(hit[0], sources)):
 
@@ -85,7 +85,7 @@ def prepared(codes: mx.array, scales: mx.array, bits: int, group_size: int, padd
         mx.eval(layout)
         return layout
 
-    return _cached((codes,), build)
+    return _cached("matvec", (codes,), build)
 
 
 def _repack_group(members):
@@ -213,7 +213,7 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
     plan = None if prepared is None else prepared.get("cuda")
     if plan is None:
         if prepared is None:  # no caller-held cache: one per set of weights, freed with them
-            plan = _cached(tuple(m.codes for m in members), lambda: _plan(members))
+            plan = _cached("group", tuple(m.codes for m in members), lambda: _plan(members))
         else:
             plan = prepared["cuda"] = _plan(members)
     if plan is _UNFUSABLE:
@@ -232,7 +232,7 @@ def _gemv_rows(x: mx.array, padded_in: int) -> mx.array:
 
 
 def matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_):
-    if (bits == "ternary" and not EXPERIMENTAL) or codes.ndim != 2:
+    if codes.ndim != 2:
         raise NotImplementedError
     low, high, scales64 = prepared(codes, scales, bits, group_size, padded_in)
     lead = x_rot.shape[:-1]
@@ -257,15 +257,11 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
         mx.eval(layout)
         return layout
 
-    return _cached((codes,), build)
+    return _cached("experts", (codes,), build)
 
 
 # a decode step's (token, expert) pairs x rows at or below this many: the GEMV kernel
 GATHER_MAX_PAIR_ROWS = 64
-
-# paths written without a GPU at hand, off until their GPU tests have run:
-# TURBOQUANT_CUDA_EXPERIMENTAL=1 registers the gathered GEMV and lets ternary codes run
-EXPERIMENTAL = os.environ.get("TURBOQUANT_CUDA_EXPERIMENTAL", "0") == "1"
 
 
 def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
@@ -290,5 +286,4 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
 
 dispatch.register("cuda", "matvec", matvec)
 dispatch.register("cuda", "linear_group", linear_group)
-if EXPERIMENTAL:
-    dispatch.register("cuda", "gather_matmul", gather)
+dispatch.register("cuda", "gather_matmul", gather)

@@ -249,10 +249,21 @@ def test_prefill_and_unfusable_groups_are_left_to_the_reference(kernels):
     assert not kernels  # nothing was launched
 
 
+def test_a_group_plan_and_a_gemv_layout_of_one_weight_are_kept_apart(kernels):
+    """A one-member group's plan and the same weight's GEMV layout are cached on the same
+    codes array: each under its own kind (a ternary group falls back to the GEMV)."""
+    members = _members(256, (64,))
+    cuda.linear_group(mx.zeros((1, 256)), members)
+    m = members[0]
+    y = cuda.matvec(mx.zeros((1, m.padded_in)), m.codes, m.scales, m.bits, m.group_size, 64,
+                    m.padded_in)
+    assert y.shape == (1, 64)
+
+
 def test_without_a_cache_the_plan_lives_as_long_as_the_weights(kernels):
     members = _members(256, (64,))
     cuda.linear_group(mx.zeros((1, 256)), members)
-    key = (id(members[0].codes),)
+    key = ("group", id(members[0].codes))
     assert key in cuda._PREPARED
     del members
     import gc
@@ -309,7 +320,7 @@ def test_gathered_experts_leave_prefill_to_the_reference(kernels):
     assert not kernels  # nothing was launched
 
 
-def test_ternary_runs_as_two_bit_codes_only_when_asked(kernels, monkeypatch):
+def test_ternary_runs_as_two_bit_codes(kernels):
     codes, scales, padded = _experts(2, 32, 256, bits="ternary")
     x = mx.zeros((1, 1, 1, padded))
     cuda.gather(x, codes, scales, mx.array([[1]]), "ternary", 64, 32, padded)
@@ -317,11 +328,8 @@ def test_ternary_runs_as_two_bit_codes_only_when_asked(kernels, monkeypatch):
     assert call["template"]["BITS"] == 2
     levels = call["inputs"][4]
     assert levels.shape == (4,) and levels[3].item() == 0.0  # [-c, 0, c] and a spare
-    dense = (codes[0], scales[0])
-    with pytest.raises(NotImplementedError):  # the dense GEMV keeps ternary off by default
-        cuda.matvec(x[0, 0], *dense, "ternary", 64, 32, padded)
-    monkeypatch.setattr(cuda, "EXPERIMENTAL", True)
-    assert cuda.matvec(x[0, 0], *dense, "ternary", 64, 32, padded).shape == (1, 32)
+    assert cuda.matvec(x[0, 0], codes[0], scales[0], "ternary", 64, 32, padded).shape == (1, 32)
+    assert _only(kernels, "cuda_gemv").calls[-1]["template"]["BITS"] == 2
 
 
 def test_sources_compile_with_nvcc(tmp_path, kernels):

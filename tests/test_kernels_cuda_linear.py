@@ -101,11 +101,10 @@ def test_blocks_of_several_tiles_match_reference(monkeypatch, in_f, outs, bits, 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
 @pytest.mark.parametrize("in_f, out_f", [(8192, 2048), (992, 40), (14336, 512)])
-def test_matvec_matches_reference(monkeypatch, bits, in_f, out_f):
+def test_matvec_matches_reference(bits, in_f, out_f):
     """The GEMV alone on a rotated row (`dispatch.tq_linear`, few tokens): one matrix, its
     row staged in shared memory; rows past the last whole warp read moved-back rows;
-    ternary codes as 2-bit codes (TURBOQUANT_CUDA_EXPERIMENTAL until this has passed)."""
-    monkeypatch.setattr(cuda, "EXPERIMENTAL", True)
+    ternary codes as 2-bit codes."""
     (m,) = _members(in_f, (out_f,), bits)
     x = mx.random.normal((3, in_f), key=mx.random.key(5))
     x_rot = group.rotated_input(x, m)
@@ -121,8 +120,7 @@ def test_matvec_matches_reference(monkeypatch, bits, in_f, out_f):
 @pytest.mark.parametrize("in_f, out_f, rows", [(4096, 1024, 1), (992, 40, 2)])
 def test_gathered_experts_match_reference(bits, in_f, out_f, rows):
     """A decode step's MoE experts in one GEMV launch (`cuda.gather`, ternary as 2-bit
-    codes; used only with TURBOQUANT_CUDA_EXPERIMENTAL=1 until this passes on the GPU),
-    against the reference."""
+    codes), against the reference."""
     n_experts = 6
     w = mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(11)) * 0.02
     qt = encode(w, bits, 64, seed=21)
