@@ -3,16 +3,18 @@
 MLX adds host time to every launch (`launch_cost.py`), so `kernels.py` measures the host
 and the GPU together. This script writes the kernels as `mx.fast.cuda_kernel` would build
 them (the source the runtime would launch, for one shape and configuration per variant)
-into one .cu file with a `main` that fills random operands, checks that the variants of
-one family give the same outputs, and times each with CUDA events over many launches
-that cycle through enough weight copies to stream from HBM. It needs only nvcc on the GPU
-machine: no MLX install there.
+into kernels.cu, and a host program main.cu that loads them from a CUBIN, fills random
+operands, checks that the variants of one family give the same outputs, and times each
+with CUDA events over many launches that cycle through enough weight copies to stream
+from HBM. run.sh builds kernels.cu twice: with NVRTC and MLX's options (MLX's compiler:
+its code can differ from nvcc's for the same source, NOTES.md) and with nvcc, and runs
+both. It needs only the CUDA toolkit on the GPU machine: no MLX install there.
 
     python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
     bash DIR/run.sh                                # on the GPU machine: results to stdout
                                                    # (`lab/`, the usual DIR, is git-ignored:
                                                    #  the device call carries it)
-    TQ_LAB_BOTH=1 bash DIR/run.sh                  # then again on managed memory (MLX's kind)
+    TQ_LAB_BOTH=1 bash DIR/run.sh                  # then NVRTC's again on managed memory
 
 Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
 rotation + GEMV of `cuda_linear`), each at the shapes and rows-per-warp listed in
@@ -265,18 +267,42 @@ def _call_args(name: str, buf: Buffer, source: str) -> list[str]:
     return args
 
 
-def program(variants: list[Variant]) -> str:
-    """The .cu text: the kernels, then main() filling, checking and timing them."""
-    parts = [MLX_DEFAULT_HEADER,
-             "#include <cstdio>\n#include <cstdlib>\n#include <vector>\n#include <cmath>\n"]
+# The kernels' file compiles with NVRTC too (no C++ standard library headers there).
+KERNEL_PRELUDE = MLX_DEFAULT_HEADER.replace(
+    "#include <cstdint>\n",
+    "#include <cuda/std/cstdint>\nusing cuda::std::int32_t; using cuda::std::int64_t;\n"
+    "using cuda::std::uint32_t; using cuda::std::uint64_t;\n")
+
+
+def kernels_file(variants: list[Variant]) -> str:
+    """kernels.cu: the variants' kernels as MLX builds them (its header, then each source)."""
+    parts = [KERNEL_PRELUDE]
     split = [v.source.partition("namespace mlx::core::cu {") for v in variants]
     headers = list(dict.fromkeys(h for h, _, _ in split))
     # a header another one includes (the GEMV's, inside the fused linear's) goes once
     parts += [h for h in headers if not any(h != o and h in o for o in headers)]
     parts += ["namespace mlx::core::cu {" + rest for _, _, rest in split]
-    parts.append(r"""
+    return "".join(parts)
+
+
+MAIN_PRELUDE = r"""#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#include <cmath>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#define MAX_NDIM 10
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
+#define CKD(x) do { CUresult e_ = (x); if (e_ != CUDA_SUCCESS) { const char* m_ = "?"; \
+  cuGetErrorName(e_, &m_); printf("CUDA driver error %s at line %d\n", m_, __LINE__); exit(1); } } while (0)
 static unsigned long long rng_state = 88172645463325252ull;
 static uint32_t next32() { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7;
   rng_state ^= rng_state << 17; return (uint32_t)(rng_state >> 11); }
@@ -290,31 +316,67 @@ static cudaError_t lab_malloc(void** p, size_t bytes) {
 template <typename T> static float tofloat(T v) { return (float)v; }
 template <> float tofloat<__half>(__half v) { return __half2float(v); }
 template <> float tofloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-using namespace mlx::core::cu;
+// The kernel named `name` in the module: its mangled name holds "<length><name>E" (the
+// parameter types mangle differently under NVRTC and nvcc: int64_t is long long in one)
+static CUfunction lab_function(CUmodule mod, const char* name) {
+  unsigned int n = 0;
+  CKD(cuModuleGetFunctionCount(&n, mod));
+  std::vector<CUfunction> fs(n);
+  CKD(cuModuleEnumerateFunctions(fs.data(), n, mod));
+  const std::string token = std::to_string(strlen(name)) + name + "E";
+  for (CUfunction f : fs) {
+    const char* mangled = nullptr;
+    CKD(cuFuncGetName(&mangled, f));
+    if (strstr(mangled, token.c_str())) return f;
+  }
+  printf("no kernel %s in the module\n", name);
+  exit(1);
+}
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc < 2) { printf("usage: %s KERNELS.cubin\n", argv[0]); return 2; }
+  CK(cudaFree(0));  // the runtime's primary context, current for the driver calls too
+  CUmodule mod;
+  CKD(cuModuleLoad(&mod, argv[1]));
   cudaEvent_t t0, t1;
   CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
   std::vector<std::pair<std::string, std::vector<float>>> refs;
-  printf("buffers in %s memory\n", lab_managed() ? "managed" : "device");
+  printf("kernels from %s, buffers in %s memory\n", argv[1], lab_managed() ? "managed" : "device");
   printf("%-40s %10s %10s %12s\n", "variant", "us/launch", "GB/s", "max rel diff");
-""")
-    for k, v in enumerate(variants):
+"""
+
+
+def _launch_macro(v: Variant) -> str:
+    """LAUNCH(c): the variant's kernel on weight copy c, through the driver API (each
+    argument in a local, its address in the parameter array)."""
+    values = ([arg for n, b in v.args for arg in _call_args(n, b, v.source)]
+              + [f"o_{n}" for n, _, _ in v.outputs])
+    bound = " ".join(f"auto p{i} = {e};" for i, e in enumerate(values))
+    params = ", ".join(f"&p{i}" for i in range(len(values)))
+    gx, gy, gz = v.grid
+    return (f"#define LAUNCH(c) do {{ {bound} void* params[] = {{{params}}}; \\\n"
+            f"    CKD(cuLaunchKernel(fn, {gx}, {gy}, {gz}, {v.block}, 1, 1, {v.shared}, 0, "
+            f"params, nullptr)); }} while (0)")
+
+
+def program(variants: list[Variant]) -> str:
+    """main.cu: loads the kernels from a CUBIN (NVRTC's build, as MLX's, or nvcc's), fills
+    operands, checks the variants of a family against each other and times each one."""
+    parts = [MAIN_PRELUDE]
+    for v in variants:
         copies = max(1, min(16, math.ceil(3 * L2_BYTES / max(1, v.weight_bytes))))
         body = [f"  {{ // {v.name}: the same operands for every variant of a family",
-                "  rng_state = 88172645463325252ull;"]
+                "  rng_state = 88172645463325252ull;",
+                f'  CUfunction fn = lab_function(mod, "{v.func}");']
         for name, buf in v.args:
             body.append(_fill_code(f"a_{name}", buf, copies if buf.weight else 1))
         for name, dtype, count in v.outputs:
             body.append(f"  {_C_TYPES[dtype]}* o_{name}; "
                         f"CK(lab_malloc((void**)&o_{name}, {count * _size(dtype)}));")
-        call_args = ", ".join(
-            [arg for n, b in v.args for arg in _call_args(n, b, v.source)]
-            + [f"o_{n}" for n, _, _ in v.outputs])
         if v.shared > 48 * 1024:
-            body.append(f"  CK(cudaFuncSetAttribute({v.func}, cudaFuncAttributeMaxDynamicSharedMemorySize, {v.shared}));")
-        grid = f"dim3({v.grid[0]}, {v.grid[1]}, {v.grid[2]})"
-        body.append(f"#define LAUNCH(c) {v.func}<<<{grid}, {v.block}, {v.shared}>>>({call_args})")
+            body.append("  CKD(cuFuncSetAttribute(fn, "
+                        f"CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {v.shared}));")
+        body.append(_launch_macro(v))
         body.append("  LAUNCH(0); CK(cudaGetLastError()); CK(cudaDeviceSynchronize());")
         out_name, out_dtype, out_count = v.outputs[0]
         ctype = _C_TYPES[out_dtype]
@@ -349,28 +411,65 @@ int main() {
     return "".join(parts)
 
 
+# kernels.cu through NVRTC (ctypes), with the options MLX passes: an sm_90 CUBIN, the
+# toolkit's and CCCL's include folders. MLX's kernels come from this compiler, and its
+# code can differ from nvcc's for the same source (NOTES.md, session 7).
+NVRTC_BUILD = r'''import ctypes, glob, os, sys
+src, out = sys.argv[1], sys.argv[2]
+home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+found = sorted(glob.glob(home + "/**/libnvrtc.so*", recursive=True))
+lib = ctypes.CDLL(os.environ.get("NVRTC_LIB") or found[0])
+prog = ctypes.c_void_p()
+code = open(src, "rb").read()
+assert lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"kernels.cu", 0, None, None) == 0
+opts = [b"--gpu-architecture=sm_90", ("--include-path=%s/include" % home).encode()]
+opts += [("--include-path=" + d).encode()
+         for d in glob.glob(home + "/**/include/cccl", recursive=True)[:1]]
+status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+size = ctypes.c_size_t()
+lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+log = ctypes.create_string_buffer(size.value)
+lib.nvrtcGetProgramLog(prog, log)
+if status != 0:
+    sys.exit("NVRTC failed:\n" + log.value.decode()[-4000:])
+lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+cubin = ctypes.create_string_buffer(size.value)
+lib.nvrtcGetCUBIN(prog, cubin)
+open(out, "wb").write(cubin.raw)
+'''
+
+
 RUN_SH = r"""#!/usr/bin/env bash
-# Build and run the kernel lab on the GPU machine (nvcc only).
+# Build and run the kernel lab on the GPU machine (nvcc and the toolkit's NVRTC, no MLX):
+# the kernels as MLX builds them (NVRTC) first, then the same source built by nvcc.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-nvcc -O3 -std=c++17 -arch=sm_90 -Xptxas -v "$here/lab.cu" -o /tmp/tq_lab 2> /tmp/tq_lab_build.txt \
-  || { cat /tmp/tq_lab_build.txt; exit 1; }
+home=${CUDA_HOME:-/usr/local/cuda}
+nvrtc=${NVRTC_LIB:-$(find -L "$home"/ -name 'libnvrtc.so*' | head -1)}
+export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}  # its builtins library too
+python3 "$here/nvrtc_build.py" "$here/kernels.cu" /tmp/tq_lab_nvrtc.cubin
+nvcc -O3 -std=c++17 -arch=sm_90 -cubin -Xptxas -v "$here/kernels.cu" -o /tmp/tq_lab_nvcc.cubin \
+  2> /tmp/tq_lab_build.txt || { cat /tmp/tq_lab_build.txt; exit 1; }
 grep -E "registers|spill" /tmp/tq_lab_build.txt | grep -v "0 bytes spill" | sed 's/ptxas info    : //' || true
-/tmp/tq_lab
-[ -z "${TQ_LAB_BOTH:-}" ] || TQ_LAB_MANAGED=1 /tmp/tq_lab  # the same kernels on managed memory
+nvcc -O3 -std=c++17 "$here/main.cu" -o /tmp/tq_lab -lcuda
+/tmp/tq_lab /tmp/tq_lab_nvrtc.cubin
+/tmp/tq_lab /tmp/tq_lab_nvcc.cubin
+[ -z "${TQ_LAB_BOTH:-}" ] || TQ_LAB_MANAGED=1 /tmp/tq_lab /tmp/tq_lab_nvrtc.cubin  # managed memory
 """
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--emit", type=Path, required=True, help="folder for lab.cu and run.sh")
+    ap.add_argument("--emit", type=Path, required=True, help="folder for the lab's files")
     args = ap.parse_args()
     args.emit.mkdir(parents=True, exist_ok=True)
     variants = build()
-    (args.emit / "lab.cu").write_text(program(variants))
+    (args.emit / "kernels.cu").write_text(kernels_file(variants))
+    (args.emit / "main.cu").write_text(program(variants))
+    (args.emit / "nvrtc_build.py").write_text(NVRTC_BUILD)
     (args.emit / "run.sh").write_text(RUN_SH)
-    print(f"wrote {args.emit}/lab.cu ({len(variants)} variants) and run.sh; on the GPU machine: "
-          f"bash {args.emit}/run.sh")
+    print(f"wrote {args.emit}/kernels.cu, main.cu ({len(variants)} variants), nvrtc_build.py "
+          f"and run.sh; on the GPU machine: bash {args.emit}/run.sh")
 
 
 if __name__ == "__main__":

@@ -65,13 +65,18 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
 
 
 def test_program_compiles_with_nvcc(lab, tmp_path):
+    """kernels.cu builds as a CUBIN (the device also builds it with NVRTC, as MLX does) and
+    main.cu, which launches them through the driver API, compiles."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
     variants = lab.build(SPECS, kv_contexts=(1024,))
-    text = lab.program(variants)
-    assert text.count("int main()") == 1 and text.count("rng_state = ") == len(variants) + 1
-    (tmp_path / "lab.cu").write_text(text)
-    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(tmp_path / "lab.cu"),
-                          "-o", str(tmp_path / "lab.o")], capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    main = lab.program(variants)
+    assert main.count("int main(") == 1 and main.count("rng_state = ") == len(variants) + 1
+    assert main.count("lab_function(mod, ") == len(variants)
+    (tmp_path / "kernels.cu").write_text(lab.kernels_file(variants))
+    (tmp_path / "main.cu").write_text(main)
+    for args in (["-cubin", str(tmp_path / "kernels.cu"), "-o", str(tmp_path / "k.cubin")],
+                 ["-c", str(tmp_path / "main.cu"), "-o", str(tmp_path / "main.o")]):
+        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *args], capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
