@@ -170,8 +170,8 @@ def main() -> None:
             return
         tps = decode_tps(model, args.tokens)
         results[variant] = tps
-        print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB)",
-              flush=True)
+        print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
+              f"ended {time.strftime('%H:%M:%S')})", flush=True)
         del model
         gc.collect()
         mx.clear_cache()

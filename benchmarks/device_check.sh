@@ -63,8 +63,15 @@ for s in "$@"; do
       step tests-new 240 python3 -P -m pytest -q -k "ternary or gathered or gather" \
         tests/test_kernels_cuda_linear.py tests/test_kernels_cuda_launch.py ;;
     gemv-loop-only) step gemv-loop 150 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --loop ;;
-    decode-tq3x3)  # does TQ3's rate fall from round to round in one process?
-      step decode-tq3x3 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants tq3,tq3,tq3 ;;
+    decode-tq3x3)  # does TQ3's rate fall from round to round in one process? (SM clock,
+      # power and temperature logged beside it: TQ's kernels are partly ALU-bound, so a
+      # clock that drops under sustained load would slow them more than affine's)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 500 > "$OUT/decode-tq3x3-clocks.csv" 2>&1 &
+      smi=$!
+      step decode-tq3x3 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
+        --variants tq3,affine4,tq3,affine4,tq3
+      kill $smi 2>/dev/null ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): benchmarks/cuda_lab.py
       step lab 240 bash -c "python3 benchmarks/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;
