@@ -15,6 +15,7 @@ both. It needs only the CUDA toolkit on the GPU machine: no MLX install there.
                                                    # (`lab/`, the usual DIR, is git-ignored:
                                                    #  the device call carries it)
     TQ_LAB_BOTH=1 bash DIR/run.sh                  # then NVRTC's again on managed memory
+    bash DIR/profile.sh kv_partial_32768           # after run.sh: ncu over one kernel
 
 Variants: `gemv` (the GEMV on a rotated fp16 row, `cuda_gemv`) and `linear` (the fused
 rotation + GEMV of `cuda_linear`), each at the shapes and rows-per-warp listed in
@@ -458,6 +459,19 @@ nvcc -O3 -std=c++17 "$here/main.cu" -o /tmp/tq_lab -lcuda
 """
 
 
+# Nsight Compute over one lab kernel, after run.sh has built the program and both CUBINs.
+PROFILE_SH = r"""#!/usr/bin/env bash
+# bash DIR/profile.sh NAME_REGEX [nvrtc|nvcc]: where one kernel's time goes (stall reasons,
+# source counters), from the CUBIN MLX's compiler builds unless told otherwise
+set -eu
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+"$ncu" --clock-control none --kernel-name-base function --kernel-name "regex:$1" \
+  --launch-skip 5 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  --section WarpStateStats --section SourceCounters --section Occupancy --section LaunchStats \
+  /tmp/tq_lab "/tmp/tq_lab_${2:-nvrtc}.cubin"
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emit", type=Path, required=True, help="folder for the lab's files")
@@ -468,8 +482,10 @@ def main() -> None:
     (args.emit / "main.cu").write_text(program(variants))
     (args.emit / "nvrtc_build.py").write_text(NVRTC_BUILD)
     (args.emit / "run.sh").write_text(RUN_SH)
-    print(f"wrote {args.emit}/kernels.cu, main.cu ({len(variants)} variants), nvrtc_build.py "
-          f"and run.sh; on the GPU machine: bash {args.emit}/run.sh")
+    (args.emit / "profile.sh").write_text(PROFILE_SH)
+    print(f"wrote {args.emit}/kernels.cu, main.cu ({len(variants)} variants), nvrtc_build.py, "
+          f"run.sh and profile.sh; on the GPU machine: bash {args.emit}/run.sh, then "
+          f"bash {args.emit}/profile.sh NAME_REGEX for Nsight Compute over one kernel")
 
 
 if __name__ == "__main__":
