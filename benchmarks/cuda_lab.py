@@ -189,6 +189,13 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         (lay.partial_grid[0] // cuda_kv.NT, lay.partial_grid[1], 1), cuda_kv.NT, 0, args,
         [("part_ml", mx.float32, math.prod(ml_shape)),
          ("part_acc", mx.float32, math.prod(acc_shape))])
+    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_partial_v8"]
+    candidate = Variant(  # same family: its outputs are checked against the partial's
+        f"kv_partial_v8_{tag}", f"kv_partial_{tag}", f"kv_partial_v8_{tag}",
+        cuda_kv.HEADER + kernel_source(f"kv_partial_v8_{tag}", inputs, outputs, body,
+                                       [b.dtype for _, b in args], [mx.float32] * 2,
+                                       lay.partial_template),
+        partial.grid, partial.block, 0, args, partial.outputs)
     inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge"]
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "x", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -200,7 +207,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                                        [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
         (lay.merge_grid[0] // cuda_kv.NT, 1, 1), cuda_kv.NT, 0, margs,
         [("out", lay.out_dtype, math.prod(lay.out_shape))])
-    return [partial, merge]
+    return [partial, candidate, merge]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
@@ -379,16 +386,16 @@ def program(variants: list[Variant]) -> str:
                         f"CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {v.shared}));")
         body.append(_launch_macro(v))
         body.append("  LAUNCH(0); CK(cudaGetLastError()); CK(cudaDeviceSynchronize());")
-        out_name, out_dtype, out_count = v.outputs[0]
-        ctype = _C_TYPES[out_dtype]
-        body.append(f"""  std::vector<{ctype}> hout({out_count});
-  CK(cudaMemcpy(hout.data(), o_{out_name}, sizeof({ctype}) * {out_count}, cudaMemcpyDeviceToHost));
-  std::vector<float> got({out_count});
-  for (int i = 0; i < {out_count}; ++i) got[i] = tofloat(hout[i]);
-  float diff = -1.f;
+        body.append("  std::vector<float> got;  // every output, one after another")
+        for out_name, out_dtype, out_count in v.outputs:
+            ctype = _C_TYPES[out_dtype]
+            body.append(f"""  {{ std::vector<{ctype}> hout({out_count});
+    CK(cudaMemcpy(hout.data(), o_{out_name}, sizeof({ctype}) * {out_count}, cudaMemcpyDeviceToHost));
+    for (auto h : hout) got.push_back(tofloat(h)); }}""")
+        body.append(f"""  float diff = -1.f;
   for (auto& r : refs) if (r.first == "{v.family}") {{
     float md = 0.f, mx_ = 1e-30f;
-    for (int i = 0; i < {out_count}; ++i) {{ md = fmaxf(md, fabsf(got[i] - r.second[i])); mx_ = fmaxf(mx_, fabsf(r.second[i])); }}
+    for (size_t i = 0; i < got.size(); ++i) {{ md = fmaxf(md, fabsf(got[i] - r.second[i])); mx_ = fmaxf(mx_, fabsf(r.second[i])); }}
     diff = md / mx_;
   }}
   if (diff < 0.f) refs.push_back({{"{v.family}", got}});

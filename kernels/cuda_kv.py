@@ -406,6 +406,115 @@ _PARTIAL = r"""
   }
 """
 
+# A candidate partial kernel, timed and checked against `_PARTIAL` by the kernel lab
+# (`benchmarks/cuda_lab.py`, family kv_partial_*; `tests/test_kv_cuda_layout.py` replays
+# it) and not used by the runtime until it has passed the GPU tests: the value phase takes
+# 8 dims a thread (their codes unpacked from one or two words) for every VG8-th token,
+# instead of a dim a thread for every token, and the token groups add their sums in
+# shared memory at the end. `_PARTIAL` with its three value-phase pieces replaced:
+_V8_SETUP = r"""  // value phase, 8 dims a thread: thread -> (token group vg, dims 8vd .. 8vd + 7);
+  // the dims' codes sit in one or two words of the packed row (BV * 8 <= 64 bits)
+  constexpr int VSLOT8 = DV / 8;            // threads per token group
+  constexpr int VG8 = NT / VSLOT8;          // token groups
+  static_assert(DV % 8 == 0 && VSLOT8 <= NT, "8 value dims a thread");
+  const int vg = tid / VSLOT8, vd = tid % VSLOT8, d0 = 8 * vd;
+  auto codes8 = [](const uint32_t* row, int first) -> uint64_t {
+    if (BV == 3) {  // 32 codes in 3 words: code j at bit 3j of the block's 96 bits
+      const int o = 3 * (first & 31), k = o >> 5, sh = o & 31;
+      const uint32_t* w = row + 3 * (first >> 5) + k;
+      uint64_t v = w[0] >> sh;
+      if (sh > 8) v |= (uint64_t)w[1] << (32 - sh);
+      return v;
+    }
+    const int bit = first * BV, k = bit >> 5, sh = bit & 31;
+    uint64_t v = (uint64_t)row[k] >> sh;
+    if (BV * 8 > 32 - sh) v |= (uint64_t)row[k + 1] << (32 - sh);
+    return v;
+  };
+  __shared__ float vacc[R * DV];  // the token groups' sums, added at the end
+  for (int i = tid; i < R * DV; i += NT) vacc[i] = 0.f;
+  float acc[8][R];
+  #pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) acc[k][r] = 0.f;
+  }
+  __syncthreads();
+
+"""
+
+_V8_VALUES = r"""    // ---- values: 8 dims a thread, every VG8-th token of the tile
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float a = a_s[r];
+      #pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k][r] *= a;
+    }
+    const int ntile = min(TILE, n_tok - tile * TILE);
+    if (vg < VG8) {
+      for (int u = vg; u < ntile; u += VG8) {
+        const int t2 = tile * TILE + u;
+        float p[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) p[r] = sc[u * R + r];
+        float x[8];
+        if (!fp) {
+          const uint64_t bits = codes8(vw + u * WV, d0);
+          #pragma unroll
+          for (int k = 0; k < 8; ++k) x[k] = lv[(bits >> (BV * k)) & ((1u << BV) - 1u)];
+        } else if (t2 < S) {
+          #pragma unroll
+          for (int k = 0; k < 8; ++k)
+            x[k] = (float)sink_v[sv_base + (long long)t2 * sink_v_strides[2] +
+                                 (d0 + k) * sink_v_strides[3]];
+        } else {
+          #pragma unroll
+          for (int k = 0; k < 8; ++k)
+            x[k] = (float)tail_v[tv_base + (long long)(t2 - S) * tail_v_strides[2] +
+                                 (d0 + k) * tail_v_strides[3]];
+        }
+        #pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[k][r] += p[r] * x[k];
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+"""
+
+_V8_STORE = r"""  // ---- the token groups' sums, then the chunk's accumulator
+  if (vg < VG8) {
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      #pragma unroll
+      for (int r = 0; r < R; ++r) atomicAdd(&vacc[r * DV + d0 + k], acc[k][r]);
+    }
+  }
+  __syncthreads();
+  const size_t prow = ((size_t)bk * nch + chunk) * R;
+  for (int i = tid; i < R * DV; i += NT) part_acc[prow * DV + i] = vacc[i];
+"""
+
+_V8_PIECES = (  # (where a piece of `_PARTIAL` starts, where it ends, its replacement)
+    ("  // value phase: thread -> (token group", "  for (int tile = tile0;", _V8_SETUP),
+    ("    // ---- values: a thread per output dim", "  // ---- token groups -> group 0",
+     _V8_VALUES),
+    ("  // ---- token groups -> group 0", "  if (tid < R) {\n    part_ml", _V8_STORE),
+)
+
+
+def _spliced(source: str, pieces) -> str:
+    for start, end, text in pieces:
+        i = source.index(start)
+        source = source[:i] + text + source[source.index(end, i):]
+    return source
+
+
+_PARTIAL_V8 = _spliced(_PARTIAL, _V8_PIECES)
+
 # One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
 # (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (B, H, 1, DV) in the queries' dtype.
 _MERGE = r"""
@@ -467,6 +576,7 @@ MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
 SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile check wraps
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
+    "tq_kv_partial_v8": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_V8),  # lab only
 }
 HEADER = _HEADER
 

@@ -49,7 +49,11 @@ def test_variants_carry_the_launch_their_kernels_need(lab):
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, merge = lab.build([], kv_contexts=(4096,))
+    partial, candidate, merge = lab.build([], kv_contexts=(4096,))
+    # the candidate partial kernel runs the same launch and is checked against it
+    assert candidate.family == partial.family and candidate.func != partial.func
+    assert (candidate.grid, candidate.block, candidate.args) == (partial.grid, partial.block,
+                                                                partial.args)
     from turboquant.kernels import cuda_kv
 
     assert [n for n, _ in partial.args] == cuda_kv.PARTIAL_INPUTS

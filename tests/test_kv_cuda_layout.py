@@ -143,6 +143,27 @@ def staged_code_at(vw: np.ndarray, u, word, shift, bits, wv, valid) -> np.ndarra
     return (c & np.uint32((1 << bits) - 1)).astype(np.int64)
 
 
+def staged_codes8(vw: np.ndarray, u, first, bits, wv, valid) -> np.ndarray:
+    """The candidate kernel's `codes8`: the bits of codes first .. first + 7 of staged row
+    u (first a multiple of 8), code k at bit bits * k."""
+    def at(w, ok):
+        ix = u * wv + w
+        assert (ix[ok] < vw.size).all() and (w[ok] < wv).all(), "staged code read out of range"
+        return np.where(ok, vw[np.where(ok, ix, 0)], np.uint32(0)).astype(np.uint64)
+
+    if bits == 3:  # 32 codes in 3 words: code j at bit 3j of the block's 96 bits
+        o = 3 * (first & 31)
+        word, sh = 3 * (first >> 5) + (o >> 5), o & 31
+        more = sh > 8
+    else:
+        bit = first * bits
+        word, sh = bit >> 5, bit & 31
+        more = bits * 8 > 32 - sh
+    v = at(word, valid) >> sh.astype(np.uint64)
+    up = np.where(more, 32 - sh, 0).astype(np.uint64)
+    return v | np.where(valid & more, at(word + 1, valid & more) << up, np.uint64(0))
+
+
 # ---------------------------------------------------------------------------- the kernels
 
 
@@ -181,7 +202,9 @@ def emulate_query_rows(L: cuda_kv.Launch, queries: Arg, b: int, h: int, fp: bool
     return out.reshape(R, KD)
 
 
-def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
+def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1):
+    """`_PARTIAL` (value_dims 1: a dim a thread), or the lab's candidate `_PARTIAL_V8`
+    (value_dims 8: 8 dims a thread for every VG8-th token)."""
     T = dict(L.layout.partial_template)
     KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
     WK, WV = kv_words(KD, BK), kv_words(DV, BV)  # the kernel's tq_words
@@ -191,6 +214,8 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
     VSLOT = DV if DV < NT else NT
     VG = NT // DV if DV < NT else 1
     DPT = (DV + NT - 1) // NT
+    VSLOT8 = DV // 8
+    VG8 = NT // VSLOT8
     nch = L.layout.nch
     grid_y, grid_x = L.layout.partial_grid[1], L.layout.partial_grid[0] // NT
     assert grid_x == nch and L.layout.partial_grid[2] == 1
@@ -224,6 +249,8 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
             vg, vd = tid // VSLOT, tid % VSLOT
             vpos = [code_pos(vd + k * VSLOT, BV) for k in range(DPT)]
             acc = np.zeros((DPT, R, NT), F32)
+            vg8, d0 = tid // VSLOT8, 8 * (tid % VSLOT8)
+            acc8 = np.zeros((8, R, NT), F32)
 
             for tile in range(tile0, tile1):
                 if not fp:  # the tile's value codes, staged in shared memory
@@ -273,9 +300,31 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
                     a = np.exp(F32(m_s[r] - m_new))
                     a_s[r], l_s[r], m_s[r] = a, l_s[r] * a + p.sum(dtype=F32), m_new
                 acc *= a_s[None, :, None]
+                acc8 *= a_s[None, :, None]
 
                 ntile = min(TILE, n_tok - tile * TILE)
-                for step in range(-(-ntile // VG)):  # thread loop: u = vg, vg + VG, ...
+                for step in range(-(-ntile // VG8) if value_dims == 8 else 0):
+                    u = step * VG8 + vg8
+                    active = (vg8 < VG8) & (u < ntile)
+                    t2 = tile * TILE + u
+                    p = sc[np.where(active, u, 0)[None] * R + r_ix]
+                    if not fp:
+                        bits = staged_codes8(vw, u, d0, BV, WV, active)
+                    for k in range(8):
+                        if not fp:
+                            code = (bits >> np.uint64(BV * k)) & np.uint64((1 << BV) - 1)
+                            x = lv[code.astype(np.int64)]
+                        else:
+                            x = np.zeros(NT, F32)
+                            if T["HAS_SINK"]:
+                                x += args["sink_v"].read(b, h, t2, d0 + k,
+                                                         valid=active & (t2 < S)).astype(F32)
+                            if T["HAS_TAIL"]:
+                                x += args["tail_v"].read(b, h, t2 - S, d0 + k,
+                                                         valid=active & (t2 >= S)).astype(F32)
+                        acc8[k] += np.where(active, p * x, F32(0))
+                # a dim a thread: u = vg, vg + VG, ...
+                for step in range(-(-ntile // VG) if value_dims == 1 else 0):
                     u = step * VG + vg
                     active = (vg < VG) & (u < ntile)
                     t2 = tile * TILE + u
@@ -293,6 +342,17 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg]):
                         pv = sc[np.where(act, u, 0)[None] * R + r_ix]
                         acc[k] += np.where(act, pv * x, F32(0))
 
+            if value_dims == 8:  # the token groups add into shared memory, then one store
+                vacc = np.zeros(R * DV, F32)
+                for k in range(8):
+                    for r in range(R):
+                        sel = vg8 < VG8
+                        np.add.at(vacc, r * DV + d0[sel] + k, acc8[k, r, sel])
+                prow = (bk * nch + chunk) * R
+                part_acc.write(prow * DV + np.arange(R * DV), vacc)
+                part_ml.write((prow + r_ix[:, 0]) * 2, m_s)
+                part_ml.write((prow + r_ix[:, 0]) * 2 + 1, l_s)
+                continue
             if VG > 1:  # token groups reduce through sc
                 red = np.full(TILE * R, np.nan, F32)
                 for r in range(R):
@@ -349,12 +409,12 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) 
     return out.done().reshape(L.layout.out_shape)
 
 
-def emulate(L: cuda_kv.Launch, args: dict[str, Arg]) -> np.ndarray:
+def emulate(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
     names = cuda_kv.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
-    ml, acc = emulate_partial(L, full)
+    ml, acc = emulate_partial(L, full, value_dims)
     assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
     return emulate_merge(L, ml, acc)
 
@@ -423,9 +483,9 @@ def _transposed(qb: np.ndarray) -> Arg:
     return a
 
 
-def check(q, parts, args, scale=0.125, mask=None, atol=2e-5):
+def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, value_dims=1):
     launch = cuda_kv.prepare(q, parts, scale, mask)
-    got = emulate(launch, args)
+    got = emulate(launch, args, value_dims)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
     err = np.abs(got - want).max()
     assert err < atol * max(1.0, np.abs(want).max()), (
@@ -450,6 +510,13 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_kernels_match_reference(name):
     check(*make_case(**CASES[name], seed=len(name)))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_candidate_value_phase_matches_reference(name):
+    """The lab's candidate partial kernel (`cuda_kv._PARTIAL_V8`: 8 value dims a thread,
+    codes of 2/3/4/8 bits unpacked from one or two words) replayed the same way."""
+    check(*make_case(**CASES[name], seed=len(name)), value_dims=8)
 
 
 @pytest.mark.parametrize("rotating", [0, 256])
@@ -627,6 +694,8 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_{tag}", "tq_kv_merge", [mx.float32] * 3, [lay.out_dtype],
                           lay.merge_template),
+        mlx_kernel_source(f"partial_v8_{tag}", "tq_kv_partial_v8", [x.dtype for x in L.inputs],
+                          [mx.float32, mx.float32], lay.partial_template),
     ])
 
 
