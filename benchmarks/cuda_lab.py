@@ -104,19 +104,47 @@ def _levels(bits: int) -> Buffer:
     return _values(codebook_values(bits).tolist())
 
 
-def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int) -> Variant:
+# Candidate main loops for the GEMV, spliced into its source by `gemv_variant(loop=...)`
+# and timed beside it (same family, so their outputs are compared). "syncwarp": every lane
+# runs the same trips and a __syncwarp() follows each fetch, which keeps NVRTC's ptxas
+# from sinking the fetch below the decode after it (session 7: that matched nvcc's order
+# in the SASS but gained nothing under MLX; the lab tells the kernel's own time).
+GEMV_LOOPS = {
+    "syncwarp": ("""  for (int g = lane; g < GROUPS; g += 64) {
+    if (g + 32 < GROUPS) TQ_FETCH(cwB, hwB, scB, g + 32);
+    TQ_DECODE(cwA, hwA, scA, g);
+    if (g + 32 >= GROUPS) break;
+    if (g + 64 < GROUPS) TQ_FETCH(cwA, hwA, scA, g + 64);
+    TQ_DECODE(cwB, hwB, scB, g + 32);
+  }""", """  for (int g0 = 0; g0 < GROUPS; g0 += 64) {
+    const int g = g0 + lane;
+    if (g + 32 < GROUPS) TQ_FETCH(cwB, hwB, scB, g + 32);
+    __syncwarp();
+    if (g < GROUPS) TQ_DECODE(cwA, hwA, scA, g);
+    if (g + 64 < GROUPS) TQ_FETCH(cwA, hwA, scA, g + 64);
+    __syncwarp();
+    if (g + 32 < GROUPS) TQ_DECODE(cwB, hwB, scB, g + 32);
+  }"""),
+}
+
+
+def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = None) -> Variant:
     from turboquant.kernels import cuda_gemv
 
     launch = cuda_gemv.launch(bits=bits, group_size=64, out_features=out_f, padded=in_f,
                               nscales=in_f // 64, pairs=1, out_dtype=mx.float16,
                               rows_per_warp=rpw)
-    func = f"gemv_{out_f}x{in_f}_b{bits}_r{rpw}"
+    func = f"gemv_{out_f}x{in_f}_b{bits}_r{rpw}" + (f"_{loop}" if loop else "")
     w = dict(_weights(out_f, in_f, bits))
     args = [("x", Buffer(mx.float16, in_f, "x")), ("codes", w["codes"]),
             ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits)),
             ("pair_expert", Buffer(mx.int32, 1, "zero")), ("pair_row", Buffer(mx.int32, 1, "zero")),
             ("bias", Buffer(mx.float32, 1, "zero"))]
     body = cuda_gemv.kernel_source(1)
+    if loop:
+        before, after = GEMV_LOOPS[loop]
+        assert before in body, f"the GEMV's main loop changed: update GEMV_LOOPS[{loop!r}]"
+        body = body.replace(before, after)
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.float16], launch.template)
     return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
@@ -216,6 +244,8 @@ VARIANTS = [
     *[("gemv", o, i, b, {"rpw": 4}) for o, i, b in (
         (28672, 8192, 3), (28672, 8192, 2), (28672, 8192, 4), (8192, 28672, 3),
         (8192, 8192, 3), (4096, 4096, 3))],
+    *[("gemv", o, i, b, {"rpw": 4, "loop": "syncwarp"}) for o, i, b in (
+        (28672, 8192, 3), (28672, 8192, 4), (8192, 28672, 3))],
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
     # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj
     ("linear", 6144, 4096, 3, {}), ("linear", 4096, 4096, 3, {}),

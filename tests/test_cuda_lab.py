@@ -48,6 +48,16 @@ def test_variants_carry_the_launch_their_kernels_need(lab):
     assert down.weight_bytes == 512 * 14336 * 4 // 8 + 512 * 14336 // 64 * 2
 
 
+def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
+    """A candidate main loop (`GEMV_LOOPS`) replaces the GEMV's own: if that loop's text
+    changes, building the candidate fails here rather than timing a stale copy."""
+    plain, candidate = lab.build([("gemv", 1024, 4096, 3, {"rpw": 4}),
+                                  ("gemv", 1024, 4096, 3, {"rpw": 4, "loop": "syncwarp"})],
+                                 kv_contexts=())
+    assert candidate.family == plain.family and candidate.func == plain.func + "_syncwarp"
+    assert "__syncwarp()" in candidate.source and "__syncwarp()" not in plain.source
+
+
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     partial, candidate, merge = lab.build([], kv_contexts=(4096,))
     # the candidate partial kernel runs the same launch and is checked against it
