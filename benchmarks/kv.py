@@ -377,11 +377,19 @@ def gpu_decode(
                 for _ in range(3):  # warm up (and compress what left the window)
                     y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
                     mx.eval(y)
+                build = 0.0
                 t0 = time.perf_counter()
                 for _ in range(steps):
+                    t1 = time.perf_counter()
                     y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
+                    build += time.perf_counter() - t1
                     mx.eval(y)
-                row[name] = steps / (time.perf_counter() - t0)
+                total = time.perf_counter() - t0
+                row[name] = steps / total
+                # a token's time split: building its graph (host) vs evaluating it (encoding
+                # the launches, the GPU's work, the wait for it)
+                row[name + ":build_ms"] = 1e3 * build / steps
+                row[name + ":eval_ms"] = 1e3 * (total - build) / steps
             row[name + ":GB"] = sum(c.nbytes for c in cache) / 1e9
             del cache
             mx.clear_cache()
@@ -394,6 +402,10 @@ def gpu_decode(
     for r in rows:
         cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}"
                  for c in configs]
+        log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    log("\nms per token: building the graph + evaluating it")
+    for r in rows:
+        cells = [f"{r[c + ':build_ms']:6.2f} + {r[c + ':eval_ms']:6.2f}" for c in configs]
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
     log("\nKV cache GB (ratio fp16 / cache)")
     for r in rows:
