@@ -128,6 +128,14 @@ GEMV_LOOPS = {
 }
 
 
+def _spliced_loop(body: str, loop: str | None) -> str:
+    if not loop:
+        return body
+    before, after = GEMV_LOOPS[loop]
+    assert before in body, f"the GEMV's main loop changed: update GEMV_LOOPS[{loop!r}]"
+    return body.replace(before, after)
+
+
 def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = None) -> Variant:
     from turboquant.kernels import cuda_gemv
 
@@ -140,11 +148,7 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = 
             ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits)),
             ("pair_expert", Buffer(mx.int32, 1, "zero")), ("pair_row", Buffer(mx.int32, 1, "zero")),
             ("bias", Buffer(mx.float32, 1, "zero"))]
-    body = cuda_gemv.kernel_source(1)
-    if loop:
-        before, after = GEMV_LOOPS[loop]
-        assert before in body, f"the GEMV's main loop changed: update GEMV_LOOPS[{loop!r}]"
-        body = body.replace(before, after)
+    body = _spliced_loop(cuda_gemv.kernel_source(1), loop)
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.float16], launch.template)
     return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
@@ -153,8 +157,11 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = 
                    args, [("out0", mx.float16, out_f)])
 
 
-def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
-    """The fused launch of one TurboQuant linear, rotated as a weight of width in_f is."""
+def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
+                   **options) -> Variant:
+    """The fused launch of one TurboQuant linear, rotated as a weight of width in_f is;
+    `loop` splices a candidate GEMV main loop (`GEMV_LOOPS`: the fused kernel runs the
+    GEMV's rows)."""
     from turboquant.kernels import cuda_linear, cuda_rotate
 
     seed = 7  # the rotation of a weight with this seed: its segments and mixing matrix
@@ -163,7 +170,7 @@ def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
     launch = cuda_linear.launch(n=in_f, a=a, padded=in_f, bits=bits, group_size=64,
                                 ends=(out_f,), lead=(1,), in_dtype=mx.bfloat16,
                                 out_dtype=mx.bfloat16, add_bias=False, **options)
-    tag = "_".join(f"{k}{v}" for k, v in options.items())
+    tag = "_".join([f"{k}{v}" for k, v in options.items()] + ([loop] if loop else []))
     func = f"linear_{out_f}x{in_f}_b{bits}{'_' + tag if tag else ''}"
     w = dict(_weights(out_f, in_f, bits))
     args = [("x", Buffer(mx.bfloat16, in_f, "x")), ("signs", Buffer(mx.float32, in_f, "sign")),
@@ -171,7 +178,8 @@ def linear_variant(out_f: int, in_f: int, bits: int, **options) -> Variant:
             ("codes", w["codes"]), ("hplane", w["hplane"]), ("scales", w["scales"]),
             ("levels", _levels(bits)), ("bias", Buffer(mx.float32, 1, "zero"))]
     header, _ = cuda_linear.source(1)
-    src = kernel_source(func, [a for a, _ in args], ["out0"], launch.body,
+    body = _spliced_loop(launch.body, loop)
+    src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.bfloat16], [])
     threads = cuda_linear.THREADS
     return Variant(func, f"linear_{out_f}x{in_f}_b{bits}", func, header + src,
@@ -247,6 +255,7 @@ VARIANTS = [
     *[("gemv", o, i, b, {"rpw": 4, "loop": "syncwarp"}) for o, i, b in (
         (28672, 8192, 3), (28672, 8192, 4), (8192, 28672, 3))],
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
+    ("linear", 28672, 8192, 3, {"loop": "syncwarp"}),
     # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj
     ("linear", 6144, 4096, 3, {}), ("linear", 4096, 4096, 3, {}),
     ("linear", 28672, 4096, 3, {}), ("linear", 4096, 14336, 3, {}),
