@@ -233,7 +233,8 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                                        lay.partial_template),
         partial.grid, partial.block, 0, args, partial.outputs)
     inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge"]
-    margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "x", False, ml_shape)),
+    # positive sums (as softmax sums are), so that the merges' outputs compare stably
+    margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
              ("unrot", Buffer(mx.float32, head_dim * head_dim, "x", False,
                               (head_dim, head_dim)))]
@@ -243,7 +244,14 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                                        [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
         (lay.merge_grid[0] // cuda_kv.NT, 1, 1), cuda_kv.NT, 0, margs,
         [("out", lay.out_dtype, math.prod(lay.out_shape))])
-    return [partial, candidate, merge]
+    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge_split"]
+    split = min(4, 1024 // head_dim)  # threads a dim
+    merge_split = Variant(  # same family as the merge: checked against it
+        f"kv_merge_split_{tag}", merge.family, f"kv_merge_split_{tag}",
+        cuda_kv.HEADER + kernel_source(f"kv_merge_split_{tag}", inputs, outputs, body,
+                                       [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
+        merge.grid, split * head_dim, 0, margs, merge.outputs)
+    return [partial, candidate, merge, merge_split]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the

@@ -570,6 +570,77 @@ _MERGE = r"""
   }
 """
 
+# A candidate merge, lab only like `_PARTIAL_V8` (replayed by tests/test_kv_cuda_layout.py):
+# Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
+# un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
+# query row: 32 blocks for an 8B layer, 23 us at 32K in the lab).
+_MERGE_SPLIT = r"""
+  constexpr int MAXCH = TQ_MAXCH;
+  __shared__ float w[MAXCH];
+  __shared__ float rot[DV];
+  __shared__ float red[32];
+  __shared__ float part[4 * DV];  // the Q partial sums of every dim
+  const int nt = blockDim.x, nw = nt >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;
+  const int R = part_ml_shape[2];
+  const int bk = row / R, r = row % R;
+  const int nch = part_ml_shape[1];
+  const int ncc = nch - FPCH;
+  const int Q = nt / DV, d = tid % DV, q = tid / DV;
+
+  float mx = TQ_NEG;
+  for (int c = tid; c < nch; c += nt) mx = fmaxf(mx, part_ml[(((size_t)bk * nch + c) * R + r) * 2]);
+  mx = tq_warp_max(mx);
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = red[0];
+  for (int i = 1; i < nw; ++i) mx = fmaxf(mx, red[i]);
+  __syncthreads();
+
+  float sum = 0.f;
+  for (int c = tid; c < nch; c += nt) {
+    const size_t i = (((size_t)bk * nch + c) * R + r) * 2;
+    const float e = expf(part_ml[i] - mx);
+    w[c] = e;
+    sum += part_ml[i + 1] * e;
+  }
+  sum = tq_warp_sum(sum);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int i = 0; i < nw; ++i) sum += red[i];
+  const float inv = 1.f / sum;
+
+  // compressed chunks: thread (d, q) sums chunks q, q + Q, ...
+  float a = 0.f;
+  #pragma unroll 4
+  for (int c = q; c < ncc; c += Q) a += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
+  part[q * DV + d] = a;
+  __syncthreads();
+  if (q == 0) {
+    float t = 0.f;
+    for (int k = 0; k < Q; ++k) t += part[k * DV + d];
+    rot[d] = t * inv;
+  }
+  __syncthreads();
+  // the un-rotation, rows i = q, q + Q, ... of it; q 0 adds the fp16 chunks
+  float o = 0.f;
+  if (q == 0) {
+    for (int c = ncc; c < nch; ++c) o += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
+    o *= inv;
+  }
+  #pragma unroll 8
+  for (int i = q; i < DV; i += Q) o += rot[i] * unrot[i * DV + d];
+  part[q * DV + d] = o;
+  __syncthreads();
+  if (q == 0) {
+    float t = 0.f;
+    for (int k = 0; k < Q; ++k) t += part[k * DV + d];
+    tq_store(out + (size_t)row * DV + d, t);
+  }
+"""
+
 PARTIAL_INPUTS = ["queries", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k",
                   "sink_v", "tail_k", "tail_v", "mask"]
 MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
@@ -577,6 +648,7 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
     "tq_kv_partial_v8": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_V8),  # lab only
+    "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # lab only
 }
 HEADER = _HEADER
 

@@ -59,7 +59,8 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, candidate, merge = lab.build([], kv_contexts=(4096,))
+    partial, candidate, merge, merge_split = lab.build([], kv_contexts=(4096,))
+    assert merge_split.family == merge.family and merge_split.block == 4 * 128
     # the candidate partial kernel runs the same launch and is checked against it
     assert candidate.family == partial.family and candidate.func != partial.func
     assert (candidate.grid, candidate.block, candidate.args) == (partial.grid, partial.block,

@@ -374,7 +374,9 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
     return part_ml.done(), part_acc.done()
 
 
-def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) -> np.ndarray:
+def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
+                  split: int = 1) -> np.ndarray:
+    """`_MERGE`, or with `split` Q > 1 the lab's candidate `_MERGE_SPLIT` (Q threads a dim)."""
     T = dict(L.layout.merge_template)
     DV, FPCH = T["DV"], T["FPCH"]
     R = part_ml.shape[2]
@@ -395,6 +397,21 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) 
         w = np.exp(m - mx_).astype(F32)
         total = (ml[((bk * nch + c) * R + r) * 2 + 1] * w).sum(dtype=F32)
         inv = F32(1) / total
+        if split > 1:  # thread (d, q): every Q-th chunk, every Q-th row of the un-rotation
+            part = np.zeros((split, DV), F32)
+            for q in range(split):
+                for ci in range(q, ncc, split):
+                    part[q] += acc[((bk * nch + ci) * R + r) * DV + d] * w[ci]
+            rot = part.sum(axis=0, dtype=F32) * inv
+            part[:] = 0
+            for ci in range(ncc, nch):
+                part[0] += acc[((bk * nch + ci) * R + r) * DV + d] * w[ci]
+            part[0] *= inv
+            for q in range(split):
+                for i in range(q, DV, split):
+                    part[q] += rot[i] * unrot[i * DV + d]
+            out.write(row * DV + d, part.sum(axis=0, dtype=F32))
+            continue
         rot = np.zeros(DV, F32)
         for ci in range(ncc):
             rot += acc[((bk * nch + ci) * R + r) * DV + d] * w[ci]
@@ -409,14 +426,15 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray) 
     return out.done().reshape(L.layout.out_shape)
 
 
-def emulate(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1) -> np.ndarray:
+def emulate(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1,
+            split: int = 1) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
     names = cuda_kv.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
     ml, acc = emulate_partial(L, full, value_dims)
     assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
-    return emulate_merge(L, ml, acc)
+    return emulate_merge(L, ml, acc, split)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -483,9 +501,9 @@ def _transposed(qb: np.ndarray) -> Arg:
     return a
 
 
-def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, value_dims=1):
+def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, value_dims=1, split=1):
     launch = cuda_kv.prepare(q, parts, scale, mask)
-    got = emulate(launch, args, value_dims)
+    got = emulate(launch, args, value_dims, split)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
     err = np.abs(got - want).max()
     assert err < atol * max(1.0, np.abs(want).max()), (
@@ -517,6 +535,12 @@ def test_candidate_value_phase_matches_reference(name):
     """The lab's candidate partial kernel (`cuda_kv._PARTIAL_V8`: 8 value dims a thread,
     codes of 2/3/4/8 bits unpacked from one or two words) replayed the same way."""
     check(*make_case(**CASES[name], seed=len(name)), value_dims=8)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_candidate_merge_matches_reference(name):
+    """The lab's candidate merge (`cuda_kv._MERGE_SPLIT`, 4 threads a dim), replayed."""
+    check(*make_case(**CASES[name], seed=len(name)), split=4)
 
 
 @pytest.mark.parametrize("rotating", [0, 256])
@@ -696,6 +720,8 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           lay.merge_template),
         mlx_kernel_source(f"partial_v8_{tag}", "tq_kv_partial_v8", [x.dtype for x in L.inputs],
                           [mx.float32, mx.float32], lay.partial_template),
+        mlx_kernel_source(f"merge_split_{tag}", "tq_kv_merge_split", [mx.float32] * 3,
+                          [lay.out_dtype], lay.merge_template),
     ])
 
 
