@@ -36,7 +36,9 @@ Raises NotImplementedError (the caller falls back to the reference) for: more th
 query position, nothing compressed yet, per-head masks, sink and tail of different
 dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
-`tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU.
+`tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
+also holds candidates the runtime does not use (`_PARTIAL_V8`, `_MERGE_SPLIT`): the
+kernel lab (`benchmarks/cuda_lab.py`) times each beside the kernel it would replace.
 """
 
 from __future__ import annotations
