@@ -472,7 +472,7 @@ def program(variants: list[Variant]) -> str:
 NVRTC_BUILD = r'''import ctypes, glob, os, sys
 src, out = sys.argv[1], sys.argv[2]
 home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-found = sorted(glob.glob(home + "/**/libnvrtc.so*", recursive=True))
+found = sorted(f for f in glob.glob(home + "/**/libnvrtc.so*", recursive=True) if "stubs" not in f)
 lib = ctypes.CDLL(os.environ.get("NVRTC_LIB") or found[0])
 prog = ctypes.c_void_p()
 code = open(src, "rb").read()
@@ -500,7 +500,7 @@ RUN_SH = r"""#!/usr/bin/env bash
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 home=${CUDA_HOME:-/usr/local/cuda}
-nvrtc=${NVRTC_LIB:-$(find -L "$home"/ -name 'libnvrtc.so*' | head -1)}
+nvrtc=${NVRTC_LIB:-$(find -L "$home"/ -name 'libnvrtc.so*' -not -path '*stubs*' | sort | head -1)}
 export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}  # its builtins library too
 python3 "$here/nvrtc_build.py" "$here/kernels.cu" /tmp/tq_lab_nvrtc.cubin
 nvcc -O3 -std=c++17 -arch=sm_90 -cubin -Xptxas -v "$here/kernels.cu" -o /tmp/tq_lab_nvcc.cubin \
