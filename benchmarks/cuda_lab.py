@@ -346,6 +346,7 @@ MAIN_PRELUDE = r"""#include <cstdio>
 #include <string>
 #include <vector>
 #include <cmath>
+#include <dlfcn.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -356,8 +357,34 @@ using Shape = cuda::std::array<int32_t, MAX_NDIM>;
 using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   printf("CUDA error %s at line %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
+// The driver API through dlopen (no link against libcuda: the machine's driver provides it)
+static struct Driver {
+  CUresult (*moduleLoad)(CUmodule*, const char*);
+  CUresult (*functionCount)(unsigned int*, CUmodule);
+  CUresult (*enumerateFunctions)(CUfunction*, unsigned int, CUmodule);
+  CUresult (*funcGetName)(const char**, CUfunction);
+  CUresult (*funcSetAttribute)(CUfunction, CUfunction_attribute, int);
+  CUresult (*launchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, unsigned, CUstream, void**, void**);
+  CUresult (*errorName)(CUresult, const char**);
+} D;
+template <typename F> static void lab_symbol(void* lib, const char* name, F& f) {
+  f = reinterpret_cast<F>(dlsym(lib, name));
+  if (!f) { printf("libcuda.so.1 has no %s\n", name); exit(1); }
+}
+static void lab_driver() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!lib) { printf("cannot load libcuda.so.1: %s\n", dlerror()); exit(1); }
+  lab_symbol(lib, "cuModuleLoad", D.moduleLoad);
+  lab_symbol(lib, "cuModuleGetFunctionCount", D.functionCount);
+  lab_symbol(lib, "cuModuleEnumerateFunctions", D.enumerateFunctions);
+  lab_symbol(lib, "cuFuncGetName", D.funcGetName);
+  lab_symbol(lib, "cuFuncSetAttribute", D.funcSetAttribute);
+  lab_symbol(lib, "cuLaunchKernel", D.launchKernel);
+  lab_symbol(lib, "cuGetErrorName", D.errorName);
+}
 #define CKD(x) do { CUresult e_ = (x); if (e_ != CUDA_SUCCESS) { const char* m_ = "?"; \
-  cuGetErrorName(e_, &m_); printf("CUDA driver error %s at line %d\n", m_, __LINE__); exit(1); } } while (0)
+  D.errorName(e_, &m_); printf("CUDA driver error %s at line %d\n", m_, __LINE__); exit(1); } } while (0)
 static unsigned long long rng_state = 88172645463325252ull;
 static uint32_t next32() { rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7;
   rng_state ^= rng_state << 17; return (uint32_t)(rng_state >> 11); }
@@ -375,13 +402,13 @@ template <> float tofloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162fl
 // parameter types mangle differently under NVRTC and nvcc: int64_t is long long in one)
 static CUfunction lab_function(CUmodule mod, const char* name) {
   unsigned int n = 0;
-  CKD(cuModuleGetFunctionCount(&n, mod));
+  CKD(D.functionCount(&n, mod));
   std::vector<CUfunction> fs(n);
-  CKD(cuModuleEnumerateFunctions(fs.data(), n, mod));
+  CKD(D.enumerateFunctions(fs.data(), n, mod));
   const std::string token = std::to_string(strlen(name)) + name + "E";
   for (CUfunction f : fs) {
     const char* mangled = nullptr;
-    CKD(cuFuncGetName(&mangled, f));
+    CKD(D.funcGetName(&mangled, f));
     if (strstr(mangled, token.c_str())) return f;
   }
   printf("no kernel %s in the module\n", name);
@@ -391,8 +418,9 @@ static CUfunction lab_function(CUmodule mod, const char* name) {
 int main(int argc, char** argv) {
   if (argc < 2) { printf("usage: %s KERNELS.cubin\n", argv[0]); return 2; }
   CK(cudaFree(0));  // the runtime's primary context, current for the driver calls too
+  lab_driver();
   CUmodule mod;
-  CKD(cuModuleLoad(&mod, argv[1]));
+  CKD(D.moduleLoad(&mod, argv[1]));
   cudaEvent_t t0, t1;
   CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
   std::vector<std::pair<std::string, std::vector<float>>> refs;
@@ -410,7 +438,7 @@ def _launch_macro(v: Variant) -> str:
     params = ", ".join(f"&p{i}" for i in range(len(values)))
     gx, gy, gz = v.grid
     return (f"#define LAUNCH(c) do {{ {bound} void* params[] = {{{params}}}; \\\n"
-            f"    CKD(cuLaunchKernel(fn, {gx}, {gy}, {gz}, {v.block}, 1, 1, {v.shared}, 0, "
+            f"    CKD(D.launchKernel(fn, {gx}, {gy}, {gz}, {v.block}, 1, 1, {v.shared}, 0, "
             f"params, nullptr)); }} while (0)")
 
 
@@ -429,7 +457,7 @@ def program(variants: list[Variant]) -> str:
             body.append(f"  {_C_TYPES[dtype]}* o_{name}; "
                         f"CK(lab_malloc((void**)&o_{name}, {count * _size(dtype)}));")
         if v.shared > 48 * 1024:
-            body.append("  CKD(cuFuncSetAttribute(fn, "
+            body.append("  CKD(D.funcSetAttribute(fn, "
                         f"CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {v.shared}));")
         body.append(_launch_macro(v))
         body.append("  LAUNCH(0); CK(cudaGetLastError()); CK(cudaDeviceSynchronize());")
@@ -506,7 +534,7 @@ python3 "$here/nvrtc_build.py" "$here/kernels.cu" /tmp/tq_lab_nvrtc.cubin
 nvcc -O3 -std=c++17 -arch=sm_90 -cubin -Xptxas -v "$here/kernels.cu" -o /tmp/tq_lab_nvcc.cubin \
   2> /tmp/tq_lab_build.txt || { cat /tmp/tq_lab_build.txt; exit 1; }
 grep -E "registers|spill" /tmp/tq_lab_build.txt | grep -v "0 bytes spill" | sed 's/ptxas info    : //' || true
-nvcc -O3 -std=c++17 "$here/main.cu" -o /tmp/tq_lab -lcuda
+nvcc -O3 -std=c++17 "$here/main.cu" -o /tmp/tq_lab -ldl
 /tmp/tq_lab /tmp/tq_lab_nvrtc.cubin
 /tmp/tq_lab /tmp/tq_lab_nvcc.cubin
 [ -z "${TQ_LAB_BOTH:-}" ] || TQ_LAB_MANAGED=1 /tmp/tq_lab /tmp/tq_lab_nvrtc.cubin  # managed memory
