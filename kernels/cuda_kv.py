@@ -509,9 +509,11 @@ _V8_PIECES = (  # (where a piece of `_PARTIAL` starts, where it ends, its replac
 
 
 def _spliced(source: str, pieces) -> str:
+    """`source` with each piece [start, end) replaced (end None: to the end)."""
     for start, end, text in pieces:
         i = source.index(start)
-        source = source[:i] + text + source[source.index(end, i):]
+        j = len(source) if end is None else source.index(end, i)
+        source = source[:i] + text + source[j:]
     return source
 
 
@@ -575,45 +577,17 @@ _MERGE = r"""
 # A candidate merge, lab only like `_PARTIAL_V8` (replayed by tests/test_kv_cuda_layout.py):
 # Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
-# query row: 32 blocks for an 8B layer, 23 us at 32K in the lab).
-_MERGE_SPLIT = r"""
-  constexpr int MAXCH = TQ_MAXCH;
-  __shared__ float w[MAXCH];
-  __shared__ float rot[DV];
-  __shared__ float red[32];
+# query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
+# size read at run time and its last phase (from the compressed chunks' sums on) replaced:
+_SPLIT_SIZES = r"""  constexpr int MAXCH = TQ_MAXCH;
+  const int NT = blockDim.x, NWARPS = NT >> 5;
+"""
+
+_SPLIT_SHARED = r"""  __shared__ float red[32];
   __shared__ float part[4 * DV];  // the Q partial sums of every dim
-  const int nt = blockDim.x, nw = nt >> 5;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int row = blockIdx.x;
-  const int R = part_ml_shape[2];
-  const int bk = row / R, r = row % R;
-  const int nch = part_ml_shape[1];
-  const int ncc = nch - FPCH;
-  const int Q = nt / DV, d = tid % DV, q = tid / DV;
+"""
 
-  float mx = TQ_NEG;
-  for (int c = tid; c < nch; c += nt) mx = fmaxf(mx, part_ml[(((size_t)bk * nch + c) * R + r) * 2]);
-  mx = tq_warp_max(mx);
-  if (lane == 0) red[warp] = mx;
-  __syncthreads();
-  mx = red[0];
-  for (int i = 1; i < nw; ++i) mx = fmaxf(mx, red[i]);
-  __syncthreads();
-
-  float sum = 0.f;
-  for (int c = tid; c < nch; c += nt) {
-    const size_t i = (((size_t)bk * nch + c) * R + r) * 2;
-    const float e = expf(part_ml[i] - mx);
-    w[c] = e;
-    sum += part_ml[i + 1] * e;
-  }
-  sum = tq_warp_sum(sum);
-  if (lane == 0) red[warp] = sum;
-  __syncthreads();
-  sum = 0.f;
-  for (int i = 0; i < nw; ++i) sum += red[i];
-  const float inv = 1.f / sum;
-
+_SPLIT_SUMS = r"""  const int Q = NT / DV, d = tid % DV, q = tid / DV;
   // compressed chunks: thread (d, q) sums chunks q, q + Q, ...
   float a = 0.f;
   #pragma unroll 4
@@ -642,6 +616,12 @@ _MERGE_SPLIT = r"""
     tq_store(out + (size_t)row * DV + d, t);
   }
 """
+
+_MERGE_SPLIT = _spliced(_MERGE, (
+    ("  constexpr int NT = TQ_NT, MAXCH", "  __shared__ float w[MAXCH];", _SPLIT_SIZES),
+    ("  __shared__ float red[NWARPS];", "  const int tid = threadIdx.x", _SPLIT_SHARED),
+    ("  for (int d = tid; d < DV; d += NT) {\n    float a", None, _SPLIT_SUMS),
+))
 
 PARTIAL_INPUTS = ["queries", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k",
                   "sink_v", "tail_k", "tail_v", "mask"]
