@@ -215,42 +215,40 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                           tuple(a.shape)))
             for name, a in zip(cuda_kv.PARTIAL_INPUTS, launch.inputs)]
     tag = f"{context}_k{bits_k}v{bits_v}"
-    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_partial"]
+
+    def variant(source: str, name: str, family: str, args, in_dtypes, out_dtypes, template,
+                grid, block, outputs) -> Variant:
+        """`cuda_kv.SOURCES[source]` as the kernel `name` (its own function name)."""
+        inputs, output_names, body = cuda_kv.SOURCES[source]
+        return Variant(name, family, name,
+                       cuda_kv.HEADER + kernel_source(name, inputs, output_names, body,
+                                                      in_dtypes, out_dtypes, template),
+                       grid, block, 0, args, outputs)
+
     ml_shape, acc_shape = lay.partial_shapes
-    partial = Variant(
-        f"kv_partial_{tag}", f"kv_partial_{tag}", f"kv_partial_{tag}",
-        cuda_kv.HEADER + kernel_source(f"kv_partial_{tag}", inputs, outputs, body,
-                                       [b.dtype for _, b in args], [mx.float32] * 2,
-                                       lay.partial_template),
-        (lay.partial_grid[0] // cuda_kv.NT, lay.partial_grid[1], 1), cuda_kv.NT, 0, args,
+    in_dtypes = [b.dtype for _, b in args]
+    partial = variant(
+        "tq_kv_partial", f"kv_partial_{tag}", f"kv_partial_{tag}", args, in_dtypes,
+        [mx.float32] * 2, lay.partial_template,
+        (lay.partial_grid[0] // cuda_kv.NT, lay.partial_grid[1], 1), cuda_kv.NT,
         [("part_ml", mx.float32, math.prod(ml_shape)),
          ("part_acc", mx.float32, math.prod(acc_shape))])
-    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_partial_v8"]
-    candidate = Variant(  # same family: its outputs are checked against the partial's
-        f"kv_partial_v8_{tag}", f"kv_partial_{tag}", f"kv_partial_v8_{tag}",
-        cuda_kv.HEADER + kernel_source(f"kv_partial_v8_{tag}", inputs, outputs, body,
-                                       [b.dtype for _, b in args], [mx.float32] * 2,
-                                       lay.partial_template),
-        partial.grid, partial.block, 0, args, partial.outputs)
-    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge"]
+    candidate = variant(  # same family: its outputs are checked against the partial's
+        "tq_kv_partial_v8", f"kv_partial_v8_{tag}", partial.family, args, in_dtypes,
+        [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
              ("unrot", Buffer(mx.float32, head_dim * head_dim, "x", False,
                               (head_dim, head_dim)))]
-    merge = Variant(
-        f"kv_merge_{tag}", f"kv_merge_{tag}", f"kv_merge_{tag}",
-        cuda_kv.HEADER + kernel_source(f"kv_merge_{tag}", inputs, outputs, body,
-                                       [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
-        (lay.merge_grid[0] // cuda_kv.NT, 1, 1), cuda_kv.NT, 0, margs,
-        [("out", lay.out_dtype, math.prod(lay.out_shape))])
-    inputs, outputs, body = cuda_kv.SOURCES["tq_kv_merge_split"]
+    merge = variant(
+        "tq_kv_merge", f"kv_merge_{tag}", f"kv_merge_{tag}", margs, [mx.float32] * 3,
+        [lay.out_dtype], lay.merge_template, (lay.merge_grid[0] // cuda_kv.NT, 1, 1),
+        cuda_kv.NT, [("out", lay.out_dtype, math.prod(lay.out_shape))])
     split = min(4, 1024 // head_dim)  # threads a dim
-    merge_split = Variant(  # same family as the merge: checked against it
-        f"kv_merge_split_{tag}", merge.family, f"kv_merge_split_{tag}",
-        cuda_kv.HEADER + kernel_source(f"kv_merge_split_{tag}", inputs, outputs, body,
-                                       [mx.float32] * 3, [lay.out_dtype], lay.merge_template),
-        merge.grid, split * head_dim, 0, margs, merge.outputs)
+    merge_split = variant(  # same family as the merge: checked against it
+        "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
+        [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
     return [partial, candidate, merge, merge_split]
 
 
