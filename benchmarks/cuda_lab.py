@@ -302,7 +302,7 @@ def _fill_code(var: str, buf: Buffer, copies: int) -> str:
         line = f"for (size_t i = 0; i < {n}; ++i) {{ {value[kind]} }}"
     return (f"  {ctype}* {var} = nullptr;\n  {{ std::vector<{ctype}> hv({n}); {ctype}* h = hv.data();\n"
             f"    {line}\n    CK(lab_malloc((void**)&{var}, sizeof({ctype}) * {n}));\n"
-            f"    CK(cudaMemcpy({var}, h, sizeof({ctype}) * {n}, cudaMemcpyHostToDevice)); }}\n")
+            f"    CK(lab_fill({var}, h, sizeof({ctype}) * {n})); }}\n")
 
 
 def _call_args(name: str, buf: Buffer, source: str) -> list[str]:
@@ -388,10 +388,16 @@ static uint32_t next32() { rng_state ^= rng_state << 13; rng_state ^= rng_state 
   rng_state ^= rng_state << 17; return (uint32_t)(rng_state >> 11); }
 static float unit() { return (next32() & 0xffffff) / 16777216.f; }
 // TQ_LAB_MANAGED=1: every buffer in managed memory (cudaMallocManaged), as MLX's CUDA
-// allocator hands them out, instead of device memory (cudaMalloc)
-static bool lab_managed() { static const bool m = getenv("TQ_LAB_MANAGED") != nullptr; return m; }
+// allocator hands them out, instead of device memory (cudaMalloc), filled by cudaMemcpy;
+// TQ_LAB_MANAGED=host: managed memory the host writes first (as MLX fills an array made
+// from host data), so its pages migrate to the GPU when the first kernel touches them
+static const char* lab_managed() { return getenv("TQ_LAB_MANAGED"); }
 static cudaError_t lab_malloc(void** p, size_t bytes) {
   return lab_managed() ? cudaMallocManaged(p, bytes) : cudaMalloc(p, bytes);
+}
+static cudaError_t lab_fill(void* dst, const void* src, size_t bytes) {
+  if (lab_managed() && strcmp(lab_managed(), "host") == 0) { memcpy(dst, src, bytes); return cudaSuccess; }
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
 }
 template <typename T> static float tofloat(T v) { return (float)v; }
 template <> float tofloat<__half>(__half v) { return __half2float(v); }
@@ -422,7 +428,7 @@ int main(int argc, char** argv) {
   cudaEvent_t t0, t1;
   CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
   std::vector<std::pair<std::string, std::vector<float>>> refs;
-  printf("kernels from %s, buffers in %s memory\n", argv[1], lab_managed() ? "managed" : "device");
+  printf("kernels from %s, buffers in %s memory\n", argv[1], lab_managed() ? (strcmp(lab_managed(), "host") == 0 ? "host-written managed" : "managed") : "device");
   printf("%-40s %10s %10s %12s\n", "variant", "us/launch", "GB/s", "max rel diff");
 """
 
