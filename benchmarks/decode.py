@@ -19,6 +19,7 @@ Reproduce (GPU machine, MLX CUDA build):  python benchmarks/decode.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -68,7 +69,7 @@ def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
         model = llama.Model(llama.ModelArgs.from_dict(LLAMA3_8B))
     model.set_dtype(mx.bfloat16)
     if variant.startswith("affine"):
-        nn.quantize(model, group_size=64, bits=int(variant[-1]),
+        nn.quantize(model, group_size=64, bits=int(variant[len("affine")]),
                     class_predicate=lambda p, m: hasattr(m, "to_quantized") and p != "lm_head"
                     and not isinstance(m, nn.Embedding))
     elif variant.startswith("tq"):
@@ -95,12 +96,25 @@ def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
                 parent_path, _, name = path.rpartition(".")
                 parent = model if not parent_path else dict(model.named_modules())[parent_path]
                 setattr(parent, name, new)
-        if not variant.endswith("-single"):
+        if "-single" not in variant:
             group_linears(model)  # q/k/v and gate/up as one kernel, as runtime.load does on CUDA
-        if not variant.endswith(("-single", "-grouped")) and fuse.BLOCKS:
+        if "-single" not in variant and "-grouped" not in variant and fuse.BLOCKS:
             fuse_blocks(model)  # norms, SwiGLU and residuals in the kernels, as runtime.load does
     mx.eval(model.parameters())
     return model
+
+
+@contextlib.contextmanager
+def reference_kernel(op: str, on: bool):
+    """While inside (when `on`), `op` runs through the pure-MLX reference on this backend."""
+    kernel = dispatch.registered(dispatch.backend(), op) if on else None
+    if kernel is not None:
+        dispatch.unregister(dispatch.backend(), op)
+    try:
+        yield
+    finally:
+        if kernel is not None:
+            dispatch.register(dispatch.backend(), op, kernel)
 
 
 def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
@@ -128,12 +142,27 @@ def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
     return float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
 
 
+def run_variant(model, args) -> float | None:
+    """Decode tokens/s after a warm-up; None when --profile printed a profile instead."""
+    decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
+    if not args.profile:
+        return decode_tps(model, args.tokens)
+    import cProfile
+    import pstats
+
+    with cProfile.Profile() as prof:
+        decode_tps(model, 32)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--variants", default="bf16,affine4,tq3,tq4,tq3-grouped,tq3-single",
                     help="tqN: as loaded (grouped q/k/v and gate/up, fused decoder blocks); "
-                         "tqN-grouped: grouped, mlx-lm's blocks; tqN-single: one kernel per linear")
+                         "tqN-grouped: grouped, mlx-lm's blocks; tqN-single: one kernel per linear; "
+                         "a -refgather suffix runs the experts through the pure-MLX gather")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
@@ -159,16 +188,10 @@ def main() -> None:
     results = {}
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
-        decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
-        if args.profile:
-            import cProfile
-            import pstats
-
-            with cProfile.Profile() as prof:
-                decode_tps(model, 32)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        with reference_kernel("gather_matmul", "-refgather" in variant):
+            tps = run_variant(model, args)
+        if tps is None:
             return
-        tps = decode_tps(model, args.tokens)
         results[variant] = tps
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)

@@ -63,6 +63,12 @@ def unregister(backend: str, op: str) -> None:
     _WRAPPED.pop((backend, op), None)
 
 
+def registered(backend: str, op: str) -> Callable | None:
+    """The kernel `register` gave `op` on `backend`, or None (the reference runs)."""
+    _load_backend(backend)
+    return _TABLE.get((backend, op))
+
+
 def backend() -> str:
     """'cuda', 'metal' or 'cpu': where kernels run for `mx.default_device()`."""
     if mx.default_device().type != mx.gpu:

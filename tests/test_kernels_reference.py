@@ -173,8 +173,10 @@ def test_dispatch_uses_the_cpu_kernels_on_cpu_and_a_registered_kernel_on_its_gpu
         calls.append(args)
         raise NotImplementedError  # falls back to the reference
 
+    assert dispatch.registered("metal", "matvec") is None
     dispatch.register("metal", "matvec", fake)
     try:
+        assert dispatch.registered("metal", "matvec") is fake
         got = dispatch.get("matvec")
         assert getattr(got, "__wrapped__", got) is cpu_matvec  # still on the CPU
         fn = dispatch.get("matvec", device_backend="metal")
@@ -184,6 +186,7 @@ def test_dispatch_uses_the_cpu_kernels_on_cpu_and_a_registered_kernel_on_its_gpu
         assert len(calls) == 1
     finally:
         dispatch.unregister("metal", "matvec")
+    assert dispatch.registered("metal", "matvec") is None
     with pytest.raises(ValueError):
         dispatch.register("tpu", "matvec", fake)
     with pytest.raises(ValueError):
