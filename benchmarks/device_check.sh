@@ -5,7 +5,7 @@
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
-#   tests-new  decode-tq3x3
+#   tests-new  decode-tq3x3  ncu-gemv-full  constants
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -41,7 +41,7 @@ for s in "$@"; do
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;
     decode-moe)  # a Qwen3-30B-A3B-shaped MoE (12 layers): experts through the gathered GEMV
       step decode-moe 420 env MLX_USE_CUDA_GRAPHS=0 python3 \
-        benchmarks/decode.py --moe --variants affine4,tq3,affine4,tq3 ;;
+        benchmarks/decode.py --moe --variants affine4,tq3,tq3-refgather,affine4,tq3,tq3-refgather ;;
     decode-ab)  # end-to-end figures vary by up to 30% between runs: alternate, in one process
       step decode-ab 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped,affine4,tq3,tq3-grouped ;;
@@ -62,6 +62,22 @@ for s in "$@"; do
     tests-new)  # the gathered experts and ternary codes on CUDA (passed 15/15 in session 7)
       step tests-new 240 python3 -P -m pytest -q -k "ternary or gathered or gather" \
         tests/test_kernels_cuda_linear.py tests/test_kernels_cuda_launch.py ;;
+    ncu-gemv-full)  # the GEMV under MLX with the sections lab/profile.sh reads in the lab
+      step ncu-gemv-full 200 env MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none \
+        --kernel-name regex:tq_gemv --launch-skip 400 --launch-count 1 $NCU_SECTIONS \
+        --section SourceCounters python3 -P benchmarks/kernels.py --loop ;;
+    constants)  # small kernel operands in pages of their own (kernels/cuda_memory.py)
+      step tests-constants 60 python3 -P -m pytest -q -x tests/test_cuda_memory.py
+      step gemv-loop 60 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --loop
+      step decode-ab2 150 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
+        --variants affine4,tq3,affine4,tq3 --tokens 96 ;;
+    ncu-gemv-advised)  # the GEMV under MLX before (launches 400-401) and after (1400-1401)
+      # kernels.py --loop advises its operands to live on the GPU
+      for skip in 400 1400; do
+        step "ncu-gemv-skip$skip" 200 env MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none \
+          --kernel-name regex:tq_gemv --launch-skip $skip --launch-count 2 --section SpeedOfLight \
+          --section WarpStateStats python3 -P benchmarks/kernels.py --loop
+      done ;;
     gemv-loop-only) step gemv-loop 150 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --loop ;;
     decode-tq3x3)  # does TQ3's rate fall from round to round in one process? (SM clock,
       # power and temperature logged beside it: TQ's kernels are partly ALU-bound, so a

@@ -20,7 +20,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from turboquant.kernels import cuda_gemv
+from turboquant.kernels import cuda_gemv, cuda_memory
 from turboquant.stages import codebook_values
 
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -51,11 +51,12 @@ def tq_operands(out_f: int, in_f: int, bits: int, group: int = 64, seed: int = 0
     return codes, low, high, scales
 
 
-def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=None):
+def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=None, pooled=False):
     """One GEMV call as a runtime layer makes it: the launch, codebook and index arrays
-    are built once (`tq_launch`), so a call is one custom-kernel op."""
+    are built once (`tq_launch`), so a call is one custom-kernel op. `pooled`: the small
+    operands as plain MLX arrays (in pages the host writes too), as before session 8."""
     run, operands = tq_launch(out_f, x.shape[-1], bits, scales.shape[-1], group, rows_per_warp)
-    return run(x, low, high, scales, *operands)
+    return run(x, low, high, scales, *(_plain_operands(bits) if pooled else operands))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,10 +65,16 @@ def tq_launch(out_f, padded, bits, nscales, group=64, rows_per_warp=None):
     run = cuda_gemv.launch(
         bits=bits, group_size=group, out_features=out_f, padded=padded, nscales=nscales,
         pairs=1, rows_per_warp=rows_per_warp)
+    return run, tuple(cuda_memory.device_constant(a) for a in _plain_operands(bits))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_operands(bits: int) -> tuple[mx.array, ...]:
+    """(levels, pair_expert, pair_row, bias) of a one-token GEMV as plain MLX arrays."""
     pairs = mx.zeros((1,), dtype=mx.int32)
     operands = (codebook_values(bits), pairs, pairs, mx.zeros((1,), dtype=mx.float32))
     mx.eval(operands)
-    return run, operands
+    return operands
 
 
 def sweep_rows_per_warp(out_f: int = 28672, in_f: int = 8192) -> None:
@@ -265,21 +272,29 @@ def gemv_loop(out_f: int = 28672, in_f: int = 8192, bits: int = 3, per_eval: int
     xb = x.astype(mx.bfloat16)
     calls = {
         f"tq{bits}": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f),
+        f"tq{bits}, small operands pooled": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f,
+                                                              pooled=True),
         f"affine{bits}": lambda i: mx.quantized_matmul(xb, *qs[i % 2], transpose=True,
                                                        group_size=64, bits=bits),
     }
     for name, call in calls.items():
-        mx.eval([call(i) for i in range(per_eval)])
-        rows = []
-        for _ in range(evals):
-            t0 = time.perf_counter()
-            outs = [call(i) for i in range(per_eval)]
-            t1 = time.perf_counter()
-            mx.eval(outs)
-            rows.append(((time.perf_counter() - t0) / per_eval, (t1 - t0) / per_eval))
-        total, build = sorted(rows)[len(rows) // 2]
-        print(f"{name} {out_f}x{in_f}, {per_eval} per eval: {total * 1e6:7.1f} us per GEMV "
-              f"({build * 1e6:.1f} us of graph building per call)", flush=True)
+        _time_loop(f"{name} {out_f}x{in_f}", call, per_eval, evals)
+
+
+def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
+    """Median over `evals` evaluations of `per_eval` calls: us per call, and of it, graph
+    building."""
+    mx.eval([call(i) for i in range(per_eval)])
+    rows = []
+    for _ in range(evals):
+        t0 = time.perf_counter()
+        outs = [call(i) for i in range(per_eval)]
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        rows.append(((time.perf_counter() - t0) / per_eval, (t1 - t0) / per_eval))
+    total, build = sorted(rows)[len(rows) // 2]
+    print(f"{label}, {per_eval} per eval: {total * 1e6:7.1f} us per GEMV "
+          f"({build * 1e6:.1f} us of graph building per call)", flush=True)
 
 
 def main() -> None:

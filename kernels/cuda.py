@@ -16,6 +16,8 @@ GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next
 activations), prepared once per weight (or group, or switch layer) on first use and kept
 beside the stored codes: in the caller's `prepared` dict when it passes one (runtime
 layers do), else in a cache keyed on what was built and the code arrays, freed with them.
+The small operands every block reads (codebooks, pair indices, no-bias flags, norm weights)
+are `cuda_memory.device_constant`s: pages of their own, on the GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import mlx.core as mx
 
 from turboquant.stages import codebook_values, unpack_codes
 
-from . import cuda_gemv, cuda_linear, cuda_rotate, dispatch, group, reference
+from . import cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group, reference
 
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
@@ -105,15 +107,14 @@ def _levels(bits: int | str) -> mx.array:
     levels = codebook_values(bits)
     if bits == "ternary":  # [-c, 0, +c] and an unused fourth entry for the 2-bit table
         levels = mx.concatenate([levels, mx.zeros((1,), dtype=levels.dtype)])
-    return levels
+    return cuda_memory.device_constant(levels)
 
 
 @functools.lru_cache(maxsize=64)
 def _pair_arrays(rows: int) -> tuple[mx.array, mx.array]:
     """Expert 0 and x row p for every pair p: the dense GEMV's index arrays."""
     expert, row = mx.zeros((rows,), dtype=mx.int32), mx.arange(rows, dtype=mx.int32)
-    mx.eval(expert, row)
-    return expert, row
+    return cuda_memory.device_constant(expert), cuda_memory.device_constant(row)
 
 
 class _Plan:
@@ -190,7 +191,7 @@ class _Plan:
         hit = self.norms.get(id(weight))
         if hit is None or hit[0] is not weight or hit[1] != eps:
             packed = mx.concatenate([weight.astype(mx.float32), mx.array([eps], mx.float32)])
-            mx.eval(packed)
+            packed = cuda_memory.device_constant(packed)
             hit = self.norms[id(weight)] = (weight, eps, packed)
         return hit[2]
 

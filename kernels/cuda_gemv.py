@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import cuda_memory
+
 GROUP_CODES = 64  # codes a lane handles per step
 ROWS_PER_WARP = 4  # most rows a warp runs: its two register buffers of weights fit in ~96 registers
 WARPS_WANTED = 512  # below this many warps a matrix runs fewer rows per warp
@@ -451,4 +453,4 @@ def gemv(
 
 @functools.lru_cache(maxsize=None)
 def _no_bias() -> mx.array:
-    return mx.zeros((1,), dtype=mx.float32)
+    return cuda_memory.device_constant(mx.zeros((1,), dtype=mx.float32))

@@ -53,7 +53,7 @@ import numpy as np
 
 from turboquant.stages import unrotate
 
-from . import cuda_rotate
+from . import cuda_memory, cuda_rotate
 from .kv_reference import NEG, KVParts, kv_levels, kv_words
 
 NT = 128  # threads per block in every kernel
@@ -680,9 +680,7 @@ def _unrotation(seed: int, v_dim: int) -> mx.array:
     CPU builds a 128 x 128 matrix in a few milliseconds."""
     with mx.stream(mx.cpu):
         unrot = np.asarray(unrotate(mx.eye(v_dim, dtype=mx.float32), seed))
-    unrot = mx.array(unrot)
-    mx.eval(unrot)
-    return unrot
+    return cuda_memory.device_constant(mx.array(unrot))
 
 
 def rotation(seed: int, k_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -710,16 +708,13 @@ def _consts(seed: int, k_dim: int, bits_k: int, bits_v: int, scale: float) -> tu
         lk, lv = (np.asarray(kv_levels(b).astype(mx.float32)) for b in (bits_k, bits_v))
     scales = np.array([scale, scale / math.sqrt(k_dim)], dtype=np.float32)
     c = mx.array(np.concatenate([signs, mix.reshape(-1), lk, lv, scales]).astype(np.float32))
-    mx.eval(c)
-    return c, p
+    return cuda_memory.device_constant(c), p
 
 
 @functools.lru_cache(maxsize=None)
 def _dummy(dtype, ndim: int = 4) -> mx.array:
     """Stands in for an absent input (never read: its flag is off)."""
-    d = mx.zeros((1,) * ndim, dtype=dtype) + 0  # a real buffer, not a broadcast
-    mx.eval(d)
-    return d
+    return cuda_memory.device_constant(mx.zeros((1,) * ndim, dtype=dtype) + 0)
 
 
 def mask_bias(mask, b: int, total: int):

@@ -32,6 +32,8 @@ import numpy as np
 
 from turboquant.stages.rotate import _MLX_MAX_POW2, _hadamard_signs, _plan
 
+from . import cuda_memory
+
 THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
@@ -203,7 +205,8 @@ def operands(seeds: tuple[int, ...], n: int) -> tuple[mx.array, mx.array, int, i
         raise NotImplementedError(f"rotation of size {n} ({a} x {p}) is too large for one block")
     signs = np.stack([np.asarray(_plan(s, n)[0]) for s in seeds]).astype(np.float32)
     mix = np.stack([_mixing(s, n) for s in seeds]).astype(np.float32)
-    return mx.array(signs), mx.array(mix), a, p
+    return (cuda_memory.device_constant(mx.array(signs)),
+            cuda_memory.device_constant(mx.array(mix)), a, p)
 
 
 @functools.lru_cache(maxsize=1024)
