@@ -234,8 +234,17 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [("part_ml", mx.float32, math.prod(ml_shape)),
          ("part_acc", mx.float32, math.prod(acc_shape))])
     candidate = variant(  # same family: its outputs are checked against the partial's
-        "tq_kv_partial_v8", f"kv_partial_v8_{tag}", partial.family, args, in_dtypes,
+        "tq_kv_partial_vec", f"kv_partial_vec_{tag}", partial.family, args, in_dtypes,
         [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
+    # the candidate grid (`cuda_kv.plan_waves`, H200: 132 SMs): its own family, as its
+    # chunk sums differ; only its time is compared
+    ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS)
+    waves_shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
+    waves = variant(
+        "tq_kv_partial", f"kv_partial_waves_{tag}", f"kv_partial_waves_{tag}", args, in_dtypes,
+        [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
+        [(name, mx.float32, math.prod(shape))
+         for name, shape in zip(("part_ml", "part_acc"), waves_shapes)])
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -249,7 +258,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
-    return [partial, candidate, merge, merge_split]
+    return [partial, candidate, waves, merge, merge_split]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
@@ -269,6 +278,7 @@ VARIANTS = [
 
 
 KV_CONTEXTS = (1024, 32768)
+H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidate)
 
 
 def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS) -> list[Variant]:

@@ -37,8 +37,9 @@ query position, nothing compressed yet, per-head masks, sink and tail of differe
 dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
 `tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
-also holds candidates the runtime does not use (`_PARTIAL_V8`, `_MERGE_SPLIT`): the
-kernel lab (`benchmarks/cuda_lab.py`) times each beside the kernel it would replace.
+also holds candidates the runtime does not use (`_PARTIAL_VEC`, `_MERGE_SPLIT`), and
+`plan_waves` is a candidate grid: the kernel lab (`benchmarks/cuda_lab.py`) times each
+beside what it would replace.
 """
 
 from __future__ import annotations
@@ -409,103 +410,40 @@ _PARTIAL = r"""
 """
 
 # A candidate partial kernel, timed and checked against `_PARTIAL` by the kernel lab
-# (`benchmarks/cuda_lab.py`, family kv_partial_*; `tests/test_kv_cuda_layout.py` replays
-# it) and not used by the runtime until it has passed the GPU tests: the value phase takes
-# 8 dims a thread (their codes unpacked from one or two words) for every VG8-th token,
-# instead of a dim a thread for every token, and the token groups add their sums in
-# shared memory at the end. `_PARTIAL` with its three value-phase pieces replaced:
-_V8_SETUP = r"""  // value phase, 8 dims a thread: thread -> (token group vg, dims 8vd .. 8vd + 7);
-  // the dims' codes sit in one or two words of the packed row (BV * 8 <= 64 bits)
-  constexpr int VSLOT8 = DV / 8;            // threads per token group
-  constexpr int VG8 = NT / VSLOT8;          // token groups
-  static_assert(DV % 8 == 0 && VSLOT8 <= NT, "8 value dims a thread");
-  const int vg = tid / VSLOT8, vd = tid % VSLOT8, d0 = 8 * vd;
-  auto codes8 = [](const uint32_t* row, int first) -> uint64_t {
-    if (BV == 3) {  // 32 codes in 3 words: code j at bit 3j of the block's 96 bits
-      const int o = 3 * (first & 31), k = o >> 5, sh = o & 31;
-      const uint32_t* w = row + 3 * (first >> 5) + k;
-      uint64_t v = w[0] >> sh;
-      if (sh > 8) v |= (uint64_t)w[1] << (32 - sh);
-      return v;
-    }
-    const int bit = first * BV, k = bit >> 5, sh = bit & 31;
-    uint64_t v = (uint64_t)row[k] >> sh;
-    if (BV * 8 > 32 - sh) v |= (uint64_t)row[k + 1] << (32 - sh);
-    return v;
-  };
-  __shared__ float vacc[R * DV];  // the token groups' sums, added at the end
-  for (int i = tid; i < R * DV; i += NT) vacc[i] = 0.f;
-  float acc[8][R];
-  #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) acc[k][r] = 0.f;
-  }
-  __syncthreads();
-
+# (`benchmarks/cuda_lab.py`, family kv_partial_*) and not used by the runtime until it
+# has passed the GPU tests: a thread reads its token's key row in 16-byte loads where the
+# row allows it (contiguous, 16-byte aligned, whole 16-byte units: the same for every
+# token of a block) instead of word by word. Session 8's ncu of `_PARTIAL` at 32K: 77% of
+# its global sectors were excess (16 scattered 4-byte loads a row for K4/128) and its
+# L1 66% busy. The words, and so the sums, are the same. `_PARTIAL` with two pieces
+# replaced:
+_VEC_FLAG = r"""  const float v_scale = 1.f / sqrtf((float)DV);
+  const bool vec_keys = WK % 4 == 0 && k_codes_strides[3] == 1 && k_codes_strides[2] % 4 == 0 &&
+      (reinterpret_cast<unsigned long long>(k_codes + kc_base) & 15ull) == 0;
 """
 
-_V8_VALUES = r"""    // ---- values: 8 dims a thread, every VG8-th token of the tile
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float a = a_s[r];
-      #pragma unroll
-      for (int k = 0; k < 8; ++k) acc[k][r] *= a;
-    }
-    const int ntile = min(TILE, n_tok - tile * TILE);
-    if (vg < VG8) {
-      for (int u = vg; u < ntile; u += VG8) {
-        const int t2 = tile * TILE + u;
-        float p[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) p[r] = sc[u * R + r];
-        float x[8];
-        if (!fp) {
-          const uint64_t bits = codes8(vw + u * WV, d0);
+_VEC_ROW = r"""        const long long ws = k_codes_strides[3];
+        constexpr int WK4 = (WK + 3) / 4;  // the row in whole 16-byte units
+        uint32_t row[WK4 * 4];
+        if (vec_keys) {
           #pragma unroll
-          for (int k = 0; k < 8; ++k) x[k] = lv[(bits >> (BV * k)) & ((1u << BV) - 1u)];
-        } else if (t2 < S) {
-          #pragma unroll
-          for (int k = 0; k < 8; ++k)
-            x[k] = (float)sink_v[sv_base + (long long)t2 * sink_v_strides[2] +
-                                 (d0 + k) * sink_v_strides[3]];
+          for (int k4 = 0; k4 < WK4; ++k4) {
+            const uint4 q = reinterpret_cast<const uint4*>(krow)[k4];
+            row[4 * k4] = q.x;
+            row[4 * k4 + 1] = q.y;
+            row[4 * k4 + 2] = q.z;
+            row[4 * k4 + 3] = q.w;
+          }
         } else {
           #pragma unroll
-          for (int k = 0; k < 8; ++k)
-            x[k] = (float)tail_v[tv_base + (long long)(t2 - S) * tail_v_strides[2] +
-                                 (d0 + k) * tail_v_strides[3]];
+          for (int k = 0; k < WK; ++k) row[k] = krow[k * ws];
         }
         #pragma unroll
-        for (int k = 0; k < 8; ++k) {
+        for (int blk = 0; blk < NBK; ++blk) {
+          uint32_t w[BK];
           #pragma unroll
-          for (int r = 0; r < R; ++r) acc[k][r] += p[r] * x[k];
-        }
-      }
-    }
-    __syncthreads();
-  }
-
+          for (int k = 0; k < BK; ++k) w[k] = blk * BK + k < WK ? row[blk * BK + k] : 0u;
 """
-
-_V8_STORE = r"""  // ---- the token groups' sums, then the chunk's accumulator
-  if (vg < VG8) {
-    #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      #pragma unroll
-      for (int r = 0; r < R; ++r) atomicAdd(&vacc[r * DV + d0 + k], acc[k][r]);
-    }
-  }
-  __syncthreads();
-  const size_t prow = ((size_t)bk * nch + chunk) * R;
-  for (int i = tid; i < R * DV; i += NT) part_acc[prow * DV + i] = vacc[i];
-"""
-
-_V8_PIECES = (  # (where a piece of `_PARTIAL` starts, where it ends, its replacement)
-    ("  // value phase: thread -> (token group", "  for (int tile = tile0;", _V8_SETUP),
-    ("    // ---- values: a thread per output dim", "  // ---- token groups -> group 0",
-     _V8_VALUES),
-    ("  // ---- token groups -> group 0", "  if (tid < R) {\n    part_ml", _V8_STORE),
-)
 
 
 def _spliced(source: str, pieces) -> str:
@@ -517,7 +455,11 @@ def _spliced(source: str, pieces) -> str:
     return source
 
 
-_PARTIAL_V8 = _spliced(_PARTIAL, _V8_PIECES)
+_PARTIAL_VEC = _spliced(_PARTIAL, (
+    ("  const float v_scale = 1.f / sqrtf((float)DV);\n", "\n  // value phase: thread", _VEC_FLAG),
+    ("        const long long ws = k_codes_strides[3];",
+     "          #pragma unroll\n          for (int j = 0; j < 32; ++j) {", _VEC_ROW),
+))
 
 # One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
 # (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (B, H, 1, DV) in the queries' dtype.
@@ -574,7 +516,7 @@ _MERGE = r"""
   }
 """
 
-# A candidate merge, lab only like `_PARTIAL_V8` (replayed by tests/test_kv_cuda_layout.py):
+# A candidate merge, lab only like `_PARTIAL_VEC` (replayed by tests/test_kv_cuda_layout.py):
 # Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
 # query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
@@ -629,7 +571,7 @@ MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
 SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile check wraps
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
-    "tq_kv_partial_v8": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_V8),  # lab only
+    "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # lab only
     "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # lab only
 }
 HEADER = _HEADER
@@ -662,6 +604,26 @@ def plan(b: int, kv: int, c_len: int, f_len: int) -> tuple[int, int]:
     fpch = 0 if f_len == 0 else min(MAX_FP_CHUNKS, -(-f_len // FP_TOKENS_PER_CHUNK))
     ncc = max(1, min(tiles, TARGET_BLOCKS // (b * kv), MAX_CHUNKS - fpch))
     return ncc, fpch
+
+
+PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int) -> tuple[int, int]:
+    """A candidate `plan` (lab only until measured): the fewest compressed chunks that
+    minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
+    instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
+    Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
+    tiles = -(-c_len // TILE)
+    _, fpch = plan(b, kv, c_len, f_len)
+    slots = sms * PARTIAL_BLOCKS_PER_SM
+    best = None
+    for ncc in range(1, max(1, min(tiles, MAX_CHUNKS - fpch)) + 1):
+        cost = -(-(ncc + fpch) * b * kv // slots) * -(-tiles // ncc)
+        if best is None or cost < best[0]:
+            best = (cost, ncc)
+    return best[1], fpch
 
 
 def chunk_tiles(tiles: int, n_chunks: int, c_idx: int) -> tuple[int, int]:

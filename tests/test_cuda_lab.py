@@ -59,7 +59,7 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, candidate, merge, merge_split = lab.build([], kv_contexts=(4096,))
+    partial, candidate, waves, merge, merge_split = lab.build([], kv_contexts=(4096,))
     assert merge_split.family == merge.family and merge_split.block == 4 * 128
     # the candidate partial kernel runs the same launch and is checked against it
     assert candidate.family == partial.family and candidate.func != partial.func
@@ -67,6 +67,9 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
                                                                 partial.args)
     from turboquant.kernels import cuda_kv
 
+    # the wave-filling grid: its own family (other chunk sums), fewer chunks at 32K only
+    assert waves.family != partial.family and waves.args == partial.args
+    assert waves.grid == partial.grid  # 4K: 32 chunks fill less than a wave either way
     assert [n for n, _ in partial.args] == cuda_kv.PARTIAL_INPUTS
     args = dict(partial.args)
     assert args["k_codes"].shape == (1, 8, 4096, 16) and args["k_codes"].weight  # K4: 16 words

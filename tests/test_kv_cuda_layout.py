@@ -143,30 +143,6 @@ def staged_code_at(vw: np.ndarray, u, word, shift, bits, wv, valid) -> np.ndarra
     return (c & np.uint32((1 << bits) - 1)).astype(np.int64)
 
 
-def staged_codes8(vw: np.ndarray, u, first, bits, wv, valid) -> np.ndarray:
-    """The candidate kernel's `codes8`: the bits of codes first .. first + 7 of staged row
-    u (first a multiple of 8), code k at bit bits * k."""
-    def at(w, ok):
-        ix = u * wv + w
-        assert (ix[ok] < vw.size).all() and (w[ok] < wv).all(), "staged code read out of range"
-        return np.where(ok, vw[np.where(ok, ix, 0)], np.uint32(0)).astype(np.uint64)
-
-    if bits == 3:  # 32 codes in 3 words: code j at bit 3j of the block's 96 bits
-        o = 3 * (first & 31)
-        word, sh = 3 * (first >> 5) + (o >> 5), o & 31
-        more = sh > 8
-    else:
-        bit = first * bits
-        word, sh = bit >> 5, bit & 31
-        more = bits * 8 > 32 - sh
-    v = at(word, valid) >> sh.astype(np.uint64)
-    up = np.where(more, 32 - sh, 0).astype(np.uint64)
-    return v | np.where(valid & more, at(word + 1, valid & more) << up, np.uint64(0))
-
-
-# ---------------------------------------------------------------------------- the kernels
-
-
 def emulate_query_rows(L: cuda_kv.Launch, queries: Arg, b: int, h: int, fp: bool) -> np.ndarray:
     """The partial block's prologue: qs (R * KD) of KV head h, as the kernel leaves it."""
     T = dict(L.layout.partial_template)
@@ -202,9 +178,23 @@ def emulate_query_rows(L: cuda_kv.Launch, queries: Arg, b: int, h: int, fp: bool
     return out.reshape(R, KD)
 
 
-def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1):
-    """`_PARTIAL` (value_dims 1: a dim a thread), or the lab's candidate `_PARTIAL_V8`
-    (value_dims 8: 8 dims a thread for every VG8-th token)."""
+def key_rows(k_codes: Arg, b, h, t, wk: int, valid, vec_keys: bool) -> list[np.ndarray]:
+    """The WK words of each thread's key row: word by word, or (`_PARTIAL_VEC` when its
+    guard holds) as whole 16-byte units read flat from the row's start, which must then be
+    16-byte aligned; units past the row's end are never read."""
+    s2, s3 = k_codes.strides[2], k_codes.strides[3]
+    start = k_codes.offset + b * k_codes.strides[0] + h * k_codes.strides[1]
+    if not (vec_keys and wk % 4 == 0 and s3 == 1 and s2 % 4 == 0 and start % 4 == 0):
+        return [k_codes.read(b, h, t, k, valid=valid) for k in range(wk)]
+    base = start + np.where(valid, t, 0) * s2
+    assert (base[valid] % 4 == 0).all(), "a 16-byte key load would be misaligned"
+    assert (base[valid] + wk <= k_codes.flat.size).all(), "a key load past the buffer"
+    return [np.where(valid, k_codes.flat[base + k], np.uint32(0)) for k in range(wk)]
+
+
+def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False):
+    """`_PARTIAL`, or with `vec_keys` the lab's candidate `_PARTIAL_VEC` (a key row read in
+    16-byte units where the kernel's guard allows: contiguous, aligned, whole units)."""
     T = dict(L.layout.partial_template)
     KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
     WK, WV = kv_words(KD, BK), kv_words(DV, BV)  # the kernel's tq_words
@@ -214,8 +204,6 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
     VSLOT = DV if DV < NT else NT
     VG = NT // DV if DV < NT else 1
     DPT = (DV + NT - 1) // NT
-    VSLOT8 = DV // 8
-    VG8 = NT // VSLOT8
     nch = L.layout.nch
     grid_y, grid_x = L.layout.partial_grid[1], L.layout.partial_grid[0] // NT
     assert grid_x == nch and L.layout.partial_grid[2] == 1
@@ -249,8 +237,6 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
             vg, vd = tid // VSLOT, tid % VSLOT
             vpos = [code_pos(vd + k * VSLOT, BV) for k in range(DPT)]
             acc = np.zeros((DPT, R, NT), F32)
-            vg8, d0 = tid // VSLOT8, 8 * (tid % VSLOT8)
-            acc8 = np.zeros((8, R, NT), F32)
 
             for tile in range(tile0, tile1):
                 if not fp:  # the tile's value codes, staged in shared memory
@@ -261,9 +247,10 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
                 valid = t < n_tok
                 s = np.zeros((R, NT), F32)
                 if not fp:
+                    row = key_rows(args["k_codes"], b, h, t, WK, valid, vec_keys)
                     for blk in range(NBK):
-                        w = [args["k_codes"].read(b, h, t, blk * BK + k, valid=valid)
-                             if blk * BK + k < WK else np.zeros(NT, np.uint32) for k in range(BK)]
+                        w = [row[blk * BK + k] if blk * BK + k < WK else np.zeros(NT, np.uint32)
+                             for k in range(BK)]
                         for j in range(32):
                             if blk * 32 + j < KD:
                                 s += qs[:, blk * 32 + j : blk * 32 + j + 1] * lk[block_code(w, j, BK)]
@@ -300,31 +287,10 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
                     a = np.exp(F32(m_s[r] - m_new))
                     a_s[r], l_s[r], m_s[r] = a, l_s[r] * a + p.sum(dtype=F32), m_new
                 acc *= a_s[None, :, None]
-                acc8 *= a_s[None, :, None]
 
                 ntile = min(TILE, n_tok - tile * TILE)
-                for step in range(-(-ntile // VG8) if value_dims == 8 else 0):
-                    u = step * VG8 + vg8
-                    active = (vg8 < VG8) & (u < ntile)
-                    t2 = tile * TILE + u
-                    p = sc[np.where(active, u, 0)[None] * R + r_ix]
-                    if not fp:
-                        bits = staged_codes8(vw, u, d0, BV, WV, active)
-                    for k in range(8):
-                        if not fp:
-                            code = (bits >> np.uint64(BV * k)) & np.uint64((1 << BV) - 1)
-                            x = lv[code.astype(np.int64)]
-                        else:
-                            x = np.zeros(NT, F32)
-                            if T["HAS_SINK"]:
-                                x += args["sink_v"].read(b, h, t2, d0 + k,
-                                                         valid=active & (t2 < S)).astype(F32)
-                            if T["HAS_TAIL"]:
-                                x += args["tail_v"].read(b, h, t2 - S, d0 + k,
-                                                         valid=active & (t2 >= S)).astype(F32)
-                        acc8[k] += np.where(active, p * x, F32(0))
                 # a dim a thread: u = vg, vg + VG, ...
-                for step in range(-(-ntile // VG) if value_dims == 1 else 0):
+                for step in range(-(-ntile // VG)):
                     u = step * VG + vg
                     active = (vg < VG) & (u < ntile)
                     t2 = tile * TILE + u
@@ -342,17 +308,6 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1
                         pv = sc[np.where(act, u, 0)[None] * R + r_ix]
                         acc[k] += np.where(act, pv * x, F32(0))
 
-            if value_dims == 8:  # the token groups add into shared memory, then one store
-                vacc = np.zeros(R * DV, F32)
-                for k in range(8):
-                    for r in range(R):
-                        sel = vg8 < VG8
-                        np.add.at(vacc, r * DV + d0[sel] + k, acc8[k, r, sel])
-                prow = (bk * nch + chunk) * R
-                part_acc.write(prow * DV + np.arange(R * DV), vacc)
-                part_ml.write((prow + r_ix[:, 0]) * 2, m_s)
-                part_ml.write((prow + r_ix[:, 0]) * 2 + 1, l_s)
-                continue
             if VG > 1:  # token groups reduce through sc
                 red = np.full(TILE * R, np.nan, F32)
                 for r in range(R):
@@ -426,13 +381,13 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
     return out.done().reshape(L.layout.out_shape)
 
 
-def emulate(L: cuda_kv.Launch, args: dict[str, Arg], value_dims: int = 1,
+def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
             split: int = 1) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
     names = cuda_kv.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
-    ml, acc = emulate_partial(L, full, value_dims)
+    ml, acc = emulate_partial(L, full, vec_keys)
     assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
     return emulate_merge(L, ml, acc, split)
 
@@ -501,9 +456,9 @@ def _transposed(qb: np.ndarray) -> Arg:
     return a
 
 
-def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, value_dims=1, split=1):
+def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, vec_keys=False, split=1):
     launch = cuda_kv.prepare(q, parts, scale, mask)
-    got = emulate(launch, args, value_dims, split)
+    got = emulate(launch, args, vec_keys, split)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
     err = np.abs(got - want).max()
     assert err < atol * max(1.0, np.abs(want).max()), (
@@ -531,10 +486,45 @@ def test_emulated_kernels_match_reference(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_candidate_value_phase_matches_reference(name):
-    """The lab's candidate partial kernel (`cuda_kv._PARTIAL_V8`: 8 value dims a thread,
-    codes of 2/3/4/8 bits unpacked from one or two words) replayed the same way."""
-    check(*make_case(**CASES[name], seed=len(name)), value_dims=8)
+def test_candidate_key_loads_match_reference(name):
+    """The lab's candidate partial kernel (`cuda_kv._PARTIAL_VEC`: key rows in 16-byte
+    loads where they are contiguous and aligned) replayed the same way."""
+    check(*make_case(**CASES[name], seed=len(name)), vec_keys=True)
+
+
+def test_candidate_key_loads_take_16_byte_units_only_where_the_guard_allows():
+    rows = np.arange(2 * 3 * 10 * 16, dtype=np.uint32).reshape(2, 3, 10, 16)
+    t, valid = np.arange(8), np.ones(8, bool)
+    aligned = Arg(rows, (slice(None), slice(None), slice(0, 8)))
+    shifted = Arg(rows, (slice(None), slice(None), slice(0, 8)))
+    shifted.offset += 2  # the same view two words further on: rows start mid-unit
+    for arg in (aligned, shifted):
+        want = [arg.read(1, 2, t, k, valid=valid) for k in range(16)]
+        got = key_rows(arg, 1, 2, t, 16, valid, vec_keys=True)
+        assert all((g == w).all() for g, w in zip(got, want))
+    assert aligned.offset % 4 == 0 and shifted.offset % 4 == 2  # the second falls back
+
+
+@pytest.mark.parametrize("context", [64, 1024, 4096, 16384, 32768, 65536, 262144])
+@pytest.mark.parametrize("heads", [(1, 8), (2, 8), (1, 2)])
+def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
+    b, kv = heads
+    slots = 132 * cuda_kv.PARTIAL_BLOCKS_PER_SM
+
+    def cost(ncc, fpch):
+        tiles = -(-context // cuda_kv.TILE)
+        return -(-(ncc + fpch) * b * kv // slots) * -(-tiles // ncc)
+
+    ncc, fpch = cuda_kv.plan_waves(b, kv, context, 68, 132)
+    base = cuda_kv.plan(b, kv, context, 68)
+    assert fpch == base[1] and 1 <= ncc <= cuda_kv.MAX_CHUNKS - fpch
+    assert cost(ncc, fpch) <= cost(*base)
+    assert all(cost(n, fpch) > cost(ncc, fpch) for n in range(1, ncc))  # the fewest chunks
+
+
+def test_candidate_plan_at_32k_runs_one_wave_of_three_tiles_a_block():
+    assert cuda_kv.plan(1, 8, 32768, 68) == (128, 1)  # 1032 blocks: 1.3 waves of 792
+    assert cuda_kv.plan_waves(1, 8, 32768, 68, 132) == (86, 1)  # 696 blocks, 3 tiles each
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -718,7 +708,7 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_{tag}", "tq_kv_merge", [mx.float32] * 3, [lay.out_dtype],
                           lay.merge_template),
-        mlx_kernel_source(f"partial_v8_{tag}", "tq_kv_partial_v8", [x.dtype for x in L.inputs],
+        mlx_kernel_source(f"partial_vec_{tag}", "tq_kv_partial_vec", [x.dtype for x in L.inputs],
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_split_{tag}", "tq_kv_merge_split", [mx.float32] * 3,
                           [lay.out_dtype], lay.merge_template),
