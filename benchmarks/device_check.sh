@@ -5,7 +5,7 @@
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
-#   tests-new  decode-tq3x3  ncu-gemv-full  constants
+#   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -35,6 +35,10 @@ for s in "$@"; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
+    decode-graphs)  # CUDA graphs on for both (session 5: they helped affine-4, hurt TQ3;
+      # was that the small operands' pages, fixed in session 8?)
+      step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \
+        --variants affine4,tq3,affine4,tq3 --tokens 96 ;;
     decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
