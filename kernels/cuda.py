@@ -16,8 +16,9 @@ GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next
 activations), prepared once per weight (or group, or switch layer) on first use and kept
 beside the stored codes: in the caller's `prepared` dict when it passes one (runtime
 layers do), else in a cache keyed on what was built and the code arrays, freed with them.
-The small operands every block reads (codebooks, pair indices, no-bias flags, norm weights)
-are `cuda_memory.device_constant`s: pages of their own, on the GPU.
+The small operands every block reads (codebooks, pair indices, biases, norm weights, the
+rotation's signs and mixes) are `cuda_memory.device_constant`s: pages of their own, on the
+GPU.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class _Plan:
         self.signs, self.mix, self.a, self.p = cuda_rotate.operands(seeds, self.n)
         self.low, self.high, self.scales, bias = _repack_group(members)
         self.has_bias = bias is not None
-        self.bias = bias if bias is not None else cuda_gemv._no_bias()
+        self.bias = cuda_memory.device_constant(bias) if bias is not None else cuda_gemv._no_bias()
         self.levels = _levels(first.bits)
         self.bits, self.group_size = first.bits, first.group_size
         self.ends = tuple(itertools.accumulate(m.out_features for m in members))
