@@ -128,6 +128,25 @@ def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
     return (tokens - 1) / (time.perf_counter() - t0)
 
 
+def split_ms(model, steps: int = 32, prompt_len: int = 16) -> tuple[float, float]:
+    """(ms building a token's graph, ms evaluating it), a token at a time (no overlap of
+    the next token's building with this one's evaluation, unlike `generate_step`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([list(range(1, prompt_len + 1))]), cache=cache)
+    y = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(y)
+    build = total = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        build, total = build + t1 - t0, total + time.perf_counter() - t0
+    return 1e3 * build / steps, 1e3 * (total - build) / steps
+
+
 def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
     """Max relative difference of a TQLinear through the dispatched kernel vs the reference."""
     from turboquant.kernels import reference
@@ -193,7 +212,9 @@ def main() -> None:
         if tps is None:
             return
         results[variant] = tps
+        building, evaluating = split_ms(model)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
+              f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)
         del model
         gc.collect()
