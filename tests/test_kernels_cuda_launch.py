@@ -283,7 +283,6 @@ _NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype, extras mode)
 ]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def _experts(n_experts, out_f, in_f, bits=3):
     """A switch layer's codes (E, out, words) and scales (E, out, groups), and padded_in."""
     qt = encode(mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(3)) * 0.02,
@@ -332,6 +331,7 @@ def test_ternary_runs_as_two_bit_codes(kernels):
     assert _only(kernels, "cuda_gemv").calls[-1]["template"]["BITS"] == 2
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_sources_compile_with_nvcc(tmp_path, kernels):
     """The fused kernel (and the unfused pair) for the shapes of a Llama layer and a mixed
     rotation, as mx.fast.cuda_kernel would build them."""
