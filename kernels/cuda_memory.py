@@ -11,9 +11,10 @@ bytes share managed pages (MLX pools small allocations) with scalars the host wr
 those pages keep leaving the GPU, and every thread block that reads such an operand waits.
 
 `device_constant(a)` copies such an operand into a buffer of its own, at an offset that
-gives it whole GPU pages, and advises those pages to live on the GPU (`prefer_gpu`). Both need the CUDA driver (libcuda) and managed memory and otherwise
-leave the arrays as they are. The advice only says where pages should live: the host can
-still read them, so no result changes. TURBOQUANT_CUDA_PREFER_GPU=0 turns both off.
+gives it whole GPU pages, and advises those pages to live on the GPU (`prefer_gpu`).
+Both need the CUDA driver (libcuda) and managed memory and otherwise leave the arrays as
+they are. The advice only says where pages should live: the host can still read them, so
+no result changes. TURBOQUANT_CUDA_PREFER_GPU=0 turns both off.
 """
 
 from __future__ import annotations

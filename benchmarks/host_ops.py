@@ -1,0 +1,146 @@
+"""What the host builds for one decode step, per decoder layer, on the CUDA path.
+
+Decode on MLX's CUDA backend is bound by the host: each token's graph is built in Python
+and every operation in it is encoded (a launch ~5 us with graphs off). This counts, per
+decoder layer of one steady decode step, the MLX operations by name, the custom-kernel
+calls among them, and the microseconds of graph building, for mlx-lm's affine 4-bit and
+TurboQuant 3-bit as `benchmarks/decode.py` builds them (the dense Llama-3-8B shape, or
+`--moe` the Qwen3-30B-A3B shape).
+
+It runs on the CPU: `mx.fast.cuda_kernel` is replaced by a stand-in that returns outputs
+of the right shapes, and the kernel dispatch is told it is on CUDA, so TurboQuant layers
+build exactly the graph they build on the GPU machine (fused blocks, grouped linears,
+the gathered experts' pair arrays); MLX's rope, rms_norm and attention are one stand-in
+node each, as on the GPU (on the CPU they fall back to several ops). Per-layer figures
+are the difference between a model of `--layers` + 2 and one of `--layers` decoder
+layers, divided by 2 (embedding, final norm and lm_head cancel out). Building times are
+this machine's; the op counts are exact.
+
+Reproduce:  .venv/bin/python benchmarks/host_ops.py [--moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+_ZEROS: dict = {}
+
+
+def _stand_in(inputs, shapes, dtypes) -> list[mx.array]:
+    """Outputs of the given shapes that depend on `inputs`: one `Depends` node over zeros
+    built once, as a single GPU kernel is one node."""
+    outs = []
+    for shape, dtype in zip(shapes, dtypes):
+        key = (tuple(shape), dtype)
+        if key not in _ZEROS:
+            _ZEROS[key] = mx.zeros(key[0], dtype)
+            mx.eval(_ZEROS[key])
+        outs.append(_ZEROS[key])
+    return mx.depends(outs, [x for x in inputs if isinstance(x, mx.array)])
+
+
+class _StandInKernel:
+    """`mx.fast.cuda_kernel`'s object off the GPU."""
+
+    calls = 0
+
+    def __init__(self, name: str, **_):
+        self.name = name
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **_):
+        _StandInKernel.calls += 1
+        return _stand_in(inputs, output_shapes, output_dtypes)
+
+
+def _on_fake_cuda() -> None:
+    """Make TurboQuant's CUDA path run here with stand-in kernels (before anything builds
+    a kernel: the kernel builders cache what they make), and MLX's fused ops one node each
+    as on the GPU (on the CPU rope, rms_norm and attention fall back to several ops)."""
+    from turboquant.kernels import dispatch
+
+    mx.fast.cuda_kernel = lambda **kw: _StandInKernel(**kw)
+    dispatch.backend = lambda: "cuda"
+    mx.fast.rope = lambda x, *a, **k: _stand_in([x], [x.shape], [x.dtype])[0]
+    mx.fast.rms_norm = lambda x, w, eps: _stand_in([x, w], [x.shape], [x.dtype])[0]
+    mx.fast.scaled_dot_product_attention = lambda q, k, v, **kw: _stand_in(
+        [q, k, v], [(*q.shape[:-1], v.shape[-1])], [q.dtype])[0]
+
+
+def graph_ops(arrays) -> dict[str, int]:
+    """Operations in the unevaluated graph behind `arrays`, by name."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    ops: dict[str, int] = {}
+    for name in re.findall(r'label ="([^"]+)"', buf.getvalue()):
+        ops[name] = ops.get(name, 0) + 1
+    return ops
+
+
+def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:
+    """Median graph-building seconds of a decode step, its ops by name and kernel calls."""
+    import decode
+    from mlx_lm.models.cache import make_prompt_cache
+
+    # a small vocabulary: embedding and lm_head cancel out of the per-layer figures
+    (decode.QWEN3_30B_A3B if moe else decode.LLAMA3_8B).update(num_hidden_layers=layers,
+                                                               vocab_size=1024)
+    model = decode.build(variant, moe=moe)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, 9))]), cache=cache))  # a short prompt first
+    token = mx.array([[3]])
+    times, ops, calls = [], {}, 0
+    for i in range(steps):
+        before = _StandInKernel.calls
+        t0 = time.perf_counter()
+        logits = model(token, cache=cache)
+        times.append(time.perf_counter() - t0)
+        if i == steps - 1:
+            ops, calls = graph_ops([logits]), _StandInKernel.calls - before
+        mx.eval(logits)
+    del model, cache
+    return dict(seconds=statistics.median(times), ops=ops, calls=calls)
+
+
+def per_layer(variant: str, layers: int, moe: bool, steps: int) -> dict:
+    small = step_cost(variant, layers, moe, steps)
+    big = step_cost(variant, layers + 2, moe, steps)
+    names = set(small["ops"]) | set(big["ops"])
+    ops = {n: (big["ops"].get(n, 0) - small["ops"].get(n, 0)) / 2 for n in names}
+    return dict(us=(big["seconds"] - small["seconds"]) / 2 * 1e6,
+                ops={n: v for n, v in ops.items() if v}, calls=(big["calls"] - small["calls"]) / 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B shape")
+    ap.add_argument("--variants", default="affine4,tq3")
+    ap.add_argument("--layers", type=int, default=2, help="the smaller model's decoder layers")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per model")
+    args = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+    _on_fake_cuda()
+    shape = "Qwen3-30B-A3B" if args.moe else "Llama-3-8B"
+    print(f"host side of one decode step per decoder layer, {shape} shape, CUDA path with "
+          f"stand-in kernels on the CPU ({args.steps} steps, median)")
+    rows = {v: per_layer(v, args.layers, args.moe, args.steps) for v in args.variants.split(",")}
+    print(f"{'variant':<10} {'build us':>9} {'ops':>6} {'kernel calls':>13}  ops by name")
+    for v, r in rows.items():
+        names = ", ".join(f"{n} {c:g}" for n, c in sorted(r["ops"].items(), key=lambda kv: -kv[1]))
+        print(f"{v:<10} {r['us']:9.1f} {sum(r['ops'].values()):6g} {r['calls']:13g}  {names}")
+    flag = " --moe" if args.moe else ""
+    print(f"reproduce: .venv/bin/python benchmarks/host_ops.py{flag} --variants {args.variants}")
+
+
+if __name__ == "__main__":
+    main()
