@@ -117,6 +117,18 @@ def reference_kernel(op: str, on: bool):
             dispatch.register(dispatch.backend(), op, kernel)
 
 
+@contextlib.contextmanager
+def compact_gather(on: bool):
+    """While inside (when `on`), CUDA's gathered experts take the compact path
+    (`kernels/cuda.py` COMPACT_GATHER, off by default until its GPU tests pass)."""
+    saved = cuda.COMPACT_GATHER
+    cuda.COMPACT_GATHER = saved or on
+    try:
+        yield
+    finally:
+        cuda.COMPACT_GATHER = saved
+
+
 def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
     """Generated tokens per second after the first (prefill excluded), greedy."""
     prompt = mx.array(list(range(1, prompt_len + 1)))
@@ -180,8 +192,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--variants", default="bf16,affine4,tq3,tq4,tq3-grouped,tq3-single",
                     help="tqN: as loaded (grouped q/k/v and gate/up, fused decoder blocks); "
-                         "tqN-grouped: grouped, mlx-lm's blocks; tqN-single: one kernel per linear; "
-                         "a -refgather suffix runs the experts through the pure-MLX gather")
+                         "tqN-grouped: grouped, mlx-lm's blocks; "
+                         "tqN-single: one kernel per linear; "
+                         "a -refgather suffix runs the experts through the pure-MLX gather, "
+                         "-compact through the compact gathered path (COMPACT_GATHER)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
@@ -207,7 +221,8 @@ def main() -> None:
     results = {}
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
-        with reference_kernel("gather_matmul", "-refgather" in variant):
+        with reference_kernel("gather_matmul", "-refgather" in variant), \
+                compact_gather("-compact" in variant):
             tps = run_variant(model, args)
         if tps is None:
             return

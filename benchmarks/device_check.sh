@@ -5,7 +5,7 @@
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
-#   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs
+#   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -35,6 +35,12 @@ for s in "$@"; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
+    compact)  # the compact gathered experts (kernels/cuda.py COMPACT_GATHER): GPU tests,
+      # then MoE decode with and without it, alternating in one process
+      step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=1 python3 -P -m pytest -q \
+        -k "gather" tests/test_kernels_cuda_linear.py
+      step decode-moe-compact 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --moe \
+        --variants affine4,tq3,tq3-compact,affine4,tq3,tq3-compact --tokens 64 ;;
     decode-graphs)  # CUDA graphs on for both (session 5: they helped affine-4, hurt TQ3;
       # was that the small operands' pages, fixed in session 8?)
       step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \

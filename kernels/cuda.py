@@ -31,6 +31,7 @@ import os
 import weakref
 
 import mlx.core as mx
+import numpy as np
 
 from turboquant.stages import codebook_values, unpack_codes
 
@@ -266,24 +267,56 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
 GATHER_MAX_PAIR_ROWS = 64
 
 
-def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
+# Session 8's host-op cut of a gathered call (`benchmarks/host_ops.py --moe`: 79 MLX ops a
+# Qwen3-30B-A3B layer against affine-4's 54): x's own rows (no copy per pair; each pair
+# reads its token's row through pair_row), the routing's indices as they come (uint32 or
+# int32), the output written in the caller's dtype. Off until its GPU tests pass (the
+# kernel has run pair_row as the identity only, and the GEMV's output in float32):
+# TURBOQUANT_CUDA_COMPACT_GATHER=1 turns it on.
+COMPACT_GATHER = os.environ.get("TURBOQUANT_CUDA_COMPACT_GATHER", "0") == "1"
+
+
+def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
+           out_dtype=None, **_):
     """Experts chosen per token (the reference's signature), for a decode step's few pairs:
     one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout
     (ternary experts as 2-bit codes)."""
     batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
                                              GATHER_MAX_PAIR_ROWS)
     low, high, scales64 = prepared_experts(codes, scales, bits, group_size, padded_in)
-    x = _gemv_rows(mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in),
-                   padded_in)
-    experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
-    pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)  # each row of a pair
-    _, pair_row = _pair_arrays(pairs * m)
+    out_dtype = out_dtype or x_rot.dtype
+    if COMPACT_GATHER:
+        x = _gemv_rows(x_rot.reshape(-1, padded_in), padded_in)
+        pair_row = _pair_rows(tuple(x_rot.shape[:-2]), batch, m)
+        experts = indices if tuple(indices.shape) == batch else mx.broadcast_to(indices, batch)
+        if experts.dtype not in (mx.int32, mx.uint32):
+            experts = experts.astype(mx.int32)
+        pair_expert = experts.reshape(-1)
+        if m > 1:  # each row of a pair reads the pair's expert
+            pair_expert = mx.repeat(pair_expert, m)
+        kernel_dtype = out_dtype
+    else:
+        x = _gemv_rows(mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in),
+                       padded_in)
+        experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
+        pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)
+        _, pair_row = _pair_arrays(pairs * m)
+        kernel_dtype = mx.float32
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), pair_expert, pair_row,
         bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
-        out_dtype=mx.float32,
+        out_dtype=kernel_dtype,
     )
-    return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
+    return y.reshape(*batch, m, out_features).astype(out_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_rows(x_batch: tuple, batch: tuple, m: int) -> mx.array:
+    """x's row for each (pair, row of the pair), pairs in `batch` order: the pair's token
+    (its index in x's batch, broadcast to `batch`) times m, plus the row."""
+    token = np.broadcast_to(np.arange(math.prod(x_batch)).reshape(x_batch), batch).reshape(-1)
+    rows = (token[:, None] * m + np.arange(m)[None]).reshape(-1).astype(np.int32)
+    return cuda_memory.device_constant(mx.array(rows))
 
 
 dispatch.register("cuda", "matvec", matvec)

@@ -211,13 +211,16 @@ def tq_gather_matmul(
     *,
     sorted_indices=False,
     chunk=None,
+    out_dtype=None,
 ):
     """Experts chosen per token, like `mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=...)`.
 
     x_rot (..., M, padded_in), codes (E, out, words), scales (E, out, groups), indices
-    with a shape that broadcasts against x_rot.shape[:-2] -> (*batch, M, out_features).
+    with a shape that broadcasts against x_rot.shape[:-2] -> (*batch, M, out_features),
+    in `out_dtype` (x_rot's dtype unless given).
     `sorted_indices` is a hint only (the grouped path sorts anyway).
     """
+    out_dtype = out_dtype or x_rot.dtype
     check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in, experts=True)
     if x_rot.ndim < 2:
         raise ValueError(f"x_rot needs at least 2 dims (..., M, K), got {x_rot.shape}")
@@ -227,12 +230,12 @@ def tq_gather_matmul(
     idx = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.uint32)
     pairs = idx.shape[0]
     if pairs == 0:
-        return mx.zeros((*batch, m, out_features), dtype=x_rot.dtype)
+        return mx.zeros((*batch, m, out_features), dtype=out_dtype)
     if pairs * m <= GATHER_MAX_ROWS:
         y = _gather_rows(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk)
     else:
         y = _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk)
-    return y.reshape(*batch, m, out_features).astype(x_rot.dtype)
+    return y.reshape(*batch, m, out_features).astype(out_dtype)
 
 
 def decode_pairs(x_rot, codes, indices, out_features, padded_in, max_pair_rows):

@@ -311,6 +311,63 @@ def test_gathered_experts_are_one_gemv_over_the_pairs(kernels):
     assert again["inputs"][1] is call["inputs"][1]  # the layout is built once per switch layer
 
 
+def test_gathered_experts_write_the_callers_dtype(kernels):
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.zeros((1, 1, 1, 1, padded))
+    y = cuda.gather(x, codes, scales, mx.array([[[1, 2]]]), 3, 64, 64, padded,
+                    out_dtype=mx.bfloat16)
+    assert y.dtype == mx.bfloat16 and y.shape == (1, 1, 2, 1, 64)
+    assert _only(kernels, "cuda_gemv").calls[0]["dtypes"] == [mx.float32]  # then cast
+
+
+@pytest.fixture
+def compact(monkeypatch):
+    monkeypatch.setattr(cuda, "COMPACT_GATHER", True)
+
+
+def _emulated_gemv(call, codes, scales, bits, padded):
+    """What the GEMV computes from a recorded launch: for each (pair, row) entry p,
+    expert pair_expert[p]'s decoded rows times x row pair_row[p]."""
+    from turboquant.kernels import reference
+
+    x, experts, rows = call["inputs"][0], call["inputs"][5], call["inputs"][6]
+    w = reference.dequantize(codes, scales, bits, 64, padded)  # (E, out, padded)
+    picked = w[experts.astype(mx.int32)]  # (P, out, padded)
+    xs = x.astype(mx.float32)[rows.astype(mx.int32)]  # (P, padded)
+    return (picked @ xs[:, :, None])[..., 0]
+
+
+def test_compact_gather_reads_each_tokens_row_through_pair_row(kernels, compact):
+    from turboquant.kernels import reference
+
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.random.normal((1, 2, 1, 1, padded), key=mx.random.key(7))  # SwitchGLU's gate/up
+    indices = mx.array([[[3, 0, 2], [1, 1, 0]]], dtype=mx.uint32)  # as argpartition gives
+    y = cuda.gather(x, codes, scales, indices, 3, 64, 64, padded, out_dtype=mx.bfloat16)
+    assert y.shape == (1, 2, 3, 1, 64) and y.dtype == mx.bfloat16
+    call = _only(kernels, "cuda_gemv").calls[0]
+    assert call["inputs"][0].shape == (2, padded)  # x's own rows, not one per pair
+    assert call["inputs"][5].dtype == mx.uint32 and call["inputs"][5].tolist() == [3, 0, 2, 1, 1, 0]
+    assert call["inputs"][6].tolist() == [0, 0, 0, 1, 1, 1]
+    assert call["dtypes"] == [mx.bfloat16]  # the kernel writes the caller's dtype
+    want = reference.tq_gather_matmul(x, codes, scales, indices, 3, 64, 64, padded)
+    got = _emulated_gemv(call, codes, scales, 3, padded).reshape(want.shape)
+    assert mx.allclose(got, want, atol=2e-3, rtol=2e-3).item()
+
+
+def test_compact_gather_with_rows_per_pair_and_x_per_pair(kernels, compact):
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.random.normal((2, 1, 2, padded), key=mx.random.key(8))  # 2 rows a pair
+    cuda.gather(x, codes, scales, mx.array([[2], [0]]), 3, 64, 64, padded)
+    call = _only(kernels, "cuda_gemv").calls[0]
+    assert call["inputs"][5].tolist() == [2, 2, 0, 0] and call["inputs"][6].tolist() == [0, 1, 2, 3]
+    x = mx.zeros((1, 2, 3, 1, padded))  # down_proj: a row per pair already
+    cuda.gather(x, codes, scales, mx.array([[[1, 2, 3], [0, 0, 1]]]), 3, 64, 64, padded)
+    call = _only(kernels, "cuda_gemv").calls[1]
+    assert call["inputs"][0].shape == (6, padded) and call["inputs"][6].tolist() == list(range(6))
+    assert call["inputs"][5].dtype == mx.int32
+
+
 def test_gathered_experts_leave_prefill_to_the_reference(kernels):
     codes, scales, padded = _experts(2, 32, 256)
     many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, padded))

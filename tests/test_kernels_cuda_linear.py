@@ -137,6 +137,28 @@ def test_gathered_experts_match_reference(bits, in_f, out_f, rows):
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("bits", [3, "ternary"])
+def test_gathered_experts_with_uint32_routing_written_in_bf16(bits):
+    """The routing as mlx-lm's argpartition gives it (uint32) and the output in the
+    caller's dtype (bf16), x broadcast over the top-k as SwitchGLU passes it: with
+    TURBOQUANT_CUDA_COMPACT_GATHER=1 the kernel reads x's rows through pair_row and
+    writes bf16 itself."""
+    n_experts, in_f, out_f = 8, 2048, 768
+    w = mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(13)) * 0.02
+    qt = encode(w, bits, 64, seed=23)
+    codes = qt.codes.reshape(n_experts, out_f, -1)
+    scales = qt.scales.reshape(n_experts, out_f, -1)
+    padded = qt.spec.padded_in
+    x = mx.random.normal((1, 2, 1, 1, padded), key=mx.random.key(14))
+    indices = mx.array([[[7, 0, 3], [3, 5, 1]]], dtype=mx.uint32)
+    got = cuda.gather(x, codes, scales, indices, bits, 64, out_f, padded, out_dtype=mx.bfloat16)
+    want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, out_f, padded)
+    assert got.dtype == mx.bfloat16 and got.shape == want.shape == (1, 2, 3, 1, out_f)
+    err = float(mx.max(mx.abs(got.astype(mx.float32) - want)) / mx.max(mx.abs(want)))
+    print(f"gather bf16 uint32 bits {bits}: {err:.2e} (compact {cuda.COMPACT_GATHER})")
+    assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])
 def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
     monkeypatch.setattr(cuda, "FUSED", False)

@@ -104,6 +104,9 @@ def test_gather_matches_gather_mm_and_a_per_expert_loop(bits, xshape, ishape):
     args = (codes, scales, idx, bits, 32, 48, qt.spec.padded_in)
     for chunk in (None, 500):
         _close(reference.tq_gather_matmul(xr, *args, sorted_indices=sorted_, chunk=chunk), ref)
+    half = reference.tq_gather_matmul(xr, *args, out_dtype=mx.bfloat16)
+    assert half.dtype == mx.bfloat16 and xr.dtype == mx.float32
+    _close(half.astype(mx.float32), ref, tol=1e-2)
 
 
 def test_gather_paths_agree():
