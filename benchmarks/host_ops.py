@@ -22,8 +22,6 @@ Reproduce:  .venv/bin/python benchmarks/host_ops.py [--moe]
 from __future__ import annotations
 
 import argparse
-import io
-import re
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kv import graph_ops  # noqa: E402  (a sibling script)
 
 _ZEROS: dict = {}
 
@@ -75,16 +74,6 @@ def _on_fake_cuda() -> None:
     mx.fast.rms_norm = lambda x, w, eps: _stand_in([x, w], [x.shape], [x.dtype])[0]
     mx.fast.scaled_dot_product_attention = lambda q, k, v, **kw: _stand_in(
         [q, k, v], [(*q.shape[:-1], v.shape[-1])], [q.dtype])[0]
-
-
-def graph_ops(arrays) -> dict[str, int]:
-    """Operations in the unevaluated graph behind `arrays`, by name."""
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *arrays)
-    ops: dict[str, int] = {}
-    for name in re.findall(r'label ="([^"]+)"', buf.getvalue()):
-        ops[name] = ops.get(name, 0) + 1
-    return ops
 
 
 def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:

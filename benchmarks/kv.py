@@ -562,7 +562,7 @@ def _fake_gpu(counts: dict):
         cuda_kv._kernel, dispatch.backend, mx.fast.scaled_dot_product_attention = saved
 
 
-def _graph_ops(arrays) -> dict:
+def graph_ops(arrays) -> dict:
     """Operations in the unevaluated graph behind `arrays`, by name (mx.export_to_dot)."""
     import io
 
@@ -624,7 +624,7 @@ def layer_step_cost(name: str, ctx: int, steps: int, b: int, h: int, kv: int, d:
                                                mask=None)
             t2 = time.perf_counter()
             if i == steps // 2 and ops is None:
-                ops = _graph_ops([out, *_state_arrays(cache)])
+                ops = graph_ops([out, *_state_arrays(cache)])
             mx.eval(out, _state_arrays(cache))
             if i < 0:  # warm-up: the first flush of the prefill, one-time set-up
                 counts.update(kernels=0, template_args=0)
