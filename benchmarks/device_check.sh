@@ -5,7 +5,7 @@
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
-#   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact
+#   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -35,6 +35,13 @@ for s in "$@"; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
+    kv-candidates)  # the split merge and the wave plan (cuda_kv KV_MERGE_SPLIT, KV_PLAN_WAVES):
+      # the KV GPU tests with both on (the 20K/40K cases use them), then decode beside fp16
+      step tests-kv-candidates 240 env TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
+        TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
+      step kv-decode-candidates 330 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
+        TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     compact)  # the compact gathered experts (kernels/cuda.py COMPACT_GATHER): GPU tests,
       # then MoE decode with and without it, alternating in one process
       step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=1 python3 -P -m pytest -q \

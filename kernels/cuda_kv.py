@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -608,6 +609,14 @@ def plan(b: int, kv: int, c_len: int, f_len: int) -> tuple[int, int]:
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
 
+# Candidates the lab timed (session 8) wired into the runtime, each off until the KV
+# GPU tests pass with it on (`device_check.sh tests-kv` with the variable set):
+# the split merge for calls of many chunks (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8)
+KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "0") == "1"
+MERGE_SPLIT_MIN_CHUNKS = 32
+# the partial grid from `plan_waves` on this GPU's SM count (not yet timed in the lab)
+KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "0") == "1"
+
 
 @functools.lru_cache(maxsize=4096)
 def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int) -> tuple[int, int]:
@@ -748,6 +757,8 @@ class Layout:
     partial_shapes: list
     merge_grid: tuple
     out_shape: tuple
+    merge_kernel: str = "tq_kv_merge"
+    merge_threads: int = NT
 
     @property
     def nch(self) -> int:
@@ -757,8 +768,9 @@ class Layout:
 @functools.lru_cache(maxsize=1024)
 def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
             seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
-            has_mask: bool, ncc: int, fpch: int) -> Layout:
-    """The Layout of a call (NotImplementedError where the kernels do not fit it)."""
+            has_mask: bool, ncc: int, fpch: int, merge_split: bool = False) -> Layout:
+    """The Layout of a call (NotImplementedError where the kernels do not fit it);
+    `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`)."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
@@ -772,13 +784,17 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
     )
     nch, bkv = ncc + fpch, b * kv
+    split = min(4, 1024 // v_dim) if merge_split else 1
+    merge_threads = split * v_dim if split > 1 else NT
     return Layout(
         b=b, h=h, kv=kv, r=r, k_dim=k_dim, v_dim=v_dim, ncc=ncc, fpch=fpch, out_dtype=out_dtype,
         consts=consts, unrot=_unrotation(seed, v_dim), dummy_fp=_dummy(fp_dtype),
         dummy_mask=_dummy(mx.float32, 2), partial_template=partial_template,
         merge_template=(("DV", v_dim), ("FPCH", fpch)),
         partial_grid=(nch * NT, bkv, 1), partial_shapes=[(bkv, nch, r, 2), (bkv, nch, r, v_dim)],
-        merge_grid=(b * h * NT, 1, 1), out_shape=(b, h, 1, v_dim),
+        merge_grid=(b * h * merge_threads, 1, 1), out_shape=(b, h, 1, v_dim),
+        merge_kernel="tq_kv_merge_split" if split > 1 else "tq_kv_merge",
+        merge_threads=merge_threads,
     )
 
 
@@ -815,10 +831,12 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
         raise NotImplementedError("queries and cache disagree on batch or head_dim")
     s_len, c_len, t_len = parts.lengths
     bias, _ = mask_bias(mask, b, s_len + c_len + t_len)
-    ncc, fpch = plan(b, kv, c_len, s_len + t_len)
+    sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
+    ncc, fpch = (plan_waves(b, kv, c_len, s_len + t_len, sms) if sms
+                 else plan(b, kv, c_len, s_len + t_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch)
+                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS)
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
@@ -839,9 +857,10 @@ def run(launch: Launch) -> mx.array:
         inputs=launch.inputs, template=L.partial_template, grid=L.partial_grid,
         threadgroup=_THREADS, output_shapes=L.partial_shapes, output_dtypes=_F32X2,
     )
-    return _kernel("tq_kv_merge")(
+    return _kernel(L.merge_kernel)(
         inputs=[ml, acc, L.unrot], template=L.merge_template, grid=L.merge_grid,
-        threadgroup=_THREADS, output_shapes=[L.out_shape], output_dtypes=[L.out_dtype],
+        threadgroup=(L.merge_threads, 1, 1), output_shapes=[L.out_shape],
+        output_dtypes=[L.out_dtype],
     )[0]
 
 

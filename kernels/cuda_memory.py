@@ -122,6 +122,19 @@ def device_constant(a: mx.array) -> mx.array:
     return view
 
 
+@functools.cache
+def sm_count() -> int | None:
+    """The GPU's multiprocessor count (device 0), or None without the CUDA driver."""
+    found = _driver()
+    if found is None:
+        return None
+    lib, device, _ = found
+    count = ctypes.c_int(0)
+    attribute = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    status = lib.cuDeviceGetAttribute(ctypes.byref(count), attribute, device)
+    return count.value if status == 0 else None
+
+
 def preferred_location(a: mx.array) -> int | None:
     """The device the driver prefers for an array's pages (-2: none set); None off CUDA or
     when the memory is not managed. For tests and `turboquant doctor`."""

@@ -330,8 +330,12 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = Fa
 
 
 def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
-                  split: int = 1) -> np.ndarray:
-    """`_MERGE`, or with `split` Q > 1 the lab's candidate `_MERGE_SPLIT` (Q threads a dim)."""
+                  split: int | None = None) -> np.ndarray:
+    """`_MERGE`, or with `split` Q > 1 `_MERGE_SPLIT` (Q threads a dim); by default what
+    the call's layout launches (its merge kernel and threads a block)."""
+    if split is None:
+        split = (L.layout.merge_threads // L.layout.v_dim
+                 if L.layout.merge_kernel == "tq_kv_merge_split" else 1)
     T = dict(L.layout.merge_template)
     DV, FPCH = T["DV"], T["FPCH"]
     R = part_ml.shape[2]
@@ -340,7 +344,7 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
     nch = part_ml.shape[1]
     assert nch <= cuda_kv.MAX_CHUNKS
     ncc = nch - FPCH
-    rows = L.layout.merge_grid[0] // cuda_kv.NT
+    rows = L.layout.merge_grid[0] // L.layout.merge_threads
     assert rows == L.layout.b * L.layout.h == int(np.prod(L.layout.out_shape[:3]))
     out = Out((rows, DV))
     d = np.arange(DV)
@@ -382,7 +386,7 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
 
 
 def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
-            split: int = 1) -> np.ndarray:
+            split: int | None = None) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
     names = cuda_kv.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
@@ -456,7 +460,7 @@ def _transposed(qb: np.ndarray) -> Arg:
     return a
 
 
-def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, vec_keys=False, split=1):
+def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, vec_keys=False, split=None):
     launch = cuda_kv.prepare(q, parts, scale, mask)
     got = emulate(launch, args, vec_keys, split)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
@@ -520,6 +524,31 @@ def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
     assert fpch == base[1] and 1 <= ncc <= cuda_kv.MAX_CHUNKS - fpch
     assert cost(ncc, fpch) <= cost(*base)
     assert all(cost(n, fpch) > cost(ncc, fpch) for n in range(1, ncc))  # the fewest chunks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
+    """TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 (here for every chunk count): the layout launches
+    `_MERGE_SPLIT` with Q x DV threads a block, replayed as launched."""
+    monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
+    monkeypatch.setattr(cuda_kv, "MERGE_SPLIT_MIN_CHUNKS", 1)
+    lay = check(*make_case(**CASES[name], seed=len(name))).layout
+    q = min(4, 1024 // lay.v_dim)
+    assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
+    assert lay.merge_grid == (lay.b * lay.h * q * lay.v_dim, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k4v4-d256"])
+def test_runtime_wave_plan_sets_the_grid_and_matches_reference(name, monkeypatch):
+    """TURBOQUANT_CUDA_KV_PLAN_WAVES=1 on a GPU of 2 SMs (so that waves bind here)."""
+    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 2)
+    q, parts, args = make_case(**CASES[name], seed=len(name))
+    lay = check(q, parts, args).layout
+    s_len, c_len, t_len = parts.lengths
+    kv = parts.packed.k_codes.shape[1]
+    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(q.shape[0], kv, c_len, s_len + t_len, 2)
+    assert lay.partial_grid[0] == (lay.ncc + lay.fpch) * cuda_kv.NT
 
 
 def test_candidate_plan_at_32k_runs_one_wave_of_three_tiles_a_block():
