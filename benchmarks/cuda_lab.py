@@ -254,7 +254,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         "tq_kv_merge", f"kv_merge_{tag}", f"kv_merge_{tag}", margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, (lay.merge_grid[0] // cuda_kv.NT, 1, 1),
         cuda_kv.NT, [("out", lay.out_dtype, math.prod(lay.out_shape))])
-    split = min(4, 1024 // head_dim)  # threads a dim
+    split = cuda_kv.split_per_dim(head_dim)
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)

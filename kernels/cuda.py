@@ -300,7 +300,7 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
                        padded_in)
         experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
         pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)
-        _, pair_row = _pair_arrays(pairs * m)
+        pair_row = _pair_rows(batch, batch, m)  # x broadcast to every pair: the identity
         kernel_dtype = mx.float32
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), pair_expert, pair_row,

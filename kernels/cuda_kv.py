@@ -37,9 +37,10 @@ query position, nothing compressed yet, per-head masks, sink and tail of differe
 dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
 `tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
-also holds candidates the runtime does not use (`_PARTIAL_VEC`, `_MERGE_SPLIT`), and
-`plan_waves` is a candidate grid: the kernel lab (`benchmarks/cuda_lab.py`) times each
-beside what it would replace.
+also holds candidates: `_PARTIAL_VEC` (lab only) and `_MERGE_SPLIT`, which with the
+wave-filling grid `plan_waves` the runtime runs only behind a switch until the GPU tests
+pass with it (KV_MERGE_SPLIT, KV_PLAN_WAVES); the kernel lab (`benchmarks/cuda_lab.py`)
+times each beside what it would replace.
 """
 
 from __future__ import annotations
@@ -517,7 +518,7 @@ _MERGE = r"""
   }
 """
 
-# A candidate merge, lab only like `_PARTIAL_VEC` (replayed by tests/test_kv_cuda_layout.py):
+# A candidate merge (replayed by tests/test_kv_cuda_layout.py; the runtime's behind KV_MERGE_SPLIT):
 # Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
 # query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
@@ -573,7 +574,7 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
     "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # lab only
-    "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # lab only
+    "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # behind KV_MERGE_SPLIT
 }
 HEADER = _HEADER
 
@@ -614,14 +615,20 @@ PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM
 # the split merge for calls of many chunks (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8)
 KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "0") == "1"
 MERGE_SPLIT_MIN_CHUNKS = 32
+
+
+def split_per_dim(v_dim: int) -> int:
+    """Threads per value dim of `_MERGE_SPLIT` (at most 4, a block of at most 1024)."""
+    return min(4, 1024 // v_dim)
+
 # the partial grid from `plan_waves` on this GPU's SM count (not yet timed in the lab)
 KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "0") == "1"
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int) -> tuple[int, int]:
-    """A candidate `plan` (lab only until measured): the fewest compressed chunks that
-    minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
+    """A candidate `plan` (behind KV_PLAN_WAVES until measured): the fewest compressed
+    chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
     instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
     tiles = -(-c_len // TILE)
@@ -784,7 +791,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
     )
     nch, bkv = ncc + fpch, b * kv
-    split = min(4, 1024 // v_dim) if merge_split else 1
+    split = split_per_dim(v_dim) if merge_split else 1
     merge_threads = split * v_dim if split > 1 else NT
     return Layout(
         b=b, h=h, kv=kv, r=r, k_dim=k_dim, v_dim=v_dim, ncc=ncc, fpch=fpch, out_dtype=out_dtype,
