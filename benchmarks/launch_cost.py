@@ -18,6 +18,7 @@ and `=1`. The figures locate host overhead; `benchmarks/decode.py` is the end-to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import time
@@ -48,8 +49,10 @@ class _BuildProfile:
         if self.prof:
             import pstats
 
-            print(f"--- graph building of {self.name}, by own time")
+            print(f"--- graph building of {self.name} (steady tokens only), by own time")
             pstats.Stats(self.prof).sort_stats("tottime").print_stats(rows)
+            print(f"--- graph building of {self.name} (steady tokens only), by cumulative time")
+            pstats.Stats(self.prof).sort_stats("cumulative").print_stats(rows)
 
 
 def per_call_us(step, calls: int = CALLS) -> float:
@@ -227,6 +230,18 @@ def greedy(model, cache):
     return lambda tok: mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
 
 
+def _profiler_range(start: bool) -> None:
+    """cuProfilerStart / Stop around the steady tokens when TQ_PROFILER_RANGE=1, for
+    `nsys profile --capture-range=cudaProfilerApi` (GPU time per steady token)."""
+    if os.environ.get("TQ_PROFILER_RANGE") != "1":
+        return
+    import ctypes
+
+    mx.synchronize()
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+
+
 def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
     """Decode `tokens` tokens with step(tok) -> next token (graph only), timing per token
     the graph building, `async_eval` (encoding) and the wait for the GPU, averaged after
@@ -234,8 +249,10 @@ def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
     build = enc = wait = first = 0.0
     prof = _BuildProfile(name)
     for i in range(tokens):
+        if i == warm:
+            _profiler_range(True)
         t0 = time.perf_counter()
-        with prof:
+        with prof if i >= warm else contextlib.nullcontext():  # first-token costs left out
             nxt = step(tok)
         t1 = time.perf_counter()
         mx.async_eval(nxt)
@@ -247,6 +264,7 @@ def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
             first = t3 - t0
         if i >= warm:
             build, enc, wait = build + t1 - t0, enc + t2 - t1, wait + t3 - t2
+    _profiler_range(False)
     prof.report()
     n = tokens - warm
     return dict(build_ms=build / n * 1e3, async_eval_ms=enc / n * 1e3, wait_ms=wait / n * 1e3,
@@ -277,7 +295,7 @@ def decode_split(layers: int, tokens: int = 40, variants=("affine4", "tq3")) -> 
     return rows
 
 
-def kv_split(layers: int, context: int, tokens: int = 40) -> dict:
+def kv_split(layers: int, context: int, tokens: int = 40, names=("fp16", "K4V3")) -> dict:
     """Per token: build / async_eval / wait of a bf16 8B-shaped Llama cut to `layers`
     layers at `context`, with mlx-lm's fp16 cache and the TurboQuant K4/V3 cache."""
     from mlx_lm.models import llama
@@ -293,7 +311,7 @@ def kv_split(layers: int, context: int, tokens: int = 40) -> dict:
     mx.eval(model.parameters())
     prompt = mx.random.randint(0, 128256, (1, context))
     rows = {}
-    for name in ("fp16", "K4V3"):
+    for name in names:
         cache = (make_prompt_cache(model) if name == "fp16"
                  else make_turboquant_cache(model, bits_k=4, bits_v=3))
         for i in range(0, context, 2048):
@@ -313,6 +331,9 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode token split")
     ap.add_argument("--kv", type=int, default=0, metavar="CONTEXT",
                     help="only the KV cache split at this context (fp16 vs TurboQuant K4/V3)")
+    ap.add_argument("--kv-caches", default="fp16,K4V3", help="of the KV split")
+    ap.add_argument("--tokens", type=int, default=40,
+                    help="decode tokens of a split (the first 8 are left out of its figures)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the decode tokens' graph building (timings then include it)")
     args = ap.parse_args()
@@ -325,7 +346,8 @@ def main() -> None:
           f"TurboQuant linears {'fused' if cuda.FUSED else 'unfused'} (TURBOQUANT_CUDA_FUSED)")
     if args.kv:
         print(f"one decode token at {args.kv} context, bf16 Llama cut to {args.layers} layers (ms):")
-        for name, r in kv_split(args.layers, args.kv).items():
+        for name, r in kv_split(args.layers, args.kv, args.tokens,
+                                args.kv_caches.split(",")).items():
             print(f"  {name:>6}: build {r['build_ms']:.2f}  async_eval {r['async_eval_ms']:.2f}  "
                   f"wait {r['wait_ms']:.2f}  | first decode token {r['first_ms']:.1f}", flush=True)
         return
@@ -338,7 +360,8 @@ def main() -> None:
             print(f"  {name:<48} {us:7.2f}", flush=True)
     if not args.skip_decode:
         print(f"one decode token, 8B-shaped Llama cut to {args.layers} layers (ms per token):")
-        for variant, r in decode_split(args.layers, variants=args.variants.split(",")).items():
+        for variant, r in decode_split(args.layers, args.tokens,
+                                       variants=args.variants.split(",")).items():
             print(f"  {variant:>8}: build {r['build_ms']:.2f}  async_eval {r['async_eval_ms']:.2f}  "
                   f"wait {r['wait_ms']:.2f}  | generate_step {r['tok_s_pipelined']:.1f} tok/s",
                   flush=True)

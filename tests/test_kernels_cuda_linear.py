@@ -215,18 +215,24 @@ def test_bias_and_batch_shape():
         assert float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w))) < 1e-2
 
 
-def test_prefill_and_ternary_fall_back_to_the_reference():
+def test_prefill_falls_back_to_the_reference():
     members = _members(512, (64,), 3)
     x = mx.random.normal((20, 512))
     got = kernels.tq_linear_group(x, members)[0]  # 20 tokens: the reference GEMM
     want = _reference(x, members)[0]  # the reference GEMV, summed in another order
     # measured on the H200: 2.5e-4 (the GPU's float32 GEMM rounds more than the CPU's)
     assert float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want))) < 1e-3
+
+
+def test_ternary_group_runs_the_gemv_member_by_member():
     ternary = _members(512, (64,), "ternary")
-    x1 = x[:1]
+    assert not group.fusable(ternary)  # no fused launch: the member through cuda.matvec
+    x1 = mx.random.normal((1, 512))
     got = kernels.tq_linear_group(x1, ternary)[0]
     want = _reference(x1, ternary)[0]
-    assert float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want))) < 1e-4
+    # the GEMV reads the rotated input as float16 (a relative rounding of 2^-11 per
+    # element): 6.2e-4 measured on the H200 in session 9
+    assert float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want))) < 2e-3
 
 
 def test_loaded_model_matches_the_cpu(tmp_path):
