@@ -118,6 +118,18 @@ def reference_kernel(op: str, on: bool):
 
 
 @contextlib.contextmanager
+def compiled_mlp(on: bool):
+    """While inside (when `on`), fused blocks run their MLP half compiled
+    (`runtime/fuse.py` COMPILE_MLP, off by default until measured here)."""
+    saved = fuse.COMPILE_MLP
+    fuse.COMPILE_MLP = saved or on
+    try:
+        yield
+    finally:
+        fuse.COMPILE_MLP = saved
+
+
+@contextlib.contextmanager
 def compact_gather(on: bool):
     """While inside (when `on`), CUDA's gathered experts take the compact path
     (`kernels/cuda.py` COMPACT_GATHER, off by default until its GPU tests pass)."""
@@ -195,7 +207,8 @@ def main() -> None:
                          "tqN-grouped: grouped, mlx-lm's blocks; "
                          "tqN-single: one kernel per linear; "
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
-                         "-compact through the compact gathered path (COMPACT_GATHER)")
+                         "-compact through the compact gathered path (COMPACT_GATHER), "
+                         "-compiled with fused blocks' MLP half compiled (COMPILE_MLP)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
@@ -222,7 +235,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
         with reference_kernel("gather_matmul", "-refgather" in variant), \
-                compact_gather("-compact" in variant):
+                compact_gather("-compact" in variant), compiled_mlp("-compiled" in variant):
             tps = run_variant(model, args)
         if tps is None:
             return

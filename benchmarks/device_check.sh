@@ -6,6 +6,7 @@
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
+#   session9
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -35,8 +36,8 @@ for s in "$@"; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
-    kv-candidates)  # the split merge and the wave plan (cuda_kv KV_MERGE_SPLIT, KV_PLAN_WAVES):
-      # the KV GPU tests with both on (the 20K/40K cases use them), then decode beside fp16
+    kv-candidates)  # the split merge and the wave plan (cuda_kv KV_MERGE_SPLIT, KV_PLAN_WAVES,
+      # default since session 9): the KV GPU tests with both on, then decode beside fp16
       step tests-kv-candidates 240 env TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
         TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
       step kv-decode-candidates 330 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
@@ -53,6 +54,15 @@ for s in "$@"; do
       step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3 --tokens 96 ;;
     decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
+    session9)  # the bound group calls and the compiled MLP half on the GPU, then decode
+      # with and without COMPILE_MLP beside affine-4, kv-decode with the new KV defaults
+      step tests-session9 200 python3 -P -m pytest -q -k \
+        "loaded_model or compiled_mlp or extras or bias_and_batch or ternary_group" \
+        tests/test_kernels_cuda_linear.py
+      step decode-compiled 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
+        --variants affine4,tq3,tq3-compiled,affine4,tq3,tq3-compiled
+      step kv-decode-defaults 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
+        --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;

@@ -14,7 +14,7 @@ from .dispatch import (
     tq_gather,
     tq_linear,
 )
-from .group import NO_EXTRAS, Extras, Member, tq_linear_group
+from .group import NO_EXTRAS, Extras, Member, bind_linear_group, tq_linear_group
 from .reference import (
     dequantize,
     tq_embedding,
@@ -31,6 +31,7 @@ __all__ = [
     "Member",
     "add_op",
     "backend",
+    "bind_linear_group",
     "dequantize",
     "describe",
     "get",

@@ -165,17 +165,34 @@ class _Plan:
         expert, row = _pair_arrays(tokens)
         return rotate, gemv, expert, row, grouped
 
-    def __call__(self, x: mx.array, extras: group.Extras = group.NO_EXTRAS) -> list[mx.array]:
-        if not self.fused:  # the two-launch path does the extras with MLX's ops
-            x, residual, extras = group.input_of(x, extras), extras, group.NO_EXTRAS
-        mode = extras.mode
-        key = (x.shape[:-1], x.dtype, mode)
+    def _launch(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
+        key = (lead, dtype, mode)
         hit = self.launches.get(key)
         if hit is None:
             hit = self.launches[key] = self._launches(*key)
+        return hit
+
+    def _weights(self) -> list[mx.array]:
+        """The fused launch's inputs after the row's (`cuda_linear.WEIGHTS`' order)."""
+        return [self.signs, self.mix, self.low, self.high, self.scales, self.levels, self.bias]
+
+    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
+        """f(x, extras) for inputs of leading shape `lead` and `dtype`, extras of `mode`:
+        the fused launch with the weights bound (the two-launch path: this plan's call)."""
+        if not self.fused:
+            return self.__call__
+        run = self._launch(lead, dtype, mode).with_weights(self._weights())
+        if mode == (False, False, False):
+            return lambda x, extras: run(x)
+        extra_inputs = self._extra_inputs
+        return lambda x, extras: run(x, *extra_inputs(extras))
+
+    def __call__(self, x: mx.array, extras: group.Extras = group.NO_EXTRAS) -> list[mx.array]:
+        if not self.fused:  # the two-launch path does the extras with MLX's ops
+            x, residual, extras = group.input_of(x, extras), extras, group.NO_EXTRAS
+        hit = self._launch(x.shape[:-1], x.dtype, extras.mode)
         if self.fused:
-            return hit(x, *self._extra_inputs(extras), self.signs, self.mix, self.low,
-                       self.high, self.scales, self.levels, self.bias)
+            return hit(x, *self._extra_inputs(extras), *self._weights())
         rotate, gemv, expert, row, grouped = hit
         xr = rotate(x, self.signs, self.mix)
         ys = gemv(xr, self.low, self.high, self.scales, self.levels, expert, row, self.bias)
@@ -210,7 +227,8 @@ def _plan(members):
         return _UNFUSABLE
 
 
-def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+def _group_plan(x, members, prepared):
+    """The members' _Plan (NotImplementedError where the reference must run)."""
     if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
         raise NotImplementedError  # prefill: the reference GEMM
     plan = None if prepared is None else prepared.get("cuda")
@@ -221,7 +239,20 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
             plan = prepared["cuda"] = _plan(members)
     if plan is _UNFUSABLE:
         raise NotImplementedError
-    return plan(x, extras)
+    return plan
+
+
+def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+    return _group_plan(x, members, prepared)(x, extras)
+
+
+def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+    """`group.bind_linear_group` on CUDA: the plan's launch for x's shape and dtype and
+    extras' mode, its weights bound."""
+    return _group_plan(x, members, prepared).bind(x.shape[:-1], x.dtype, extras.mode)
+
+
+linear_group.bind = bind_linear_group
 
 
 def _gemv_rows(x: mx.array, padded_in: int) -> mx.array:

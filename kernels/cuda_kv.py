@@ -37,10 +37,10 @@ query position, nothing compressed yet, per-head masks, sink and tail of differe
 dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
 `tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
-also holds candidates: `_PARTIAL_VEC` (lab only) and `_MERGE_SPLIT`, which with the
-wave-filling grid `plan_waves` the runtime runs only behind a switch until the GPU tests
-pass with it (KV_MERGE_SPLIT, KV_PLAN_WAVES); the kernel lab (`benchmarks/cuda_lab.py`)
-times each beside what it would replace.
+also holds `_MERGE_SPLIT` (the merge of calls of many chunks) and a lab-only candidate,
+`_PARTIAL_VEC`; the partial grid comes from `plan_waves` where the SM count is known
+(KV_MERGE_SPLIT, KV_PLAN_WAVES: "0" turns either off). The kernel lab
+(`benchmarks/cuda_lab.py`) times each kernel beside what it replaced.
 """
 
 from __future__ import annotations
@@ -518,7 +518,8 @@ _MERGE = r"""
   }
 """
 
-# A candidate merge (replayed by tests/test_kv_cuda_layout.py; the runtime's behind KV_MERGE_SPLIT):
+# The split merge (replayed by tests/test_kv_cuda_layout.py; the runtime's for calls of
+# MERGE_SPLIT_MIN_CHUNKS chunks or more, KV_MERGE_SPLIT):
 # Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
 # query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
@@ -574,7 +575,7 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
     "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # lab only
-    "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # behind KV_MERGE_SPLIT
+    "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # KV_MERGE_SPLIT
 }
 HEADER = _HEADER
 
@@ -610,10 +611,10 @@ def plan(b: int, kv: int, c_len: int, f_len: int) -> tuple[int, int]:
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
 
-# Candidates the lab timed (session 8) wired into the runtime, each off until the KV
-# GPU tests pass with it on (`device_check.sh tests-kv` with the variable set):
+# Two of the lab's candidates (session 8), on since their GPU tests passed with them
+# (session 9, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
 # the split merge for calls of many chunks (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8)
-KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "0") == "1"
+KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
 MERGE_SPLIT_MIN_CHUNKS = 32
 
 
@@ -621,13 +622,13 @@ def split_per_dim(v_dim: int) -> int:
     """Threads per value dim of `_MERGE_SPLIT` (at most 4, a block of at most 1024)."""
     return min(4, 1024 // v_dim)
 
-# the partial grid from `plan_waves` on this GPU's SM count (not yet timed in the lab)
-KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "0") == "1"
+# the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
+KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int) -> tuple[int, int]:
-    """A candidate `plan` (behind KV_PLAN_WAVES until measured): the fewest compressed
+    """`plan` on a GPU whose SM count is known (KV_PLAN_WAVES): the fewest compressed
     chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
     instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""

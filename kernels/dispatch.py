@@ -56,11 +56,26 @@ def register(backend: str, op: str, fn: Callable) -> None:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()} (add_op adds one)")
     _TABLE[(backend, op)] = fn
     _WRAPPED.pop((backend, op), None)
+    _changed()
 
 
 def unregister(backend: str, op: str) -> None:
     _TABLE.pop((backend, op), None)
     _WRAPPED.pop((backend, op), None)
+    _changed()
+
+
+_GENERATION = [0]
+
+
+def _changed() -> None:
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever a kernel is registered or unregistered: callers that
+    keep what `get` chose (say, a bound decode call) key it on this and the device."""
+    return _GENERATION[0]
 
 
 def registered(backend: str, op: str) -> Callable | None:

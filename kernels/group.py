@@ -120,6 +120,25 @@ def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None,
     return with_residual(outs, extras)
 
 
+def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None,
+                      extras: Extras = NO_EXTRAS):
+    """`tq_linear_group` for inputs of x's shape and dtype and extras of its mode, as a
+    callable f(x, extras): the checks and the choice of kernel are made here, once, so a
+    decode step that calls it for every token pays little more than the launch. A
+    backend's kernel may offer a `bind` of its own (CUDA's: its launch with the weights
+    bound); otherwise f calls the kernel as `tq_linear_group` would."""
+    check_members(x, members)
+    check_extras(x, members, extras)
+    fn = dispatch.get("linear_group")
+    binder = getattr(getattr(fn, "__wrapped__", fn), "bind", None)
+    if binder is not None:
+        try:
+            return binder(x, members, prepared, extras)
+        except NotImplementedError:  # the kernel does not cover these: it falls back per call
+            pass
+    return lambda x, extras: fn(x, members, prepared, extras)
+
+
 def check_members(x: mx.array, members: tuple[Member, ...]) -> None:
     if not members:
         raise ValueError("a linear group needs at least one member")

@@ -83,6 +83,14 @@ def group_linears(model: nn.Module) -> int:
 # the loader fuses blocks on CUDA; TURBOQUANT_FUSE_BLOCKS=0 keeps mlx-lm's (for comparison)
 BLOCKS = os.environ.get("TURBOQUANT_FUSE_BLOCKS", "1") != "0"
 
+# TURBOQUANT_COMPILE_MLP=1: a fused block's decode step runs its MLP half (norm, gate/up,
+# SwiGLU, down, residual: two launches on CUDA) as one `mx.compile`d function, so the host
+# replays the traced launches instead of building them each token. Off until measured on
+# the GPU machine (`benchmarks/decode.py` variant tq3-compiled).
+COMPILE_MLP = os.environ.get("TURBOQUANT_COMPILE_MLP", "0") == "1"
+# where kernels are nodes of MLX's graph (the CPU's numba kernels evaluate: no tracing)
+GRAPH_KERNEL_BACKENDS = ("cuda", "metal")
+
 # mlx-lm modules whose TransformerBlock is x + attn(norm(x)), then h + mlp(norm(h)), with
 # MLP down(swiglu(gate(x), up(x))): the structure FusedDecoderBlock reproduces
 FUSABLE_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -95,7 +103,7 @@ class FusedDecoderBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
             return super().__call__(x, mask, cache)
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         qkv, out = attn.q_proj._group, attn.o_proj.group()
         qkv.extras = _norm_extras(self.input_layernorm)
         out.extras = Extras(residual=x)
@@ -103,8 +111,30 @@ class FusedDecoderBlock:
             h = attn(x, mask, cache)  # x + o_proj(attention(rms_norm(x)))
         finally:
             qkv.extras = out.extras = NO_EXTRAS
-        gate, up = mlp.gate_proj._group.outputs(h, _norm_extras(self.post_attention_layernorm))
-        return mlp.down_proj.group().outputs(gate, Extras(up=up, residual=h))[0]
+        if COMPILE_MLP and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
+            return self._compiled_mlp_half()(h)
+        return _mlp_half(self, h)
+
+    def _compiled_mlp_half(self):
+        """`_mlp_half` compiled for this block, traced again when a weight it read has been
+        replaced since (the trace holds them as constants)."""
+        mlp = self.mlp
+        arrays = [self.post_attention_layernorm["weight"]]
+        for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            arrays += [layer["codes"], layer["scales"], layer.get("bias")]
+        hit = self.__dict__.get("_mlp_compiled")
+        if hit is None or any(a is not b for a, b in zip(arrays, hit[1])):
+            hit = self.__dict__["_mlp_compiled"] = (
+                mx.compile(functools.partial(_mlp_half, self)), arrays)
+        return hit[0]
+
+
+def _mlp_half(block, h: mx.array) -> mx.array:
+    """h + down(silu(gate(n)) * up(n)), n = rms_norm(h): the gate/up and down group calls
+    with the norm, the SwiGLU and the residual as their extras."""
+    mlp = block.mlp
+    gate, up = mlp.gate_proj._group.outputs(h, _norm_extras(block.post_attention_layernorm))
+    return mlp.down_proj.group().outputs(gate, Extras(up=up, residual=h))[0]
 
 
 def _norm_extras(norm: nn.RMSNorm) -> Extras:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turboquant import kernels
+from turboquant.kernels import dispatch
 from turboquant.kernels.group import rotate_padded
 from turboquant.kernels.reference import check_bits, words_per_row
 from turboquant.stages import unrotate
@@ -156,11 +157,14 @@ class LinearGroup:
         self.layers = layers
         self.members: tuple[kernels.Member, ...] = ()
         self.prepared: dict = {}
+        self.bound: dict = {}  # (x's shape and dtype, extras' mode, kernel choice) -> f(x, extras)
         self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
         self.extras = kernels.NO_EXTRAS
 
     def output(self, x: mx.array, index: int) -> mx.array:
         """Member `index`'s output for x."""
+        if len(self.layers) == 1:
+            return self.outputs(x, self.extras)[0]
         if self.pending is None or self.pending[0] is not x:
             ys = self.outputs(x, self.extras)
             self.pending = (x, ys, set(range(len(ys))))
@@ -171,18 +175,32 @@ class LinearGroup:
         return ys[index]
 
     def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS) -> list[mx.array]:
-        """Every member's output for x, with `extras` around the product."""
+        """Every member's output for x, with `extras` around the product.
+
+        A decode step (a few tokens) runs the group call bound for x's shape and dtype
+        (`kernels.bind_linear_group`): the host builds each token's graph with only the
+        launch left to do. Prefill, whose shapes vary, calls `tq_linear_group`."""
         if not self._current():  # new or replaced weights: describe them anew
             self.members = tuple(layer.member() for layer in self.layers)
-            self.prepared = {}
-        return kernels.tq_linear_group(x, self.members, self.prepared, extras)
+            self.prepared, self.bound = {}, {}
+        shape = x.shape
+        if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
+            return kernels.tq_linear_group(x, self.members, self.prepared, extras)
+        key = (shape, x.dtype, extras.mode, dispatch.backend(), dispatch.generation())
+        run = self.bound.get(key)
+        if run is None:
+            run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
+                                                              extras)
+        return run(x, extras)
 
     def _current(self) -> bool:
-        return len(self.members) == len(self.layers) and all(
-            m.codes is layer["codes"] and m.scales is layer["scales"]
-            and m.bias is layer.get("bias")
-            for m, layer in zip(self.members, self.layers)
-        )
+        if len(self.members) != len(self.layers):
+            return False
+        for m, layer in zip(self.members, self.layers):
+            if (m.codes is not layer["codes"] or m.scales is not layer["scales"]
+                    or m.bias is not layer.get("bias")):
+                return False
+        return True
 
 
 class TQSwitchLinear(_TQBase):

@@ -153,6 +153,36 @@ def test_extras_are_inputs_of_the_same_launch(kernels):
     assert cuda_linear.inputs((False, True, True)) == ["x", "up", "res", *cuda_linear.WEIGHTS]
 
 
+def test_a_bound_call_launches_what_the_call_launches(kernels):
+    """`bind_linear_group` (what a decode step runs every token): the same kernel, grid,
+    shapes and inputs as `linear_group`, for each extras mode, the weights bound once."""
+    qkv, down = _members(256, (128, 64, 64), bias=True), _members(512, (256,))
+    x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    norm = group.Extras(norm=mx.arange(256).astype(mx.bfloat16), eps=1e-5)
+    gate, up = mx.ones((1, 1, 512), mx.bfloat16), mx.full((1, 1, 512), 2.0, mx.bfloat16)
+    gated = group.Extras(up=up, residual=mx.ones((1, 1, 256), dtype=mx.bfloat16))
+    for members, row, extras in ((qkv, x, group.NO_EXTRAS), (qkv, x, norm), (down, gate, gated)):
+        prepared = {}
+        cuda.linear_group(row, members, prepared, extras)
+        run = cuda.bind_linear_group(row, members, prepared, extras)
+        ys = run(row, extras)
+        (rec,) = [r for k, r in kernels.items() if k[3] == extras.mode and k[1] == len(members)]
+        plain, bound = rec.calls[-2:]
+        assert [y.shape for y in ys] == plain["shapes"]
+        assert {k: v for k, v in plain.items() if k != "inputs"} == {
+            k: v for k, v in bound.items() if k != "inputs"}
+        assert len(plain["inputs"]) == len(bound["inputs"])
+        assert all(a is b for a, b in zip(plain["inputs"], bound["inputs"]))
+
+
+def test_binding_prefill_or_an_unfusable_group_is_left_to_the_reference(kernels):
+    with pytest.raises(NotImplementedError):
+        cuda.bind_linear_group(mx.zeros((9, 256)), _members(256, (64,)), {})
+    with pytest.raises(NotImplementedError):
+        cuda.bind_linear_group(mx.zeros((1, 1000)), _members(1000, (64,)), {})
+    assert not kernels
+
+
 def test_a_residual_needs_a_single_member():
     with pytest.raises(ValueError, match="single member"):
         cuda_linear.launch(n=256, a=1, padded=256, bits=3, group_size=64, ends=(128, 256),

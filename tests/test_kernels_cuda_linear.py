@@ -257,3 +257,32 @@ def test_loaded_model_matches_the_cpu(tmp_path):
         mx.set_default_device(mx.gpu)
     err = float(mx.max(mx.abs(gpu - cpu)) / mx.max(mx.abs(cpu)))
     assert err < 2e-2, err
+
+
+def test_a_compiled_mlp_half_matches_the_uncompiled_step(tmp_path, monkeypatch):
+    """TURBOQUANT_COMPILE_MLP on CUDA: the traced gate/up and down launches replayed give
+    the logits of the step built launch by launch, token after token with a cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_runtime_fixtures import make_checkpoint, write_repo
+
+    from turboquant.runtime import fuse, load
+
+    config, weights = make_checkpoint("llama", seed=6)
+    write_repo(tmp_path / "m", config, weights, bits=3)
+    model, _ = load(tmp_path / "m")
+    runs = []
+    for compiled in (False, True):
+        monkeypatch.setattr(fuse, "COMPILE_MLP", compiled)
+        cache = make_prompt_cache(model)
+        model(mx.array([[1, 5, 70, 33]]), cache=cache)
+        tok, logits = mx.array([[7]]), []
+        for _ in range(4):
+            out = model(tok, cache=cache)
+            logits.append(out)
+            tok = mx.argmax(out[:, -1:], axis=-1)
+        mx.eval(logits)
+        runs.append(logits)
+    assert all("_mlp_compiled" in layer.__dict__ for layer in model.layers)
+    for plain, traced in zip(*runs):
+        err = float(mx.max(mx.abs(plain - traced)) / mx.max(mx.abs(plain)))
+        assert err < 1e-3, err

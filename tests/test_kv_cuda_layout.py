@@ -528,7 +528,7 @@ def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
-    """TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 (here for every chunk count): the layout launches
+    """KV_MERGE_SPLIT (here for every chunk count): the layout launches
     `_MERGE_SPLIT` with Q x DV threads a block, replayed as launched."""
     monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
     monkeypatch.setattr(cuda_kv, "MERGE_SPLIT_MIN_CHUNKS", 1)
@@ -540,7 +540,7 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k4v4-d256"])
 def test_runtime_wave_plan_sets_the_grid_and_matches_reference(name, monkeypatch):
-    """TURBOQUANT_CUDA_KV_PLAN_WAVES=1 on a GPU of 2 SMs (so that waves bind here)."""
+    """KV_PLAN_WAVES on a GPU of 2 SMs (so that waves bind here)."""
     monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 2)
     q, parts, args = make_case(**CASES[name], seed=len(name))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from test_runtime_fixtures import default_codec, make_checkpoint, write_repo
 
 from turboquant import kernels
-from turboquant.kernels import group
+from turboquant.kernels import dispatch, group
 from turboquant.runtime import load
 from turboquant.runtime.fuse import (
     FusedDecoderBlock,
@@ -59,17 +60,27 @@ def test_grouping_keeps_every_logit(tmp_path, kind, groups):
 
 
 def _count_calls(monkeypatch, modes: list | None = None) -> list[int]:
-    """Members per `tq_linear_group` call from now on (and each call's extras mode)."""
+    """Members per linear-group kernel call from now on (and each call's extras mode):
+    the kernel `dispatch.get` hands out is wrapped, so the calls a decode step makes
+    through its bound group calls (`kernels.bind_linear_group`) count too."""
     calls = []
-    real = kernels.tq_linear_group
+    real_get = dispatch.get
 
-    def counting(x, members, prepared=None, extras=kernels.NO_EXTRAS):
-        calls.append(len(members))
-        if modes is not None:
-            modes.append(extras.mode)
-        return real(x, members, prepared, extras)
+    def counting_get(op, *args):
+        fn = real_get(op, *args)
+        if op != "linear_group":
+            return fn
 
-    monkeypatch.setattr(kernels, "tq_linear_group", counting)
+        def counting(x, members, prepared=None, extras=kernels.NO_EXTRAS):
+            calls.append(len(members))
+            if modes is not None:
+                modes.append(extras.mode)
+            return fn(x, members, prepared, extras)
+
+        return counting
+
+    monkeypatch.setattr(dispatch, "get", counting_get)
+    dispatch._changed()  # group calls bound before chose their kernel uncounted
     return calls
 
 
@@ -153,6 +164,45 @@ def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
     after = _decode(model)
     for a, b in zip(before, after):
         assert mx.array_equal(a, b)
+
+
+def test_a_compiled_mlp_half_keeps_the_logits_and_follows_new_weights(tmp_path, monkeypatch):
+    """TURBOQUANT_COMPILE_MLP: the MLP half of a fused decode step as one compiled function
+    gives the uncompiled step's logits (MLX may fuse the CPU's elementwise ops: close, not
+    equal), and weights loaded afterwards are traced again, not served from the old trace."""
+    from turboquant.runtime import fuse
+
+    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
+    config, weights = make_checkpoint("llama", seed=4)  # other weights, same shapes
+    write_repo(tmp_path / "other", config, weights, bits=3)
+    other, _ = load(tmp_path / "other", fuse=False)
+    for m in (model, other):
+        group_linears(m), fuse_blocks(m)
+    # the pure-MLX reference stands in for a GPU's kernels (the CPU's numba ones evaluate
+    # inside the call, which a trace cannot)
+    dispatch.get("matvec")  # the CPU backend loaded (it registers its kernels on import)
+    for op in ("matvec", "linear_group"):
+        monkeypatch.delitem(dispatch._TABLE, ("cpu", op), raising=False)
+        monkeypatch.delitem(dispatch._WRAPPED, ("cpu", op), raising=False)
+    dispatch._changed()
+    monkeypatch.setattr(fuse, "GRAPH_KERNEL_BACKENDS", ("cpu",))
+    before = _decode(model)
+    monkeypatch.setattr(fuse, "COMPILE_MLP", True)
+    compiled = _decode(model)
+    for a, b in zip(before, compiled):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+    assert all("_mlp_compiled" in layer.__dict__ for layer in model.layers)
+    down = "model.layers.0.mlp.down_proj."
+    swapped = [(k, v) for k, v in tree_flatten(other.parameters()) if k.startswith(down)]
+    assert swapped
+    model.load_weights(swapped, strict=False)
+    monkeypatch.setattr(fuse, "COMPILE_MLP", False)
+    want = _decode(model)
+    monkeypatch.setattr(fuse, "COMPILE_MLP", True)
+    got = _decode(model)
+    assert not mx.allclose(want[-1], before[-1], rtol=1e-4, atol=1e-4).item()
+    for a, b in zip(want, got):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
 
 
 def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):

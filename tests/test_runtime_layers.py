@@ -42,6 +42,18 @@ def test_tq_linear_keeps_bf16_activations():
     _close(y.astype(mx.float32), x @ decode(qt).T, tol=2e-2)
 
 
+def test_a_decode_call_follows_replaced_weights():
+    """A decode-sized call runs the group call bound for its shape; weights loaded over
+    the layer's afterwards (as `load_weights` does) are what the next call multiplies."""
+    first, second = (encode(mx.random.normal((40, 90), key=mx.random.key(k)), 3, 32, seed=11)
+                     for k in (1, 2))
+    layer = TQLinear.from_quantized(first)
+    x = mx.random.normal((1, 1, 90))
+    _close(layer(x), x @ decode(first).T)
+    layer.update({"codes": second.codes, "scales": second.scales})
+    _close(layer(x), x @ decode(second).T)
+
+
 def test_tq_layers_hold_codes_and_scales_only_and_are_frozen():
     layer = TQLinear(100, 30, bias=True, bits=3, group_size=64, seed=9)
     params = dict(tree_flatten(layer.parameters()))
