@@ -130,11 +130,12 @@ def compiled_mlp(on: bool):
 
 
 @contextlib.contextmanager
-def compact_gather(on: bool):
-    """While inside (when `on`), CUDA's gathered experts take the compact path
-    (`kernels/cuda.py` COMPACT_GATHER, off by default until its GPU tests pass)."""
+def compact_gather(on: bool | None):
+    """While inside, CUDA's gathered experts take the compact path (`on`) or the broadcast
+    one (`kernels/cuda.py` COMPACT_GATHER, compact by default since session 9); None
+    leaves the setting as it is."""
     saved = cuda.COMPACT_GATHER
-    cuda.COMPACT_GATHER = saved or on
+    cuda.COMPACT_GATHER = saved if on is None else on
     try:
         yield
     finally:
@@ -207,7 +208,8 @@ def main() -> None:
                          "tqN-grouped: grouped, mlx-lm's blocks; "
                          "tqN-single: one kernel per linear; "
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
-                         "-compact through the compact gathered path (COMPACT_GATHER), "
+                         "-compact / -broadcast through the compact / broadcast gathered "
+                         "path (COMPACT_GATHER), "
                          "-compiled with fused blocks' MLP half compiled (COMPILE_MLP)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
@@ -235,7 +237,9 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
         with reference_kernel("gather_matmul", "-refgather" in variant), \
-                compact_gather("-compact" in variant), compiled_mlp("-compiled" in variant):
+                compact_gather(True if "-compact" in variant
+                               else False if "-broadcast" in variant else None), \
+                compiled_mlp("-compiled" in variant):
             tps = run_variant(model, args)
         if tps is None:
             return

@@ -6,7 +6,7 @@
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
-#   session9
+#   session9  kv-fp-chunks  ncu-steady
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -43,12 +43,13 @@ for s in "$@"; do
       step kv-decode-candidates 330 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
         TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
-    compact)  # the compact gathered experts (kernels/cuda.py COMPACT_GATHER): GPU tests,
-      # then MoE decode with and without it, alternating in one process
-      step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=1 python3 -P -m pytest -q \
+    compact)  # the gathered experts' broadcast path (kernels/cuda.py COMPACT_GATHER=0; the
+      # compact one is the default since session 9): GPU tests, then MoE decode with and
+      # without the compact path, alternating in one process
+      step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=0 python3 -P -m pytest -q \
         -k "gather" tests/test_kernels_cuda_linear.py
       step decode-moe-compact 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --moe \
-        --variants affine4,tq3,tq3-compact,affine4,tq3,tq3-compact --tokens 64 ;;
+        --variants affine4,tq3-broadcast,tq3-compact,affine4,tq3-broadcast,tq3-compact --tokens 64 ;;
     decode-graphs)  # CUDA graphs on for both (session 5: they helped affine-4, hurt TQ3;
       # was that the small operands' pages, fixed in session 8?)
       step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \
@@ -63,6 +64,12 @@ for s in "$@"; do
         --variants affine4,tq3,tq3-compiled,affine4,tq3,tq3-compiled
       step kv-decode-defaults 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
+    kv-fp-chunks)  # session 9's ncu: at 1K the partial kernel took 92 us with the fp16 tail
+      # (132-196 tokens) in one block; smaller fp16 chunks (kv.py :f<n>) beside the default
+      step kv-fp-chunks 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f64 K4V3:f32 ;;
+    ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
+      step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;

@@ -73,7 +73,9 @@ class CacheSpec:
 
     TurboQuant options: raw (no norm correction), p<n> (protect the first and last n KV
     layers at 8 bits), w<n> (fp16 window of n tokens instead of --window), ref (decode
-    through the pure-MLX reference even where a decode kernel is registered).
+    through the pure-MLX reference even where a decode kernel is registered), f<n> (the
+    CUDA decode kernel's fp16 tokens per chunk, `cuda_kv.FP_TOKENS_PER_CHUNK`, instead of
+    its default: one block scores an fp16 chunk alone).
     """
 
     name: str
@@ -84,6 +86,7 @@ class CacheSpec:
     protect: int = 0
     window: int | None = None
     reference: bool = False
+    fp_tokens: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -96,7 +99,7 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -109,6 +112,8 @@ class CacheSpec:
                 kw["window"] = int(o[1:])
             elif o == "ref":
                 kw["reference"] = True
+            elif o.startswith("f"):
+                kw["fp_tokens"] = int(o[1:])
             else:
                 raise ValueError(f"cache spec {name!r}: unknown option {o!r}")
         return cls(name, "tq", int(bk), int(bv), **kw)
@@ -319,11 +324,20 @@ LLAMA_8B = dict(
 )
 
 
+@contextlib.contextmanager
 def _attention_path(spec: CacheSpec):
     """A context in which TurboQuant attention takes the path `spec` asks for."""
+    from turboquant.kernels import cuda_kv
     from turboquant.runtime import kv_attention
 
-    return kv_attention.reference_only() if spec.reference else contextlib.nullcontext()
+    saved = cuda_kv.FP_TOKENS_PER_CHUNK
+    if spec.fp_tokens:
+        cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens
+    try:
+        with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
+            yield
+    finally:
+        cuda_kv.FP_TOKENS_PER_CHUNK = saved
 
 
 def _kernel_name() -> str:

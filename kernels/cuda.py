@@ -298,13 +298,13 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
 GATHER_MAX_PAIR_ROWS = 64
 
 
-# Session 8's host-op cut of a gathered call (`benchmarks/host_ops.py --moe`: 79 MLX ops a
-# Qwen3-30B-A3B layer against affine-4's 54): x's own rows (no copy per pair; each pair
-# reads its token's row through pair_row), the routing's indices as they come (uint32 or
-# int32), the output written in the caller's dtype. Off until its GPU tests pass (the
-# kernel has run pair_row as the identity only, and the GEMV's output in float32):
-# TURBOQUANT_CUDA_COMPACT_GATHER=1 turns it on.
-COMPACT_GATHER = os.environ.get("TURBOQUANT_CUDA_COMPACT_GATHER", "0") == "1"
+# Session 8's host-op cut of a gathered call (`benchmarks/host_ops.py --moe`: 68 MLX ops a
+# Qwen3-30B-A3B layer instead of 79; affine-4: 54): x's own rows (no copy per pair; each
+# pair reads its token's row through pair_row), the routing's indices as they come (uint32
+# or int32), the output written in the caller's dtype. On since session 9 (its GPU tests
+# passed; MoE decode 119.2 / 141.7 tok/s against 82.6 / 127.0 without, in alternating
+# rounds of one process); TURBOQUANT_CUDA_COMPACT_GATHER=0 keeps the broadcast path.
+COMPACT_GATHER = os.environ.get("TURBOQUANT_CUDA_COMPACT_GATHER", "1") == "1"
 
 
 def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,

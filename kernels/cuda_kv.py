@@ -63,7 +63,11 @@ NT = 128  # threads per block in every kernel
 TILE = 128  # tokens a partial block scores at once (one per thread)
 TARGET_BLOCKS = 1024  # partial blocks to aim for (H200: 132 SMs, several blocks each)
 MAX_CHUNKS = 1024  # chunks per (batch, KV head); the merge keeps one weight each in smem
-FP_TOKENS_PER_CHUNK = 256  # fp16 (sink + tail) tokens per fp chunk
+# fp16 (sink + tail) tokens per fp chunk. One block scores a chunk alone: session 9's ncu
+# at 1K context (tail of 132-196 tokens, one chunk) timed the partial kernel at 92 us with
+# 8 chunks a head, the lab's 25 us with a 68-token tail. `kv.py --gpu-configs K4V3:f64`
+# times another size beside it (next session's first KV experiment).
+FP_TOKENS_PER_CHUNK = 256
 MAX_FP_CHUNKS = 8
 SMEM_LIMIT = 40 * 1024  # bytes of static shared memory the partial kernel may take
 MAX_ACC = 64  # accumulators per thread (R * value dims per thread)
@@ -601,10 +605,13 @@ def _kernel(name: str):
 # ---------------------------------------------------------------------------- host side
 
 
-def plan(b: int, kv: int, c_len: int, f_len: int) -> tuple[int, int]:
-    """(compressed chunks, fp16 chunks) of the partial kernel's grid for one call."""
+def plan(b: int, kv: int, c_len: int, f_len: int, fp_tokens: int | None = None
+         ) -> tuple[int, int]:
+    """(compressed chunks, fp16 chunks) of the partial kernel's grid for one call, with
+    `fp_tokens` fp16 tokens a chunk (FP_TOKENS_PER_CHUNK unless given)."""
     tiles = -(-c_len // TILE)
-    fpch = 0 if f_len == 0 else min(MAX_FP_CHUNKS, -(-f_len // FP_TOKENS_PER_CHUNK))
+    per_chunk = fp_tokens or FP_TOKENS_PER_CHUNK
+    fpch = 0 if f_len == 0 else min(MAX_FP_CHUNKS, -(-f_len // per_chunk))
     ncc = max(1, min(tiles, TARGET_BLOCKS // (b * kv), MAX_CHUNKS - fpch))
     return ncc, fpch
 
@@ -627,13 +634,14 @@ KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int) -> tuple[int, int]:
+def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
+               fp_tokens: int | None = None) -> tuple[int, int]:
     """`plan` on a GPU whose SM count is known (KV_PLAN_WAVES): the fewest compressed
     chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
     instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
     tiles = -(-c_len // TILE)
-    _, fpch = plan(b, kv, c_len, f_len)
+    _, fpch = plan(b, kv, c_len, f_len, fp_tokens)
     slots = sms * PARTIAL_BLOCKS_PER_SM
     best = None
     for ncc in range(1, max(1, min(tiles, MAX_CHUNKS - fpch)) + 1):
@@ -840,8 +848,9 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     s_len, c_len, t_len = parts.lengths
     bias, _ = mask_bias(mask, b, s_len + c_len + t_len)
     sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
-    ncc, fpch = (plan_waves(b, kv, c_len, s_len + t_len, sms) if sms
-                 else plan(b, kv, c_len, s_len + t_len))
+    f_len = s_len + t_len
+    ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK) if sms
+                 else plan(b, kv, c_len, f_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
                   ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS)

@@ -321,7 +321,14 @@ def _experts(n_experts, out_f, in_f, bits=3):
     return codes, qt.scales.reshape(n_experts, out_f, -1), qt.spec.padded_in
 
 
-def test_gathered_experts_are_one_gemv_over_the_pairs(kernels):
+@pytest.fixture
+def broadcast(monkeypatch):
+    """The gathered path before the compact one (TURBOQUANT_CUDA_COMPACT_GATHER=0): x
+    copied to every pair, int32 routing, float32 out then cast."""
+    monkeypatch.setattr(cuda, "COMPACT_GATHER", False)
+
+
+def test_gathered_experts_are_one_gemv_over_the_pairs(kernels, broadcast):
     codes, scales, padded = _experts(4, 64, 256)
     x = mx.zeros((1, 2, 1, 1, padded))  # mlx-lm's SwitchGLU: (B, L, 1, M=1, K)
     indices = mx.array([[[3, 0, 2], [1, 1, 0]]])  # (B, L, top-k)
@@ -341,7 +348,7 @@ def test_gathered_experts_are_one_gemv_over_the_pairs(kernels):
     assert again["inputs"][1] is call["inputs"][1]  # the layout is built once per switch layer
 
 
-def test_gathered_experts_write_the_callers_dtype(kernels):
+def test_gathered_experts_write_the_callers_dtype(kernels, broadcast):
     codes, scales, padded = _experts(4, 64, 256)
     x = mx.zeros((1, 1, 1, 1, padded))
     y = cuda.gather(x, codes, scales, mx.array([[[1, 2]]]), 3, 64, 64, padded,

@@ -140,9 +140,9 @@ def test_gathered_experts_match_reference(bits, in_f, out_f, rows):
 @pytest.mark.parametrize("bits", [3, "ternary"])
 def test_gathered_experts_with_uint32_routing_written_in_bf16(bits):
     """The routing as mlx-lm's argpartition gives it (uint32) and the output in the
-    caller's dtype (bf16), x broadcast over the top-k as SwitchGLU passes it: with
-    TURBOQUANT_CUDA_COMPACT_GATHER=1 the kernel reads x's rows through pair_row and
-    writes bf16 itself."""
+    caller's dtype (bf16), x broadcast over the top-k as SwitchGLU passes it: on the
+    compact path (the default) the kernel reads x's rows through pair_row and writes bf16
+    itself; TURBOQUANT_CUDA_COMPACT_GATHER=0 checks the broadcast path."""
     n_experts, in_f, out_f = 8, 2048, 768
     w = mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(13)) * 0.02
     qt = encode(w, bits, 64, seed=23)

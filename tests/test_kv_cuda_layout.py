@@ -641,6 +641,17 @@ def test_chunks_of_many_tiles_and_empty_chunks(monkeypatch):
     assert [cuda_kv.chunk_tiles(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 5)]
 
 
+def test_the_wave_plan_follows_the_fp_chunk_size(monkeypatch):
+    """FP_TOKENS_PER_CHUNK changed at run time (`kv.py`'s :f<n> configs) reaches the wave
+    plan too, whose choices are cached."""
+    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 132)
+    q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
+    assert check(q, parts, args).layout.fpch == 2  # 304 fp16 tokens, 256 a chunk
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 64)
+    assert check(q, parts, args).layout.fpch == 5
+
+
 @pytest.mark.parametrize("kind", ["bool-1d", "bool-batch", "additive-inf", "hide-compressed"])
 def test_masks(kind):
     q, parts, args = make_case(b=2, kv=1, r=2, kd=64, c=260, s=4, t=20)
