@@ -6,7 +6,7 @@
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
-#   session9  kv-fp-chunks  ncu-steady
+#   session9  kv-fp-chunks  kv-vec  ncu-steady
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -68,6 +68,12 @@ for s in "$@"; do
       # (132-196 tokens) in one block; smaller fp16 chunks (kv.py :f<n>) beside the default
       step kv-fp-chunks 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f64 K4V3:f32 ;;
+    kv-vec)  # the partial kernel with 16-byte key loads (cuda_kv KV_PARTIAL_VEC): the KV GPU
+      # tests with it on, then decode beside the default partial kernel
+      step tests-kv-vec 240 env TURBOQUANT_CUDA_KV_PARTIAL_VEC=1 python3 -P -m pytest -q -x \
+        tests/test_kernels_cuda_kv.py
+      step kv-decode-vec 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:vec ;;
     ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
       step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process

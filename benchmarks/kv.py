@@ -75,7 +75,8 @@ class CacheSpec:
     layers at 8 bits), w<n> (fp16 window of n tokens instead of --window), ref (decode
     through the pure-MLX reference even where a decode kernel is registered), f<n> (the
     CUDA decode kernel's fp16 tokens per chunk, `cuda_kv.FP_TOKENS_PER_CHUNK`, instead of
-    its default: one block scores an fp16 chunk alone).
+    its default: one block scores an fp16 chunk alone), vec (the CUDA partial kernel
+    reading key rows in 16-byte loads, `cuda_kv.KV_PARTIAL_VEC`).
     """
 
     name: str
@@ -87,6 +88,7 @@ class CacheSpec:
     window: int | None = None
     reference: bool = False
     fp_tokens: int | None = None
+    vec: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -99,7 +101,7 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -112,6 +114,8 @@ class CacheSpec:
                 kw["window"] = int(o[1:])
             elif o == "ref":
                 kw["reference"] = True
+            elif o == "vec":
+                kw["vec"] = True
             elif o.startswith("f"):
                 kw["fp_tokens"] = int(o[1:])
             else:
@@ -330,14 +334,14 @@ def _attention_path(spec: CacheSpec):
     from turboquant.kernels import cuda_kv
     from turboquant.runtime import kv_attention
 
-    saved = cuda_kv.FP_TOKENS_PER_CHUNK
-    if spec.fp_tokens:
-        cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens
+    saved = cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC
+    cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
+    cuda_kv.KV_PARTIAL_VEC = spec.vec or saved[1]
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
-        cuda_kv.FP_TOKENS_PER_CHUNK = saved
+        cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC = saved
 
 
 def _kernel_name() -> str:

@@ -37,8 +37,8 @@ query position, nothing compressed yet, per-head masks, sink and tail of differe
 dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
 `tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
-also holds `_MERGE_SPLIT` (the merge of calls of many chunks) and a lab-only candidate,
-`_PARTIAL_VEC`; the partial grid comes from `plan_waves` where the SM count is known
+also holds `_MERGE_SPLIT` (the merge of calls of many chunks) and a candidate,
+`_PARTIAL_VEC` (behind KV_PARTIAL_VEC until its GPU tests pass); the partial grid comes from `plan_waves` where the SM count is known
 (KV_MERGE_SPLIT, KV_PLAN_WAVES: "0" turns either off). The kernel lab
 (`benchmarks/cuda_lab.py`) times each kernel beside what it replaced.
 """
@@ -416,8 +416,8 @@ _PARTIAL = r"""
 """
 
 # A candidate partial kernel, timed and checked against `_PARTIAL` by the kernel lab
-# (`benchmarks/cuda_lab.py`, family kv_partial_*) and not used by the runtime until it
-# has passed the GPU tests: a thread reads its token's key row in 16-byte loads where the
+# (`benchmarks/cuda_lab.py`, family kv_partial_*), run by the runtime only behind
+# KV_PARTIAL_VEC until it has passed the GPU tests: a thread reads its token's key row in 16-byte loads where the
 # row allows it (contiguous, 16-byte aligned, whole 16-byte units: the same for every
 # token of a block) instead of word by word. Session 8's ncu of `_PARTIAL` at 32K: 77% of
 # its global sectors were excess (16 scattered 4-byte loads a row for K4/128) and its
@@ -578,7 +578,7 @@ MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
 SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile check wraps
     "tq_kv_partial": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL),
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
-    "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # lab only
+    "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # KV_PARTIAL_VEC
     "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # KV_MERGE_SPLIT
 }
 HEADER = _HEADER
@@ -631,6 +631,9 @@ def split_per_dim(v_dim: int) -> int:
 
 # the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
 KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
+# `_PARTIAL_VEC` as the partial kernel (lab, 32K: 71.6 us against 81.6, the same outputs);
+# off until the KV GPU tests pass with it (`device_check.sh kv-vec`)
+KV_PARTIAL_VEC = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_VEC", "0") == "1"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -775,6 +778,7 @@ class Layout:
     out_shape: tuple
     merge_kernel: str = "tq_kv_merge"
     merge_threads: int = NT
+    partial_kernel: str = "tq_kv_partial"
 
     @property
     def nch(self) -> int:
@@ -784,9 +788,11 @@ class Layout:
 @functools.lru_cache(maxsize=1024)
 def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
             seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
-            has_mask: bool, ncc: int, fpch: int, merge_split: bool = False) -> Layout:
+            has_mask: bool, ncc: int, fpch: int, merge_split: bool = False,
+            partial_vec: bool = False) -> Layout:
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
-    `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`)."""
+    `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`);
+    `partial_vec`: the partial kernel reading key rows in 16-byte loads (`_PARTIAL_VEC`)."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
@@ -811,6 +817,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         merge_grid=(b * h * merge_threads, 1, 1), out_shape=(b, h, 1, v_dim),
         merge_kernel="tq_kv_merge_split" if split > 1 else "tq_kv_merge",
         merge_threads=merge_threads,
+        partial_kernel="tq_kv_partial_vec" if partial_vec else "tq_kv_partial",
     )
 
 
@@ -853,7 +860,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
                  else plan(b, kv, c_len, f_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS)
+                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS, KV_PARTIAL_VEC)
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
@@ -870,7 +877,7 @@ _THREADS = (NT, 1, 1)
 def run(launch: Launch) -> mx.array:
     """The two kernels of a prepared call -> (B, H, 1, Dv)."""
     L = launch.layout
-    ml, acc = _kernel("tq_kv_partial")(
+    ml, acc = _kernel(L.partial_kernel)(
         inputs=launch.inputs, template=L.partial_template, grid=L.partial_grid,
         threadgroup=_THREADS, output_shapes=L.partial_shapes, output_dtypes=_F32X2,
     )

@@ -391,6 +391,7 @@ def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
     names = cuda_kv.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
+    vec_keys = vec_keys or L.layout.partial_kernel == "tq_kv_partial_vec"  # as launched
     ml, acc = emulate_partial(L, full, vec_keys)
     assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
     return emulate_merge(L, ml, acc, split)
@@ -536,6 +537,19 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
     q = min(4, 1024 // lay.v_dim)
     assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
     assert lay.merge_grid == (lay.b * lay.h * q * lay.v_dim, 1, 1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_runtime_vector_key_loads_launch_and_match_reference(name, monkeypatch):
+    """TURBOQUANT_CUDA_KV_PARTIAL_VEC=1: the layout launches `_PARTIAL_VEC` (same grid and
+    inputs), replayed as launched."""
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", True)
+    launch = check(*make_case(**CASES[name], seed=len(name)))
+    assert launch.layout.partial_kernel == "tq_kv_partial_vec"
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
+    plain = cuda_kv.prepare(*make_case(**CASES[name], seed=len(name))[:2], 0.125)
+    assert plain.layout.partial_kernel == "tq_kv_partial"
+    assert plain.layout.partial_grid == launch.layout.partial_grid
 
 
 @pytest.mark.parametrize("name", ["k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k4v4-d256"])
