@@ -49,7 +49,8 @@ for s in "$@"; do
       step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=0 python3 -P -m pytest -q \
         -k "gather" tests/test_kernels_cuda_linear.py
       step decode-moe-compact 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --moe \
-        --variants affine4,tq3-broadcast,tq3-compact,affine4,tq3-broadcast,tq3-compact --tokens 64 ;;
+        --variants affine4,tq3-broadcast,tq3-compact,affine4,tq3-broadcast,tq3-compact \
+        --tokens 64 ;;
     decode-graphs)  # CUDA graphs on for both (session 5: they helped affine-4, hurt TQ3;
       # was that the small operands' pages, fixed in session 8?)
       step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \

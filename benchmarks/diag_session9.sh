@@ -19,7 +19,8 @@ for part in "$@"; do
     ncu)
       export TQ_PROFILER_RANGE=1
       for run in "kv-fp16 --kv 1024 --kv-caches fp16" "kv-k4v3 --kv 1024 --kv-caches K4V3" \
-                 "dec-affine4 --decode-only --variants affine4" "dec-tq3 --decode-only --variants tq3"; do
+                 "dec-affine4 --decode-only --variants affine4" \
+                 "dec-tq3 --decode-only --variants tq3"; do
         set -- $run
         name=$1; shift
         timeout 120 ncu --profile-from-start off --metrics gpu__time_duration.sum \

@@ -38,9 +38,10 @@ dtypes, and shapes too large for the kernel's shared memory / registers.
 `tests/test_kv_cuda_layout.py` replays the kernels' index arithmetic in numpy on the CPU;
 `tests/test_kernels_cuda_kv.py` checks them against the reference on the GPU. `SOURCES`
 also holds `_MERGE_SPLIT` (the merge of calls of many chunks) and a candidate,
-`_PARTIAL_VEC` (behind KV_PARTIAL_VEC until its GPU tests pass); the partial grid comes from `plan_waves` where the SM count is known
-(KV_MERGE_SPLIT, KV_PLAN_WAVES: "0" turns either off). The kernel lab
-(`benchmarks/cuda_lab.py`) times each kernel beside what it replaced.
+`_PARTIAL_VEC` (behind KV_PARTIAL_VEC until its GPU tests pass); the partial grid comes
+from `plan_waves` where the SM count is known (KV_MERGE_SPLIT, KV_PLAN_WAVES: "0" turns
+either off). The kernel lab (`benchmarks/cuda_lab.py`) times each kernel beside what it
+replaced.
 """
 
 from __future__ import annotations
@@ -417,9 +418,9 @@ _PARTIAL = r"""
 
 # A candidate partial kernel, timed and checked against `_PARTIAL` by the kernel lab
 # (`benchmarks/cuda_lab.py`, family kv_partial_*), run by the runtime only behind
-# KV_PARTIAL_VEC until it has passed the GPU tests: a thread reads its token's key row in 16-byte loads where the
-# row allows it (contiguous, 16-byte aligned, whole 16-byte units: the same for every
-# token of a block) instead of word by word. Session 8's ncu of `_PARTIAL` at 32K: 77% of
+# KV_PARTIAL_VEC until it has passed the GPU tests: a thread reads its token's key row in
+# 16-byte loads where the row allows it (contiguous, 16-byte aligned, whole 16-byte units:
+# the same for every token of a block) instead of word by word. Session 8's ncu of `_PARTIAL` at 32K: 77% of
 # its global sectors were excess (16 scattered 4-byte loads a row for K4/128) and its
 # L1 66% busy. The words, and so the sums, are the same. `_PARTIAL` with two pieces
 # replaced:

@@ -74,7 +74,7 @@ def _changed() -> None:
 
 def generation() -> int:
     """A number that changes whenever a kernel is registered or unregistered: callers that
-    keep what `get` chose (say, a bound decode call) key it on this and the device."""
+    keep what `get` chose (say, a bound decode call) key it on this and `backend()`."""
     return _GENERATION[0]
 
 

@@ -85,8 +85,9 @@ BLOCKS = os.environ.get("TURBOQUANT_FUSE_BLOCKS", "1") != "0"
 
 # TURBOQUANT_COMPILE_MLP=1: a fused block's decode step runs its MLP half (norm, gate/up,
 # SwiGLU, down, residual: two launches on CUDA) as one `mx.compile`d function, so the host
-# replays the traced launches instead of building them each token. Off until measured on
-# the GPU machine (`benchmarks/decode.py` variant tq3-compiled).
+# replays the traced launches instead of building them each token. Off: on the H200 it
+# showed no gain (session 9, alternating rounds, `benchmarks/decode.py` variant
+# tq3-compiled: 142.3 / 155.0 tok/s against 181.7 / 103.7 uncompiled).
 COMPILE_MLP = os.environ.get("TURBOQUANT_COMPILE_MLP", "0") == "1"
 # where kernels are nodes of MLX's graph (the CPU's numba kernels evaluate: no tracing)
 GRAPH_KERNEL_BACKENDS = ("cuda", "metal")
