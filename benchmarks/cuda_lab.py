@@ -188,7 +188,8 @@ def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
 
 
 def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: int = 4,
-                head_dim: int = 128, sink: int = 4, tail: int = 64) -> list[Variant]:
+                head_dim: int = 128, sink: int = 4, tail: int = 64,
+                fp_tokens: tuple[int, ...] = ()) -> list[Variant]:
     """The KV decode kernels (`cuda_kv`: partial, then merge) for one layer of an 8B-shaped
     model at `context` compressed tokens, as `cuda_kv.prepare` lays them out (the cache's
     codes and norms are the weights that stream)."""
@@ -221,7 +222,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     args = [(name, Buffer(a.dtype, a.size, fills.get(name, "x"), name in streamed,
                           tuple(a.shape)))
             for name, a in zip(cuda_kv.PARTIAL_INPUTS, launch.inputs)]
-    tag = f"{context}_k{bits_k}v{bits_v}"
+    tag = f"{context}_k{bits_k}v{bits_v}" if tail == 64 else f"{context}_t{tail}_k{bits_k}v{bits_v}"
 
     def variant(source: str, name: str, family: str, args, in_dtypes, out_dtypes, template,
                 grid, block, outputs) -> Variant:
@@ -252,6 +253,19 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
         [(name, mx.float32, math.prod(shape))
          for name, shape in zip(("part_ml", "part_acc"), waves_shapes)])
+    # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
+    # for the sink + tail; own families (other chunk sums), only their times compared
+    fp_chunked = []
+    for per_chunk in fp_tokens:
+        fpch = cuda_kv.plan(1, kv, context, sink + tail, per_chunk)[1]
+        shapes = [(s[0], lay.ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
+        template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
+        name = f"kv_partial_fp{per_chunk}_{tag}"
+        fp_chunked.append(variant(
+            "tq_kv_partial", name, name, args, in_dtypes, [mx.float32] * 2, template,
+            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
+            [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
+                                                                    shapes)]))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -265,7 +279,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
-    return [partial, candidate, waves, merge, merge_split]
+    return [partial, candidate, waves, merge, merge_split, *fp_chunked]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
@@ -288,7 +302,8 @@ KV_CONTEXTS = (1024, 32768)
 H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidate)
 
 
-def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS) -> list[Variant]:
+def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
+          kv_tail_contexts=KV_CONTEXTS) -> list[Variant]:
     _no_mlx_kernels()
     out = []
     for kind, o, i, bits, options in specs:
@@ -296,6 +311,9 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS) -> list[Variant]:
                    else linear_variant(o, i, bits, **options))
     for context in kv_contexts:
         out += kv_variants(context)
+    for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
+        # the cache holds (window 128 + block 64), in one chunk and in several
+        out += kv_variants(context, tail=188, fp_tokens=(64, 32))
     return out
 
 

@@ -35,7 +35,7 @@ SPECS = [("gemv", 1024, 4096, 3, {"rpw": 4}), ("linear", 512, 14336, 4, {}),
 
 
 def test_variants_carry_the_launch_their_kernels_need(lab):
-    gemv, down, small = lab.build(SPECS, kv_contexts=())
+    gemv, down, small = lab.build(SPECS, kv_contexts=(), kv_tail_contexts=())
     assert gemv.grid == (1024 // 4 * 32 // 128, 1, 1) and gemv.block == 128
     assert gemv.shared == 2 * 4096  # the staged fp16 row
     names = [n for n, _ in down.args]
@@ -53,13 +53,14 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
     changes, building the candidate fails here rather than timing a stale copy."""
     plain, candidate = lab.build([("gemv", 1024, 4096, 3, {"rpw": 4}),
                                   ("gemv", 1024, 4096, 3, {"rpw": 4, "loop": "syncwarp"})],
-                                 kv_contexts=())
+                                 kv_contexts=(), kv_tail_contexts=())
     assert candidate.family == plain.family and candidate.func == plain.func + "_syncwarp"
     assert "__syncwarp()" in candidate.source and "__syncwarp()" not in plain.source
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, candidate, waves, merge, merge_split = lab.build([], kv_contexts=(4096,))
+    partial, candidate, waves, merge, merge_split = lab.build([], kv_contexts=(4096,),
+                                                              kv_tail_contexts=())
     assert merge_split.family == merge.family and merge_split.block == 4 * 128
     # the candidate partial kernel runs the same launch and is checked against it
     assert candidate.family == partial.family and candidate.func != partial.func
@@ -82,12 +83,24 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     assert merge.grid == (32, 1, 1) and merge.outputs[0][2] == 32 * 128
 
 
+def test_fp16_parts_in_smaller_chunks_get_more_blocks(lab):
+    """The runtime's fp16 part at its longest (4 sink + 188 tail tokens) in one chunk of
+    256, or in chunks of 64 and 32: the same compressed chunks, more fp16 ones, FPCH to
+    match."""
+    partial, *_, fp64, fp32 = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
+    assert partial.name == "kv_partial_1024_t188_k4v3" and fp64.family != partial.family
+    ncc = partial.grid[0] - 1  # one fp16 chunk of 256
+    assert [v.grid for v in (fp64, fp32)] == [(ncc + 3, 8, 1), (ncc + 6, 8, 1)]
+    assert "constexpr int FPCH = 3;" in fp64.source and "constexpr int FPCH = 6;" in fp32.source
+    assert fp64.args == partial.args
+
+
 def test_program_compiles_with_nvcc(lab, tmp_path):
     """kernels.cu builds as a CUBIN (the device also builds it with NVRTC, as MLX does) and
     main.cu, which launches them through the driver API, compiles."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
-    variants = lab.build(SPECS, kv_contexts=(1024,))
+    variants = lab.build(SPECS, kv_contexts=(1024,), kv_tail_contexts=(1024,))
     main = lab.program(variants)
     assert main.count("int main(") == 1 and main.count("rng_state = ") == len(variants) + 1
     assert main.count("lab_function(mod, ") == len(variants)
