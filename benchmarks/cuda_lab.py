@@ -254,7 +254,8 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [(name, mx.float32, math.prod(shape))
          for name, shape in zip(("part_ml", "part_acc"), waves_shapes)])
     # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
-    # for the sink + tail; own families (other chunk sums), only their times compared
+    # for the sink + tail (the kernel splits it by whole tiles, so below TILE tokens a
+    # chunk only adds empty blocks); own families (other chunk sums), only times compared
     fp_chunked = []
     for per_chunk in fp_tokens:
         fpch = cuda_kv.plan(1, kv, context, sink + tail, per_chunk)[1]
@@ -313,7 +314,7 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
         # the cache holds (window 128 + block 64), in one chunk and in several
-        out += kv_variants(context, tail=188, fp_tokens=(64, 32))
+        out += kv_variants(context, tail=188, fp_tokens=(128,))
     return out
 
 

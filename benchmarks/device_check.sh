@@ -66,9 +66,10 @@ for s in "$@"; do
       step kv-decode-defaults 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     kv-fp-chunks)  # session 9's ncu: at 1K the partial kernel took 92 us with the fp16 tail
-      # (132-196 tokens) in one block; smaller fp16 chunks (kv.py :f<n>) beside the default
+      # (132-196 tokens: 2 tiles) in one block; fp16 chunks of a tile (kv.py :f128) beside
+      # the default, and with the vector-key partial kernel (run kv-vec's tests first)
       step kv-fp-chunks 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
-        --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f64 K4V3:f32 ;;
+        --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f128 K4V3:vec:f128 ;;
     kv-vec)  # the partial kernel with 16-byte key loads (cuda_kv KV_PARTIAL_VEC): the KV GPU
       # tests with it on, then decode beside the default partial kernel
       step tests-kv-vec 240 env TURBOQUANT_CUDA_KV_PARTIAL_VEC=1 python3 -P -m pytest -q -x \

@@ -64,10 +64,11 @@ NT = 128  # threads per block in every kernel
 TILE = 128  # tokens a partial block scores at once (one per thread)
 TARGET_BLOCKS = 1024  # partial blocks to aim for (H200: 132 SMs, several blocks each)
 MAX_CHUNKS = 1024  # chunks per (batch, KV head); the merge keeps one weight each in smem
-# fp16 (sink + tail) tokens per fp chunk. One block scores a chunk alone: session 9's ncu
-# at 1K context (tail of 132-196 tokens, one chunk) timed the partial kernel at 92 us with
-# 8 chunks a head, the lab's 25 us with a 68-token tail. `kv.py --gpu-configs K4V3:f64`
-# times another size beside it (next session's first KV experiment).
+# fp16 (sink + tail) tokens per fp chunk. A block walks its chunk a tile at a time and
+# the kernel splits the fp16 part by whole tiles: session 9's ncu at 1K context (a tail of
+# 132-196 tokens, 2 tiles in one chunk, every compressed chunk 1 tile) timed the partial
+# kernel at 92 us, the lab's 25 us with a 68-token tail. `kv.py --gpu-configs K4V3:f128`
+# times chunks of a tile beside it (next session's first KV experiment).
 FP_TOKENS_PER_CHUNK = 256
 MAX_FP_CHUNKS = 8
 SMEM_LIMIT = 40 * 1024  # bytes of static shared memory the partial kernel may take

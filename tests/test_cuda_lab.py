@@ -84,15 +84,14 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
 
 
 def test_fp16_parts_in_smaller_chunks_get_more_blocks(lab):
-    """The runtime's fp16 part at its longest (4 sink + 188 tail tokens) in one chunk of
-    256, or in chunks of 64 and 32: the same compressed chunks, more fp16 ones, FPCH to
-    match."""
-    partial, *_, fp64, fp32 = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
-    assert partial.name == "kv_partial_1024_t188_k4v3" and fp64.family != partial.family
-    ncc = partial.grid[0] - 1  # one fp16 chunk of 256
-    assert [v.grid for v in (fp64, fp32)] == [(ncc + 3, 8, 1), (ncc + 6, 8, 1)]
-    assert "constexpr int FPCH = 3;" in fp64.source and "constexpr int FPCH = 6;" in fp32.source
-    assert fp64.args == partial.args
+    """The runtime's fp16 part at its longest (4 sink + 188 tail tokens: 2 tiles) in one
+    chunk of 256, or in chunks of a tile (128): the same compressed chunks, one more fp16
+    chunk, FPCH to match."""
+    partial, *_, fp128 = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
+    assert partial.name == "kv_partial_1024_t188_k4v3" and fp128.name.startswith("kv_partial_fp128")
+    assert fp128.family != partial.family and fp128.args == partial.args
+    assert fp128.grid == (partial.grid[0] + 1, 8, 1)
+    assert "constexpr int FPCH = 1;" in partial.source and "constexpr int FPCH = 2;" in fp128.source
 
 
 def test_program_compiles_with_nvcc(lab, tmp_path):
