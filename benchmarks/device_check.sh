@@ -67,7 +67,10 @@ for s in "$@"; do
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     kv-fp-chunks)  # session 9's ncu: at 1K the partial kernel took 92 us with the fp16 tail
       # (132-196 tokens: 2 tiles) in one block; fp16 chunks of a tile (kv.py :f128) beside
-      # the default, and with the vector-key partial kernel (run kv-vec's tests first)
+      # the default, and with the vector-key partial kernel (run kv-vec's tests first);
+      # first the GPU tests of several fp16 chunks (none ran on the GPU before session 10)
+      step tests-kv-fp 200 python3 -P -m pytest -q -x -k "fp_chunks or window400" \
+        tests/test_kernels_cuda_kv.py
       step kv-fp-chunks 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f128 K4V3:vec:f128 ;;
     kv-vec)  # the partial kernel with 16-byte key loads (cuda_kv KV_PARTIAL_VEC): the KV GPU

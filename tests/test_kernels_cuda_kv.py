@@ -80,6 +80,7 @@ CASES = [
     Case(kv=2, r=4, bits=(4, 3), ctx=1500, sink=0),  # no sinks
     Case(kv=2, r=4, bits=(4, 3), ctx=1500, window=0),  # only the newest token in fp16
     Case(kv=2, r=4, bits=(4, 3), ctx=3000, rotating=1024),  # sliding window: offset slice
+    Case(kv=2, r=4, bits=(4, 3), ctx=3000, window=400),  # the fp16 part in 2 chunks
 ]
 BELOW_WINDOW = [Case(ctx=100), Case(b=2, kv=2, r=4, dim=64, ctx=128)]
 
@@ -165,6 +166,20 @@ def check_case(case: Case) -> list[str]:
         out.append(compare(q.astype(mx.float32), parts, case.dim ** -0.5, None,
                            case.name + " (float32 queries)"))
     return out
+
+
+def check_fp_chunks_of_a_tile() -> list[str]:
+    """The 8B case with the fp16 part (sink + a tail of 128-192) in chunks of one tile
+    (`cuda_kv.FP_TOKENS_PER_CHUNK` = TILE, the next default candidate): 2 fp16 chunks."""
+    q, parts, _ = cache_parts(Case(), seed=11)
+    saved = cuda_kv.FP_TOKENS_PER_CHUNK
+    cuda_kv.FP_TOKENS_PER_CHUNK = cuda_kv.TILE
+    try:
+        fpch = cuda_kv.prepare(q, parts, 128 ** -0.5).layout.fpch
+        assert fpch == 2, f"fp16 part of {parts.lengths} in {fpch} chunks, 2 expected"
+        return [compare(q, parts, 128 ** -0.5, None, "fp16 chunks of a tile")]
+    finally:
+        cuda_kv.FP_TOKENS_PER_CHUNK = saved
 
 
 def check_masks() -> list[str]:
@@ -318,6 +333,10 @@ if pytest is not None:
         for line in check_masks():
             print(line)
 
+    def test_fp_chunks_of_a_tile():
+        for line in check_fp_chunks_of_a_tile():
+            print(line)
+
     def test_decode_steps():
         for line in check_decode_steps():
             print(line)
@@ -341,7 +360,8 @@ def main() -> int:
         print(f"SKIP: MLX is not running on CUDA (backend {dispatch.backend()!r})")
         return 0
     checks = [(c.name, lambda c=c: check_case(c)) for c in CASES]
-    checks += [("masks", check_masks), ("decode steps", check_decode_steps),
+    checks += [("masks", check_masks), ("fp16 chunks of a tile", check_fp_chunks_of_a_tile),
+               ("decode steps", check_decode_steps),
                ("fallbacks", check_fallbacks),
                ("hook", check_hook_loads_kernel), ("model", check_model_decode)]
     failed = 0
