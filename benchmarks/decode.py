@@ -118,28 +118,15 @@ def reference_kernel(op: str, on: bool):
 
 
 @contextlib.contextmanager
-def compiled_mlp(on: bool):
-    """While inside (when `on`), fused blocks run their MLP half compiled
-    (`runtime/fuse.py` COMPILE_MLP, off by default until measured here)."""
-    saved = fuse.COMPILE_MLP
-    fuse.COMPILE_MLP = saved or on
+def switched(module, name: str, value: bool | None):
+    """While inside, the runtime switch `module.name` (cuda.COMPACT_GATHER,
+    fuse.COMPILE_MLP) is `value`; None leaves it as the environment set it."""
+    saved = getattr(module, name)
+    setattr(module, name, saved if value is None else value)
     try:
         yield
     finally:
-        fuse.COMPILE_MLP = saved
-
-
-@contextlib.contextmanager
-def compact_gather(on: bool | None):
-    """While inside, CUDA's gathered experts take the compact path (`on`) or the broadcast
-    one (`kernels/cuda.py` COMPACT_GATHER, compact by default since session 9); None
-    leaves the setting as it is."""
-    saved = cuda.COMPACT_GATHER
-    cuda.COMPACT_GATHER = saved if on is None else on
-    try:
-        yield
-    finally:
-        cuda.COMPACT_GATHER = saved
+        setattr(module, name, saved)
 
 
 def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
@@ -237,9 +224,9 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
         with reference_kernel("gather_matmul", "-refgather" in variant), \
-                compact_gather(True if "-compact" in variant
-                               else False if "-broadcast" in variant else None), \
-                compiled_mlp("-compiled" in variant):
+                switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
+                         else False if "-broadcast" in variant else None), \
+                switched(fuse, "COMPILE_MLP", True if "-compiled" in variant else None):
             tps = run_variant(model, args)
         if tps is None:
             return

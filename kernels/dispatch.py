@@ -158,9 +158,12 @@ def tq_linear(x_rot, codes, scales, bits, group_size, out_features, padded_in):
 
 
 def tq_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw):
-    """Gathered experts, like `mx.gather_mm`; see `reference.tq_gather_matmul`."""
+    """Gathered experts, like `mx.gather_mm`; see `reference.tq_gather_matmul`. The result
+    is in `out_dtype` when given, whether or not the backend's kernel writes it."""
     fn = get("gather_matmul")
-    return fn(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw)
+    y = fn(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw)
+    out_dtype = kw.get("out_dtype")
+    return y if out_dtype is None else y.astype(out_dtype)  # no op where already so
 
 
 def tq_embed(ids, codes, scales, bits, group_size, padded_in):

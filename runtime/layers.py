@@ -281,7 +281,7 @@ class TQSwitchLinear(_TQBase):
             self.padded_in,
             sorted_indices=sorted_indices,
             out_dtype=x.dtype,
-        ).astype(x.dtype)  # a no-op where the kernel wrote x's dtype
+        )
         if bias is not None:
             y = y + mx.expand_dims(bias, -2)
         return y
