@@ -208,13 +208,16 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     parts = KVParts(fp[0], fp[1], packed, fp[2], fp[3])
     # the plain layout (`plan`'s grid, the one-thread-a-dim merge): what the variants below
     # are timed against
-    switches = cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC
+    switches = (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
+                cuda_kv.KV_PARTIAL_MMA)
     cuda_kv.KV_MERGE_SPLIT = cuda_kv.KV_PLAN_WAVES = cuda_kv.KV_PARTIAL_VEC = False
+    cuda_kv.KV_PARTIAL_MMA = False
     try:
         launch = cuda_kv.prepare(zeros(1, kv * r, 1, head_dim, dtype=mx.bfloat16), parts,
                                  head_dim ** -0.5)
     finally:
-        cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC = switches
+        (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
+         cuda_kv.KV_PARTIAL_MMA) = switches
     lay = launch.layout
     fills = {"queries": "x", "consts": _values(lay.consts.tolist()).fill, "k_codes": "bits",
              "v_codes": "bits", "k_norms": "norm", "v_norms": "norm", "mask": "zero"}
@@ -244,6 +247,9 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     candidate = variant(  # same family: its outputs are checked against the partial's
         "tq_kv_partial_vec", f"kv_partial_vec_{tag}", partial.family, args, in_dtypes,
         [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
+    mma = variant(  # the tensor-core candidate, checked against the partial too
+        "tq_kv_partial_mma", f"kv_partial_mma_{tag}", partial.family, args, in_dtypes,
+        [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
     # the candidate grid (`cuda_kv.plan_waves`, H200: 132 SMs): its own family, as its
     # chunk sums differ; only its time is compared
     ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS)
@@ -253,6 +259,15 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
         [(name, mx.float32, math.prod(shape))
          for name, shape in zip(("part_ml", "part_acc"), waves_shapes)])
+    # the tensor-core candidate on its own wave-filling grid (fewer resident blocks)
+    ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS,
+                                   blocks_per_sm=cuda_kv.MMA_BLOCKS_PER_SM)
+    mma_shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
+    mma_waves = variant(
+        "tq_kv_partial_mma", f"kv_partial_mma_waves_{tag}", f"kv_partial_mma_waves_{tag}",
+        args, in_dtypes, [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1),
+        cuda_kv.NT, [(name, mx.float32, math.prod(shape))
+                     for name, shape in zip(("part_ml", "part_acc"), mma_shapes)])
     # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
     # for the sink + tail (the kernel splits it by whole tiles, so below TILE tokens a
     # chunk only adds empty blocks); own families (other chunk sums), only times compared
@@ -262,11 +277,28 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         shapes = [(s[0], lay.ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
         template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
         name = f"kv_partial_fp{per_chunk}_{tag}"
+        outs = [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
+                                                                       shapes)]
         fp_chunked.append(variant(
             "tq_kv_partial", name, name, args, in_dtypes, [mx.float32] * 2, template,
-            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
-            [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
-                                                                    shapes)]))
+            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
+        fp_chunked.append(variant(  # the tensor-core candidate, checked against it
+            "tq_kv_partial_mma", f"kv_partial_mma_fp{per_chunk}_{tag}", name, args, in_dtypes,
+            [mx.float32] * 2, template, (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
+            outs))
+        # and both on the runtime's grid: waves and fp16 chunks of per_chunk
+        for kernel, blocks in (("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM),
+                               ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM)):
+            ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
+                                           blocks)
+            shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
+            template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
+            name = f"{kernel[3:]}_waves_fp{per_chunk}_{tag}"
+            fp_chunked.append(variant(
+                kernel, name, name, args, in_dtypes, [mx.float32] * 2, template,
+                (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
+                [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
+                                                                        shapes)]))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -280,7 +312,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
-    return [partial, candidate, waves, merge, merge_split, *fp_chunked]
+    return [partial, candidate, mma, waves, mma_waves, merge, merge_split, *fp_chunked]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the
@@ -313,8 +345,9 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
     for context in kv_contexts:
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
-        # the cache holds (window 128 + block 64), in one chunk and in several
-        out += kv_variants(context, tail=188, fp_tokens=(128,))
+        # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's) and in
+        # one of 256 (before session 10)
+        out += kv_variants(context, tail=188, fp_tokens=(256,))
     return out
 
 

@@ -79,6 +79,12 @@ for s in "$@"; do
         tests/test_kernels_cuda_kv.py
       step kv-decode-vec 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:vec ;;
+    kv-mma)  # the tensor-core partial kernel (cuda_kv KV_PARTIAL_MMA) with fp16 chunks of a
+      # tile: the KV GPU tests with both on, then decode beside the default and fp16
+      step tests-kv-mma 240 env TURBOQUANT_CUDA_KV_PARTIAL_MMA=1 TURBOQUANT_CUDA_KV_FP_TOKENS=128 \
+        python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
+      step kv-decode-mma 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f128 K4V3:mma:f128 ;;
     ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
       step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process

@@ -75,8 +75,8 @@ class CacheSpec:
     layers at 8 bits), w<n> (fp16 window of n tokens instead of --window), ref (decode
     through the pure-MLX reference even where a decode kernel is registered), f<n> (the
     CUDA decode kernel's fp16 tokens per chunk, `cuda_kv.FP_TOKENS_PER_CHUNK`, instead of
-    its default: one block scores an fp16 chunk alone), vec (the CUDA partial kernel
-    reading key rows in 16-byte loads, `cuda_kv.KV_PARTIAL_VEC`).
+    its default), vec (the CUDA partial kernel reading key rows in 16-byte loads,
+    `cuda_kv.KV_PARTIAL_VEC`), mma (the tensor-core partial kernel, `cuda_kv.KV_PARTIAL_MMA`).
     """
 
     name: str
@@ -89,6 +89,7 @@ class CacheSpec:
     reference: bool = False
     fp_tokens: int | None = None
     vec: bool = False
+    mma: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -101,7 +102,7 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -116,6 +117,8 @@ class CacheSpec:
                 kw["reference"] = True
             elif o == "vec":
                 kw["vec"] = True
+            elif o == "mma":
+                kw["mma"] = True
             elif o.startswith("f"):
                 kw["fp_tokens"] = int(o[1:])
             else:
@@ -334,14 +337,15 @@ def _attention_path(spec: CacheSpec):
     from turboquant.kernels import cuda_kv
     from turboquant.runtime import kv_attention
 
-    saved = cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC
+    saved = cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA
     cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
     cuda_kv.KV_PARTIAL_VEC = spec.vec or saved[1]
+    cuda_kv.KV_PARTIAL_MMA = spec.mma or saved[2]
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
-        cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC = saved
+        cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA = saved
 
 
 def _kernel_name() -> str:

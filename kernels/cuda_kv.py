@@ -64,12 +64,13 @@ NT = 128  # threads per block in every kernel
 TILE = 128  # tokens a partial block scores at once (one per thread)
 TARGET_BLOCKS = 1024  # partial blocks to aim for (H200: 132 SMs, several blocks each)
 MAX_CHUNKS = 1024  # chunks per (batch, KV head); the merge keeps one weight each in smem
-# fp16 (sink + tail) tokens per fp chunk. A block walks its chunk a tile at a time and
-# the kernel splits the fp16 part by whole tiles: session 9's ncu at 1K context (a tail of
-# 132-196 tokens, 2 tiles in one chunk, every compressed chunk 1 tile) timed the partial
-# kernel at 92 us, the lab's 25 us with a 68-token tail. `kv.py --gpu-configs K4V3:f128`
-# times chunks of a tile beside it (next session's first KV experiment).
-FP_TOKENS_PER_CHUNK = 256
+# fp16 (sink + tail) tokens per fp chunk: a tile. A block walks its chunk a tile at a time
+# and the kernel splits the fp16 part by whole tiles, so the runtime's sink + tail (132-196
+# tokens) in one chunk of 256 made one block walk 2 tiles while every compressed chunk at
+# 1K walks 1: that block was the call's critical path (lab, session 10, a 188-token tail:
+# 60.8 us at 1K against 25.0 with a 64-token one; in chunks of a tile 41.1). Smaller chunks
+# than a tile would only add empty blocks.
+FP_TOKENS_PER_CHUNK = int(os.environ.get("TURBOQUANT_CUDA_KV_FP_TOKENS", str(TILE)))
 MAX_FP_CHUNKS = 8
 SMEM_LIMIT = 40 * 1024  # bytes of static shared memory the partial kernel may take
 MAX_ACC = 64  # accumulators per thread (R * value dims per thread)
@@ -144,6 +145,56 @@ __device__ __forceinline__ float tq_warp_sum(float v) {
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// ---- fp16 tensor-core helpers (`_PARTIAL_MMA`, sm_80+): a float x is carried as the
+// pair hi = half(x), lo = half(x - hi), and a product as hi*hi + hi*lo + lo*hi, which is
+// x*y to ~2^-22 relative (float32's accuracy, not fp16's 2^-11)
+
+// a half2 as its 32 bits: .x (the lower index of a fragment pair) in the low half
+__device__ __forceinline__ uint32_t tq_h2bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// (x0, x1) as the half2 pairs hi and lo
+__device__ __forceinline__ void tq_split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  hi = tq_h2bits(h);
+  lo = tq_h2bits(__floats2half2_rn(x0 - f.x, x1 - f.y));
+}
+
+// x as one word of a (hi | lo << 16) lookup table
+__device__ __forceinline__ uint32_t tq_split1(float x) {
+  const __half h = __float2half_rn(x);
+  const __half l = __float2half_rn(x - __half2float(h));
+  return (uint32_t)__half_as_ushort(h) | ((uint32_t)__half_as_ushort(l) << 16);
+}
+
+// two (hi | lo << 16) table words t0, t1 (fragment elements k, k + 1) as the pairs hi, lo
+__device__ __forceinline__ void tq_pair(uint32_t t0, uint32_t t1, uint32_t& hi, uint32_t& lo) {
+  hi = __byte_perm(t0, t1, 0x5410);
+  lo = __byte_perm(t0, t1, 0x7632);
+}
+
+// d += a b, mma m16n8k16 (row-major A 16x16, column-major B 16x8), fp16 in, float32 sums.
+// Fragments (g = lane / 4, c = lane % 4): a = {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..),
+// (g+8, 2c+8..)}, b = {(2c..2c+1, g), (2c+8.., g)}, d = {(g, 2c), (g, 2c+1), (g+8, 2c),
+// (g+8, 2c+1)}
+__device__ __forceinline__ void tq_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a b with both split: the three products that matter, smallest first
+__device__ __forceinline__ void tq_mma3(float (&d)[4], const uint32_t (&ah)[4],
+                                        const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1,
+                                        uint32_t bl0, uint32_t bl1) {
+  tq_mma(d, al, bh0, bh1);
+  tq_mma(d, ah, bl0, bl1);
+  tq_mma(d, ah, bh0, bh1);
 }
 """.replace("@NT@", str(NT)).replace("@TILE@", str(TILE)).replace("@MAXCH@", str(MAX_CHUNKS))
 
@@ -469,6 +520,275 @@ _PARTIAL_VEC = _spliced(_PARTIAL, (
      "          #pragma unroll\n          for (int j = 0; j < 32; ++j) {", _VEC_ROW),
 ))
 
+# The runtime's partial kernel where it fits (KV_PARTIAL_MMA, `use_mma`: sm_80+), on the
+# tensor cores; the kernel lab checks it against `_PARTIAL` and times both. `_PARTIAL` spends ~124 instructions a token at 32K (session 10's ncu:
+# 32.4M for 256K tokens, issue slots 46% busy, L1 76%): a thread per token for the
+# scores (128 code lookups and 512 shared-memory reads of the queries a key) and a thread
+# per value dim (a lookup, a code and R weights from shared memory per token and dim).
+# Here both products are mma m16n8k16 on fp16 fragments, each float carried as hi + lo
+# halves (`tq_mma3`: float32's accuracy), with the codes decoded straight into fragments:
+# * scores S^T = K Q^T: a warp takes 32 tokens of the tile (2 M-tiles of 16), query rows
+#   are the 8 columns (R <= 8 real). Dims are permuted so that a lane's A elements are
+#   whole 32-code blocks of its tokens' keys: lane (g, c) holds dims c * KD/4 + 4 ks +
+#   {0, 1 | 2, 3} in k-step ks, and the queries' B fragments (in shared memory, built
+#   once a block) use the same order. fp16 chunks load their rows the same way.
+# * values O^T = V^T P^T: a warp takes DV/4 dims (DV/64 M-tiles of 16), the tile's
+#   tokens in k-steps of 16; lane g decodes dims warp * DV/4 + g * DV/32 + [0, DV/32) of
+#   its 4 tokens a step (slot j = 2 mt + half: row g + 8 half of M-tile mt), from the
+#   value codes staged in shared memory. The weights p * value scale are B (query row g).
+# KD a multiple of 128, DV of 64, R <= 8 (`mma_fits`); `_PARTIAL`'s setup and softmax.
+_MMA_BODY = r"""  // ---- tensor-core layout (see above)
+  constexpr int KSTEPS = KD / 16, KPL = KD / 4;  // k-steps of the scores; a lane's key dims
+  constexpr int NWL = KPL / 32 * BK;              // words of a lane's key codes
+  constexpr int VWARP = DV / NWARPS, MTV = VWARP / 16, VPL = VWARP / 8;
+  __shared__ __align__(16) uint4 qf[KSTEPS * 32];  // Q^T fragments: hi b01, hi b23, lo b01, lo b23
+  __shared__ uint32_t lk2[1 << BK];                // levels as (hi | lo << 16)
+  __shared__ uint32_t lv2[1 << BV];
+  const int g = lane >> 2, c4 = lane & 3;
+  __syncthreads();  // qs complete
+  for (int i = tid; i < (1 << BK); i += NT) lk2[i] = tq_split1(lk[i]);
+  for (int i = tid; i < (1 << BV); i += NT) lv2[i] = tq_split1(lv[i]);
+  for (int i = tid; i < KSTEPS * 32; i += NT) {
+    const int ks = i >> 5, gg = (i & 31) >> 2, cc = i & 3;
+    uint4 f = make_uint4(0u, 0u, 0u, 0u);
+    if (gg < R) {
+      const float* q = qs + gg * KD + cc * KPL + 4 * ks;
+      tq_split2(q[0], q[1], f.x, f.z);
+      tq_split2(q[2], q[3], f.y, f.w);
+    }
+    qf[i] = f;
+  }
+  float acc[MTV][4];
+  #pragma unroll
+  for (int mt = 0; mt < MTV; ++mt) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+  }
+  // the lane's value codes: bits [d0 * BV, (d0 + VPL) * BV) of a value row, in 2 words
+  const int d0 = warp * VWARP + g * VPL;
+  const int vword0 = (d0 * BV) >> 5, vsh = (d0 * BV) & 31;
+  const bool vword1 = vword0 + 1 < WV;
+  __syncthreads();
+
+  for (int tile = tile0; tile < tile1; ++tile) {
+    if (!fp) {
+      #pragma unroll
+      for (int k = 0; k < (TILE * WV + NT - 1) / NT; ++k) {
+        const int i = tid + k * NT;
+        if (i < TILE * WV) {
+          const int tt = tile * TILE + i / WV;
+          vw[i] = tt < n_tok ? v_codes[vc_base + (long long)tt * v_codes_strides[2] +
+                                       (long long)(i % WV) * v_codes_strides[3]] : 0u;
+        }
+      }
+    }
+    // ---- scores: warp tokens u = warp * 32 + mt * 16 + half * 8 + g
+    float s[2][4];
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][i] = 0.f;
+    }
+    #pragma unroll 1
+    for (int mt = 0; mt < 2; ++mt) {  // one M-tile at a time: fewer registers, more blocks
+      if (!fp) {
+        const long long ws = k_codes_strides[3];
+        uint32_t kw[2][NWL];
+        #pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int t = tile * TILE + warp * 32 + mt * 16 + hf * 8 + g;
+          const uint32_t* krow = k_codes + kc_base + (long long)t * k_codes_strides[2];
+          #pragma unroll
+          for (int k = 0; k < NWL; ++k) kw[hf][k] = t < n_tok ? krow[(c4 * NWL + k) * ws] : 0u;
+        }
+        #pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          const uint4 q = qf[ks * 32 + lane];
+          const int blk = (4 * ks) >> 5, j = (4 * ks) & 31;
+          uint32_t ah[4], al[4];
+          #pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const uint32_t* w = kw[hf] + blk * BK;
+            tq_pair(lk2[tq_block_code<BK>(w, j)], lk2[tq_block_code<BK>(w, j + 1)], ah[hf], al[hf]);
+            tq_pair(lk2[tq_block_code<BK>(w, j + 2)], lk2[tq_block_code<BK>(w, j + 3)],
+                    ah[2 + hf], al[2 + hf]);
+          }
+          tq_mma3(s[mt], ah, al, q.x, q.y, q.z, q.w);
+        }
+      } else {
+        auto rows0 = sink_k, rows1 = sink_k;  // sink and tail share a dtype
+        long long fs0 = 0, fs1 = 0;
+        const int t0 = tile * TILE + warp * 32 + mt * 16 + g, t1 = t0 + 8;
+        if (t0 < S) {
+          rows0 = sink_k + sk_base + (long long)t0 * sink_k_strides[2];
+          fs0 = sink_k_strides[3];
+        } else {
+          rows0 = tail_k + tk_base + (long long)(t0 - S) * tail_k_strides[2];
+          fs0 = tail_k_strides[3];
+        }
+        if (t1 < S) {
+          rows1 = sink_k + sk_base + (long long)t1 * sink_k_strides[2];
+          fs1 = sink_k_strides[3];
+        } else {
+          rows1 = tail_k + tk_base + (long long)(t1 - S) * tail_k_strides[2];
+          fs1 = tail_k_strides[3];
+        }
+        #pragma unroll 2
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          const uint4 q = qf[ks * 32 + lane];
+          const int d = c4 * KPL + 4 * ks;
+          float x0[4], x1[4];
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            x0[e] = t0 < n_tok ? (float)rows0[(d + e) * fs0] : 0.f;
+            x1[e] = t1 < n_tok ? (float)rows1[(d + e) * fs1] : 0.f;
+          }
+          uint32_t ah[4], al[4];
+          tq_split2(x0[0], x0[1], ah[0], al[0]);
+          tq_split2(x1[0], x1[1], ah[1], al[1]);
+          tq_split2(x0[2], x0[3], ah[2], al[2]);
+          tq_split2(x1[2], x1[3], ah[3], al[3]);
+          tq_mma3(s[mt], ah, al, q.x, q.y, q.z, q.w);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      #pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int u = warp * 32 + mt * 16 + hf * 8 + g, t = tile * TILE + u;
+        const bool valid = t < n_tok;
+        float kn = 1.f, vscale = 0.f, bias = 0.f;
+        if (valid) {
+          int col;
+          if (!fp) {
+            kn = (float)k_norms[kn_base + (long long)t * k_norms_strides[2]];
+            vscale = (float)v_norms[vn_base + (long long)t * v_norms_strides[2]] * v_scale;
+            col = S + t;
+          } else {
+            vscale = 1.f;
+            col = t < S ? t : C + t;
+          }
+          if (HAS_MASK) bias = mask[mrow + col];
+        }
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = 2 * c4 + i;
+          if (r < R) sc[u * R + r] = valid ? s[mt][2 * hf + i] * kn + bias : TQ_NEG_INF;
+        }
+        if (c4 == 0) vn[u] = vscale;
+      }
+    }
+    __syncthreads();
+
+    // ---- online softmax, a warp per query row
+    for (int r = warp; r < R; r += NWARPS) {
+      float mx = TQ_NEG_INF;
+      for (int u = lane; u < TILE; u += 32) mx = fmaxf(mx, sc[u * R + r]);
+      mx = tq_warp_max(mx);
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(fmaxf(m_old, mx), TQ_NEG);
+      float sum = 0.f;
+      for (int u = lane; u < TILE; u += 32) {
+        const float p = expf(sc[u * R + r] - m_new);
+        sum += p;
+        sc[u * R + r] = p * vn[u];
+      }
+      sum = tq_warp_sum(sum);
+      if (lane == 0) {
+        const float a = expf(m_old - m_new);
+        a_s[r] = a;
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- values: k-steps of 16 tokens u0 + {0, 1 | 8, 9}, u0 = ts * 16 + 2 c4
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 2 * c4 + (i & 1);
+      const float a = r < R ? a_s[r] : 1.f;
+      #pragma unroll
+      for (int mt = 0; mt < MTV; ++mt) acc[mt][i] *= a;
+    }
+    const int ntile = min(TILE, n_tok - tile * TILE);
+    #pragma unroll 1
+    for (int ts = 0; ts < TILE / 16; ++ts) {
+      if (ts * 16 >= ntile) break;  // the same for the whole block
+      const int u0 = ts * 16 + 2 * c4;
+      uint32_t bh0 = 0u, bh1 = 0u, bl0 = 0u, bl1 = 0u;
+      if (g < R) {
+        tq_split2(sc[u0 * R + g], sc[(u0 + 1) * R + g], bh0, bl0);
+        tq_split2(sc[(u0 + 8) * R + g], sc[(u0 + 9) * R + g], bh1, bl1);
+      }
+      uint32_t vt[4][VPL];  // the lane's 4 tokens x VPL dims: table words, or floats' bits
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int u = u0 + (e & 1) + 8 * (e >> 1);
+        if (!fp) {
+          const uint32_t* row = vw + u * WV;
+          const unsigned long long bits =
+              ((unsigned long long)(vword1 ? row[vword0 + 1] : 0u) << 32 | row[vword0]) >> vsh;
+          #pragma unroll
+          for (int k = 0; k < VPL; ++k) vt[e][k] = lv2[(uint32_t)(bits >> (k * BV)) & ((1u << BV) - 1u)];
+        } else {
+          const int t = tile * TILE + u;
+          #pragma unroll
+          for (int k = 0; k < VPL; ++k) {
+            const int d = d0 + k;
+            vt[e][k] = __float_as_uint(t >= n_tok ? 0.f
+                : t < S ? (float)sink_v[sv_base + (long long)t * sink_v_strides[2] + d * sink_v_strides[3]]
+                        : (float)tail_v[tv_base + (long long)(t - S) * tail_v_strides[2] + d * tail_v_strides[3]]);
+          }
+        }
+      }
+      #pragma unroll
+      for (int mt = 0; mt < MTV; ++mt) {
+        uint32_t ah[4], al[4];  // rows g (dim 2 mt), g + 8 (dim 2 mt + 1); tokens e 0,1 | 2,3
+        #pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int k = 2 * mt + hf;
+          if (!fp) {
+            tq_pair(vt[0][k], vt[1][k], ah[hf], al[hf]);
+            tq_pair(vt[2][k], vt[3][k], ah[2 + hf], al[2 + hf]);
+          } else {
+            tq_split2(__uint_as_float(vt[0][k]), __uint_as_float(vt[1][k]), ah[hf], al[hf]);
+            tq_split2(__uint_as_float(vt[2][k]), __uint_as_float(vt[3][k]), ah[2 + hf], al[2 + hf]);
+          }
+        }
+        tq_mma3(acc[mt], ah, al, bh0, bh1, bl0, bl1);
+      }
+    }
+    __syncthreads();
+  }
+
+  const size_t prow = ((size_t)bk * nch + chunk) * R;
+  #pragma unroll
+  for (int mt = 0; mt < MTV; ++mt) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 2 * c4 + (i & 1);
+      if (r < R) part_acc[(prow + r) * DV + d0 + 2 * mt + (i >> 1)] = acc[mt][i];
+    }
+  }
+  if (tid < R) {
+    part_ml[(prow + tid) * 2] = m_s[tid];
+    part_ml[(prow + tid) * 2 + 1] = l_s[tid];
+  }
+"""
+
+_PARTIAL_MMA = _spliced(_PARTIAL, (
+    ("  // value phase: thread -> (token group", None, _MMA_BODY),
+))
+
+
+def mma_fits(k_dim: int, v_dim: int, r: int) -> bool:
+    """Whether `_PARTIAL_MMA` takes these heads: whole 32-code blocks a lane (k_dim a
+    multiple of 128), whole 16-row tiles a warp (v_dim of 64), query rows in the 8 columns."""
+    return k_dim % 128 == 0 and v_dim % 64 == 0 and r <= 8
+
+
 # One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
 # (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (B, H, 1, DV) in the queries' dtype.
 _MERGE = r"""
@@ -582,6 +902,7 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
     "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # KV_PARTIAL_VEC
     "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # KV_MERGE_SPLIT
+    "tq_kv_partial_mma": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_MMA),  # KV_PARTIAL_MMA
 }
 HEADER = _HEADER
 
@@ -619,12 +940,16 @@ def plan(b: int, kv: int, c_len: int, f_len: int, fp_tokens: int | None = None
 
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
+MMA_BLOCKS_PER_SM = 5  # `_PARTIAL_MMA`'s (96 registers with nvcc for sm_90)
 
 # Two of the lab's candidates (session 8), on since their GPU tests passed with them
 # (session 9, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
-# the split merge for calls of many chunks (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8)
+# the split merge (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8), for every call: with a
+# threshold on the chunk count, a cache growing past it met a kernel not yet compiled in
+# the middle of decoding (session 10: 4K decode at 20 tok/s, ~1 s of NVRTC inside the
+# timed steps)
 KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
-MERGE_SPLIT_MIN_CHUNKS = 32
+MERGE_SPLIT_MIN_CHUNKS = 1
 
 
 def split_per_dim(v_dim: int) -> int:
@@ -636,18 +961,30 @@ KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
 # `_PARTIAL_VEC` as the partial kernel (lab, 32K: 71.6 us against 81.6, the same outputs);
 # off until the KV GPU tests pass with it (`device_check.sh kv-vec`)
 KV_PARTIAL_VEC = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_VEC", "0") == "1"
+# `_PARTIAL_MMA` where it fits (`mma_fits`, sm_80+), "0" turns it off: lab, the runtime's
+# 188-token fp16 tail in chunks of a tile, 61.9 us at 32K against 78.3 (the plain kernel on
+# its own wave grid), 29.1 at 1K against 41.1, outputs within 1e-6; the KV GPU tests pass
+# with it (session 10, `device_check.sh kv-mma`: 23/23)
+KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
+
+
+def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
+    """Whether a call of these heads runs `_PARTIAL_MMA` on this GPU."""
+    cc = cuda_memory.compute_capability()
+    return KV_PARTIAL_MMA and mma_fits(k_dim, v_dim, r) and cc is not None and cc >= (8, 0)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
-               fp_tokens: int | None = None) -> tuple[int, int]:
+               fp_tokens: int | None = None, blocks_per_sm: int = PARTIAL_BLOCKS_PER_SM
+               ) -> tuple[int, int]:
     """`plan` on a GPU whose SM count is known (KV_PLAN_WAVES): the fewest compressed
     chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
     instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
     tiles = -(-c_len // TILE)
     _, fpch = plan(b, kv, c_len, f_len, fp_tokens)
-    slots = sms * PARTIAL_BLOCKS_PER_SM
+    slots = sms * blocks_per_sm
     best = None
     for ncc in range(1, max(1, min(tiles, MAX_CHUNKS - fpch)) + 1):
         cost = -(-(ncc + fpch) * b * kv // slots) * -(-tiles // ncc)
@@ -791,15 +1128,18 @@ class Layout:
 def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
             seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
             has_mask: bool, ncc: int, fpch: int, merge_split: bool = False,
-            partial_vec: bool = False) -> Layout:
+            partial: str = "plain") -> Layout:
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
     `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`);
-    `partial_vec`: the partial kernel reading key rows in 16-byte loads (`_PARTIAL_VEC`)."""
+    `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
+    `_PARTIAL_VEC`) or "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`)."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
     wv = kv_words(v_dim, bits_v)
     smem = 4 * (r * k_dim + TILE * r + TILE + TILE * wv + (1 << bits_k) + (1 << bits_v) + 3 * r)
+    if partial == "mma":  # the queries' fragments and the split level tables
+        smem += 32 * k_dim + 4 * ((1 << bits_k) + (1 << bits_v))
     if smem > SMEM_LIMIT or r * -(-v_dim // NT) > MAX_ACC:
         raise NotImplementedError(f"group of {r} heads x head_dim {k_dim}/{v_dim} is too large")
     consts, p = _consts(seed, k_dim, bits_k, bits_v, scale)
@@ -819,8 +1159,12 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         merge_grid=(b * h * merge_threads, 1, 1), out_shape=(b, h, 1, v_dim),
         merge_kernel="tq_kv_merge_split" if split > 1 else "tq_kv_merge",
         merge_threads=merge_threads,
-        partial_kernel="tq_kv_partial_vec" if partial_vec else "tq_kv_partial",
+        partial_kernel=PARTIAL_KERNELS[partial],
     )
+
+
+PARTIAL_KERNELS = {"plain": "tq_kv_partial", "vec": "tq_kv_partial_vec",
+                   "mma": "tq_kv_partial_mma"}
 
 
 @dataclass
@@ -858,11 +1202,14 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     bias, _ = mask_bias(mask, b, s_len + c_len + t_len)
     sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
     f_len = s_len + t_len
-    ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK) if sms
+    mma = use_mma(pk.k_dim, pk.v_dim, h // kv)
+    blocks = MMA_BLOCKS_PER_SM if mma else PARTIAL_BLOCKS_PER_SM
+    ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK, blocks) if sms
                  else plan(b, kv, c_len, f_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS, KV_PARTIAL_VEC)
+                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS,
+                  "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain")
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

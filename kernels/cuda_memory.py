@@ -122,17 +122,28 @@ def device_constant(a: mx.array) -> mx.array:
     return view
 
 
-@functools.cache
-def sm_count() -> int | None:
-    """The GPU's multiprocessor count (device 0), or None without the CUDA driver."""
+def _attribute(attribute: int) -> int | None:
+    """A CUdevice_attribute of device 0, or None without the CUDA driver."""
     found = _driver()
     if found is None:
         return None
     lib, device, _ = found
-    count = ctypes.c_int(0)
-    attribute = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    status = lib.cuDeviceGetAttribute(ctypes.byref(count), attribute, device)
-    return count.value if status == 0 else None
+    value = ctypes.c_int(0)
+    status = lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)
+    return value.value if status == 0 else None
+
+
+@functools.cache
+def sm_count() -> int | None:
+    """The GPU's multiprocessor count (device 0), or None without the CUDA driver."""
+    return _attribute(16)  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+
+
+@functools.cache
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of device 0, or None without the CUDA driver."""
+    major, minor = _attribute(75), _attribute(76)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
+    return None if major is None or minor is None else (major, minor)
 
 
 def preferred_location(a: mx.array) -> int | None:

@@ -59,13 +59,15 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, candidate, waves, merge, merge_split = lab.build([], kv_contexts=(4096,),
-                                                              kv_tail_contexts=())
+    partial, candidate, mma, waves, mma_waves, merge, merge_split = lab.build(
+        [], kv_contexts=(4096,), kv_tail_contexts=())
     assert merge_split.family == merge.family and merge_split.block == 4 * 128
-    # the candidate partial kernel runs the same launch and is checked against it
-    assert candidate.family == partial.family and candidate.func != partial.func
-    assert (candidate.grid, candidate.block, candidate.args) == (partial.grid, partial.block,
-                                                                partial.args)
+    # the candidate partial kernels run the same launch and are checked against it
+    for other in (candidate, mma):
+        assert other.family == partial.family and other.func != partial.func
+        assert (other.grid, other.block, other.args) == (partial.grid, partial.block,
+                                                        partial.args)
+    assert "tq_mma3(" in mma.source and mma_waves.args == partial.args
     from turboquant.kernels import cuda_kv
 
     # the wave-filling grid: its own family (other chunk sums), fewer chunks at 32K only
@@ -83,15 +85,17 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     assert merge.grid == (32, 1, 1) and merge.outputs[0][2] == 32 * 128
 
 
-def test_fp16_parts_in_smaller_chunks_get_more_blocks(lab):
-    """The runtime's fp16 part at its longest (4 sink + 188 tail tokens: 2 tiles) in one
-    chunk of 256, or in chunks of a tile (128): the same compressed chunks, one more fp16
-    chunk, FPCH to match."""
-    partial, *_, fp128 = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
-    assert partial.name == "kv_partial_1024_t188_k4v3" and fp128.name.startswith("kv_partial_fp128")
-    assert fp128.family != partial.family and fp128.args == partial.args
-    assert fp128.grid == (partial.grid[0] + 1, 8, 1)
-    assert "constexpr int FPCH = 1;" in partial.source and "constexpr int FPCH = 2;" in fp128.source
+def test_fp16_parts_in_bigger_chunks_get_fewer_blocks(lab):
+    """The runtime's fp16 part at its longest (4 sink + 188 tail tokens: 2 tiles) in chunks
+    of a tile (the runtime's, 128), or in one chunk of 256 (before session 10): the same
+    compressed chunks, one fp16 chunk fewer, FPCH to match."""
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
+    partial = variants[0]
+    fp256 = next(v for v in variants if v.name.startswith("kv_partial_fp256"))
+    assert partial.name == "kv_partial_1024_t188_k4v3"
+    assert fp256.family != partial.family and fp256.args == partial.args
+    assert fp256.grid == (partial.grid[0] - 1, 8, 1)
+    assert "constexpr int FPCH = 2;" in partial.source and "constexpr int FPCH = 1;" in fp256.source
 
 
 def test_program_compiles_with_nvcc(lab, tmp_path):

@@ -143,7 +143,8 @@ def compare(q, parts: KVParts, scale: float, mask=None, label: str = "") -> str:
     w = np.asarray(want)
     shapes = f"q {tuple(q.shape)} {q.dtype}, out {tuple(got.shape)} {got.dtype}"
     info = (f"{label}: {shapes}, lengths (sink, compressed, tail) {parts.lengths}, "
-            f"chunks {launch.layout.ncc}+{launch.layout.fpch}, reference on {where}")
+            f"chunks {launch.layout.ncc}+{launch.layout.fpch}, {launch.layout.partial_kernel}, "
+            f"reference on {where}")
     assert g.shape == w.shape, f"{info}: shape {g.shape} != reference {w.shape}"
     assert np.isfinite(g).all(), f"{info}: {np.size(g) - np.isfinite(g).sum()} non-finite outputs"
     diff = np.abs(g - w)

@@ -637,8 +637,9 @@ def test_two_launches_with_only_the_constants_they_need(monkeypatch):
     q, parts, _ = make_case(b=2, kv=2, r=2, kd=64)
     out = cuda_kv.decode_attention(q.astype(mx.bfloat16), parts, 0.125)
     assert out.shape == (2, 4, 1, 64) and out.dtype == mx.bfloat16
+    merge = "tq_kv_merge_split" if cuda_kv.KV_MERGE_SPLIT else "tq_kv_merge"  # every call
     assert [(n, k) for n, k, _ in calls] == [("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)),
-                                             ("tq_kv_merge", len(cuda_kv.MERGE_INPUTS))]
+                                             (merge, len(cuda_kv.MERGE_INPUTS))]
     assert set(calls[0][2]) == {"KD", "DV", "BK", "BV", "R", "P", "FPCH", "HAS_SINK",
                                 "HAS_TAIL", "HAS_MASK"}
     assert set(calls[1][2]) == {"DV", "FPCH"}
@@ -661,9 +662,43 @@ def test_the_wave_plan_follows_the_fp_chunk_size(monkeypatch):
     monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 132)
     q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 256)
     assert check(q, parts, args).layout.fpch == 2  # 304 fp16 tokens, 256 a chunk
     monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 64)
     assert check(q, parts, args).layout.fpch == 5
+
+
+def test_fp16_chunks_are_a_tile_by_default():
+    """The runtime's sink + tail (132-196 tokens) in chunks of a tile, so that no block walks
+    more fp16 tiles than the compressed chunks at 1K do (session 10's lab)."""
+    assert cuda_kv.FP_TOKENS_PER_CHUNK == cuda_kv.TILE
+    assert cuda_kv.plan(1, 8, 1024 - 196, 196)[1] == 2
+
+
+def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
+    """KV_PARTIAL_MMA: `_PARTIAL_MMA` for heads of 128/256 dims and up to 8 query rows a KV
+    head on an sm_80+ GPU, on its own wave plan (fewer resident blocks); the plain kernel
+    elsewhere, and without a CUDA driver (this machine)."""
+    assert cuda_kv.mma_fits(128, 128, 4) and cuda_kv.mma_fits(256, 256, 8)
+    assert not cuda_kv.mma_fits(64, 64, 2) and not cuda_kv.mma_fits(128, 128, 16)
+    q, parts, _ = make_case(b=1, kv=2, r=4, kd=128, c=1250, s=4, t=150)
+    assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"  # no driver
+    monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
+    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    lay = cuda_kv.prepare(q, parts, 0.1).layout
+    assert lay.partial_kernel == "tq_kv_partial_mma"
+    s_len, c_len, t_len = parts.lengths
+    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE,
+                                                     cuda_kv.MMA_BLOCKS_PER_SM)
+    assert (lay.ncc, lay.fpch) != cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (7, 5))
+    assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"
+    monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
+    small = make_case(b=1, kv=2, r=2, kd=64, c=300)
+    assert cuda_kv.prepare(*small[:2], 0.1).layout.partial_kernel == "tq_kv_partial"
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", False)
+    assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"
 
 
 @pytest.mark.parametrize("kind", ["bool-1d", "bool-batch", "additive-inf", "hide-compressed"])
@@ -766,6 +801,9 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_split_{tag}", "tq_kv_merge_split", [mx.float32] * 3,
                           [lay.out_dtype], lay.merge_template),
+        mlx_kernel_source(f"partial_mma_{tag}", "tq_kv_partial_mma", [x.dtype for x in L.inputs],
+                          [mx.float32, mx.float32], lay.partial_template)
+        if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r) else "",
     ])
 
 
