@@ -385,6 +385,176 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
     return out.done().reshape(L.layout.out_shape)
 
 
+def mma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """mma m16n8k16 from its lanes' fragments (as exact floats: the kernel's hi + lo halves
+    carry float32's accuracy): a (32, 4, 2), b (32, 2, 2) -> d (32, 4), the PTX layouts
+    (g = lane / 4, c = lane % 4): a = {(g, 2c + i), (g + 8, 2c + i), (g, 2c + 8 + i),
+    (g + 8, 2c + 8 + i)}, b = {(2c + i, g), (2c + 8 + i, g)}, d = {(g, 2c), (g, 2c + 1),
+    (g + 8, 2c), (g + 8, 2c + 1)}."""
+    lane = np.arange(32)
+    g, c = lane >> 2, lane & 3
+    A, B = np.zeros((16, 16), np.float64), np.zeros((16, 8), np.float64)
+    for i in range(2):
+        A[g, 2 * c + i], A[g + 8, 2 * c + i] = a[:, 0, i], a[:, 1, i]
+        A[g, 2 * c + 8 + i], A[g + 8, 2 * c + 8 + i] = a[:, 2, i], a[:, 3, i]
+        B[2 * c + i, g], B[2 * c + 8 + i, g] = b[:, 0, i], b[:, 1, i]
+    D = A @ B
+    return np.stack([D[g, 2 * c], D[g, 2 * c + 1], D[g + 8, 2 * c], D[g + 8, 2 * c + 1]],
+                    axis=1).astype(F32)
+
+
+def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
+    """`_PARTIAL_MMA`, lane by lane: which fragment element each lane decodes (the dims
+    and tokens it permutes), through `mma`; the prologue and softmax are `_PARTIAL`'s."""
+    T = dict(L.layout.partial_template)
+    KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
+    WV = kv_words(DV, BV)
+    KSTEPS, KPL = KD // 16, KD // 4
+    NWL = KPL // 32 * BK
+    VWARP = DV // 4
+    MTV, VPL = VWARP // 16, VWARP // 8
+    KV = args["k_codes"].shape[1]
+    TILE, nch = cuda_kv.TILE, L.layout.nch
+    grid_y = L.layout.partial_grid[1]
+    consts = np.asarray(L.layout.consts)
+    at = cuda_kv.consts_layout(KD, KD // T["P"], BK, BV)
+    lk, lv = consts[at["levels_k"]], consts[at["levels_v"]]
+    part_ml, part_acc = Out((grid_y, nch, R, 2)), Out((grid_y, nch, R, DV))
+    lane = np.arange(32)
+    g, c4 = lane >> 2, lane & 3
+    row_g = np.minimum(g, R - 1)  # lanes of g >= R hold zeros
+    C = args["k_codes"].shape[2]
+    S = args["sink_k"].shape[2] if T["HAS_SINK"] else 0
+    TT = args["tail_k"].shape[2] if T["HAS_TAIL"] else 0
+    v_scale = F32(1.0) / F32(math.sqrt(DV))
+
+    def fp_read(key, v, t, d, valid):  # the sink or tail element of token t, dim d
+        x = np.zeros(32, F32)
+        if T["HAS_SINK"]:
+            x += args[f"sink_{key}"].read(b, h, t, d, valid=valid & (t < S)).astype(F32)
+        if T["HAS_TAIL"]:
+            x += args[f"tail_{key}"].read(b, h, t - S, d, valid=valid & (t >= S)).astype(F32)
+        return x
+
+    for bk in range(grid_y):
+        b, h = divmod(bk, KV)
+        for chunk in range(nch):
+            ncc = nch - FPCH
+            fp = chunk >= ncc
+            n_tok = S + TT if fp else C
+            tiles = (n_tok + TILE - 1) // TILE
+            tile0, tile1 = cuda_kv.chunk_tiles(tiles, FPCH if fp else ncc,
+                                               chunk - ncc if fp else chunk)
+            qs = emulate_query_rows(L, args["queries"], b, h, fp)
+            qf = np.zeros((KSTEPS, 32, 2, 2), F32)  # B: dims c4 * KPL + 4 ks + {0,1 | 2,3}
+            for ks in range(KSTEPS):
+                for e in range(4):
+                    qf[ks, :, e // 2, e % 2] = np.where(g < R, qs[row_g, c4 * KPL + 4 * ks + e], 0)
+            m_s, l_s = np.full(R, F32(NEG), F32), np.zeros(R, F32)
+            mask_shape = args["mask"].shape
+            mrow = ((b if mask_shape[0] > 1 else 0) * mask_shape[1]) if T["HAS_MASK"] else 0
+            acc = np.zeros((4, MTV, 32, 4), F32)
+            for tile in range(tile0, tile1):
+                if not fp:
+                    i = np.arange(TILE * WV)
+                    tt = tile * TILE + i // WV
+                    vw = args["v_codes"].read(b, h, tt, i % WV, valid=tt < n_tok)
+                sc, vn = np.zeros(TILE * R, F32), np.zeros(TILE, F32)
+                for warp in range(4):
+                    for mt in range(2):
+                        s = np.zeros((32, 4), F32)
+                        ts_ = [tile * TILE + warp * 32 + mt * 16 + hf * 8 + g for hf in (0, 1)]
+                        ok = [t < n_tok for t in ts_]
+                        if not fp:
+                            kw = [[args["k_codes"].read(b, h, ts_[hf], c4 * NWL + k, valid=ok[hf])
+                                   for k in range(NWL)] for hf in (0, 1)]
+                        for ks in range(KSTEPS):
+                            a = np.zeros((32, 4, 2), F32)
+                            for hf in (0, 1):
+                                for e in range(4):
+                                    if not fp:
+                                        blk, j = (4 * ks) >> 5, (4 * ks) & 31
+                                        x = lk[block_code(kw[hf][blk * BK : blk * BK + BK], j + e, BK)]
+                                    else:
+                                        x = fp_read("k", 0, ts_[hf], c4 * KPL + 4 * ks + e, ok[hf])
+                                    a[:, hf + 2 * (e // 2), e % 2] = x
+                            s += mma(a, qf[ks])
+                        for hf in (0, 1):
+                            u = warp * 32 + mt * 16 + hf * 8 + g
+                            t, valid = tile * TILE + u, ok[hf]
+                            if not fp:
+                                kn = args["k_norms"].read(b, h, t, valid=valid).astype(F32)
+                                vscale = args["v_norms"].read(b, h, t, valid=valid).astype(F32) * v_scale
+                                col = S + t
+                            else:
+                                kn, vscale = np.ones(32, F32), np.ones(32, F32)
+                                col = np.where(t < S, t, C + t)
+                            bias = np.zeros(32, F32)
+                            if T["HAS_MASK"]:
+                                bias = args["mask"].read_flat(mrow + col, valid=valid).astype(F32)
+                            for i in range(2):
+                                r = 2 * c4 + i
+                                sel = r < R
+                                sc[u[sel] * R + r[sel]] = np.where(valid, s[:, 2 * hf + i] * kn + bias,
+                                                                   -np.inf)[sel]
+                            vn[u[c4 == 0]] = np.where(valid, vscale, F32(0))[c4 == 0]
+                a_s = np.zeros(R, F32)
+                for r in range(R):  # `_PARTIAL`'s online softmax
+                    u = np.arange(TILE)
+                    m_new = max(max(m_s[r], sc[u * R + r].max()), F32(NEG))
+                    with np.errstate(under="ignore"):
+                        p = np.exp(sc[u * R + r] - m_new).astype(F32)
+                    sc[u * R + r] = p * vn[u]
+                    a = np.exp(F32(m_s[r] - m_new))
+                    a_s[r], l_s[r], m_s[r] = a, l_s[r] * a + p.sum(dtype=F32), m_new
+                for i in range(4):
+                    r = 2 * c4 + (i & 1)
+                    acc[:, :, :, i] *= np.where(r < R, a_s[np.minimum(r, R - 1)], F32(1))
+                ntile = min(TILE, n_tok - tile * TILE)
+                for warp in range(4):
+                    d0 = warp * VWARP + g * VPL
+                    vword0, vsh = (d0 * BV) >> 5, (d0 * BV) & 31
+                    for ts in range(TILE // 16):
+                        if ts * 16 >= ntile:
+                            break
+                        u0 = ts * 16 + 2 * c4
+                        bf = np.zeros((32, 2, 2), F32)  # B: tokens u0 + {0,1 | 8,9}, row g
+                        for e, du in enumerate((0, 1, 8, 9)):
+                            bf[:, e // 2, e % 2] = np.where(g < R, sc[(u0 + du) * R + row_g], 0)
+                        vt = np.zeros((4, VPL, 32), F32)
+                        for e in range(4):
+                            u = u0 + (e & 1) + 8 * (e >> 1)
+                            if not fp:
+                                w0 = vw[u * WV + vword0].astype(np.uint64)
+                                nxt = np.minimum(vword0 + 1, WV - 1)
+                                w1 = np.where(vword0 + 1 < WV, vw[u * WV + nxt], 0).astype(np.uint64)
+                                bits = ((w1 << np.uint64(32)) | w0) >> vsh.astype(np.uint64)
+                                for k in range(VPL):
+                                    code = (bits >> np.uint64(k * BV)) & np.uint64((1 << BV) - 1)
+                                    vt[e, k] = lv[code.astype(np.int64)]
+                            else:
+                                t = tile * TILE + u
+                                for k in range(VPL):
+                                    vt[e, k] = fp_read("v", 0, t, d0 + k, t < n_tok)
+                        for mt in range(MTV):
+                            a = np.zeros((32, 4, 2), F32)
+                            for hf in (0, 1):
+                                a[:, hf] = vt[0:2, 2 * mt + hf].T
+                                a[:, 2 + hf] = vt[2:4, 2 * mt + hf].T
+                            acc[warp, mt] += mma(a, bf)
+            prow = (bk * nch + chunk) * R
+            for warp in range(4):
+                d0 = warp * VWARP + g * VPL
+                for mt in range(MTV):
+                    for i in range(4):
+                        r = 2 * c4 + (i & 1)
+                        part_acc.write((prow + r) * DV + d0 + 2 * mt + (i >> 1), acc[warp, mt, :, i],
+                                       valid=r < R)
+            part_ml.write((prow + np.arange(R)) * 2, m_s)
+            part_ml.write((prow + np.arange(R)) * 2 + 1, l_s)
+    return part_ml.done(), part_acc.done()
+
+
 def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
             split: int | None = None) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
@@ -392,7 +562,10 @@ def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
     vec_keys = vec_keys or L.layout.partial_kernel == "tq_kv_partial_vec"  # as launched
-    ml, acc = emulate_partial(L, full, vec_keys)
+    if L.layout.partial_kernel == "tq_kv_partial_mma":
+        ml, acc = emulate_partial_mma(L, full)
+    else:
+        ml, acc = emulate_partial(L, full, vec_keys)
     assert ml.shape == tuple(L.layout.partial_shapes[0]) and acc.shape == tuple(L.layout.partial_shapes[1])
     return emulate_merge(L, ml, acc, split)
 
@@ -673,6 +846,24 @@ def test_fp16_chunks_are_a_tile_by_default():
     more fp16 tiles than the compressed chunks at 1K do (session 10's lab)."""
     assert cuda_kv.FP_TOKENS_PER_CHUNK == cuda_kv.TILE
     assert cuda_kv.plan(1, 8, 1024 - 196, 196)[1] == 2
+
+
+@pytest.mark.parametrize("name", ["k8v3-d128-gqa4", "k3v3-d128-mha", "k4v4-d256", "k4v3-d128-mask",
+                                  "k2v4-d128-fp32-parts-r8"])
+def test_mma_partial_replayed_matches_reference(name, monkeypatch):
+    """`_PARTIAL_MMA` replayed lane by lane (`emulate_partial_mma`: its fragments through the
+    PTX layouts of mma m16n8k16) against `tq_attention`, as the runtime launches it."""
+    monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    more = {"k4v3-d128-mask": dict(b=2, kv=2, r=3, kd=128, bits=(4, 3), c=300, s=4, t=140),
+            "k2v4-d128-fp32-parts-r8": dict(kv=1, r=8, kd=128, dv=64, bits=(2, 4), c=260, t=30,
+                                            fp=np.float32)}
+    q, parts, args = make_case(**(CASES.get(name) or more[name]), seed=len(name))
+    mask = None
+    if name.endswith("mask"):
+        mask = mx.array(np.random.default_rng(3).random((2, 1, 1, parts.length)) > 0.3)
+    launch = check(q, parts, args, mask=mask)
+    assert launch.layout.partial_kernel == "tq_kv_partial_mma"
 
 
 def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
