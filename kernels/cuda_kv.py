@@ -196,6 +196,41 @@ __device__ __forceinline__ void tq_mma3(float (&d)[4], const uint32_t (&ah)[4],
   tq_mma(d, ah, bl0, bl1);
   tq_mma(d, ah, bh0, bh1);
 }
+
+// x = p[0, s, 2s, 3s] as floats (0 where !ok): one 8- or 16-byte load where the four are
+// contiguous and aligned (an fp16 row's elements), else four
+__device__ __forceinline__ void tq_cvt4(const __half*, uint2 v, float (&x)[4]) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
+__device__ __forceinline__ void tq_cvt4(const __nv_bfloat16*, uint2 v, float (&x)[4]) {
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
+template <typename T>  // 2-byte elements
+__device__ __forceinline__ void tq_load4(const T* p, long long s, bool ok, float (&x)[4]) {
+  if (!ok) {
+    x[0] = x[1] = x[2] = x[3] = 0.f;
+  } else if (s == 1 && (reinterpret_cast<unsigned long long>(p) & 7ull) == 0) {
+    tq_cvt4(p, *reinterpret_cast<const uint2*>(p), x);
+  } else {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = (float)p[e * s];
+  }
+}
+__device__ __forceinline__ void tq_load4(const float* p, long long s, bool ok, float (&x)[4]) {
+  if (!ok) {
+    x[0] = x[1] = x[2] = x[3] = 0.f;
+  } else if (s == 1 && (reinterpret_cast<unsigned long long>(p) & 15ull) == 0) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+  } else {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = p[e * s];
+  }
+}
 """.replace("@NT@", str(NT)).replace("@TILE@", str(TILE)).replace("@MAXCH@", str(MAX_CHUNKS))
 
 # One block per (chunk, b * KV + kv head). Chunks [0, ncc) walk the compressed span,
@@ -583,14 +618,29 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
       }
     }
     // ---- scores: warp tokens u = warp * 32 + mt * 16 + half * 8 + g
-    float s[2][4];
-    #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) s[mt][i] = 0.f;
-    }
     #pragma unroll 1
     for (int mt = 0; mt < 2; ++mt) {  // one M-tile at a time: fewer registers, more blocks
+      // the tokens' norms and mask bias, loaded before the products need the registers
+      float kn[2], vscale[2], bias[2];
+      #pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = tile * TILE + warp * 32 + mt * 16 + hf * 8 + g;
+        kn[hf] = 1.f;
+        vscale[hf] = bias[hf] = 0.f;
+        if (t < n_tok) {
+          int col;
+          if (!fp) {
+            kn[hf] = (float)k_norms[kn_base + (long long)t * k_norms_strides[2]];
+            vscale[hf] = (float)v_norms[vn_base + (long long)t * v_norms_strides[2]] * v_scale;
+            col = S + t;
+          } else {
+            vscale[hf] = 1.f;
+            col = t < S ? t : C + t;
+          }
+          if (HAS_MASK) bias[hf] = mask[mrow + col];
+        }
+      }
+      float s[4] = {0.f, 0.f, 0.f, 0.f};  // (token g, rows 2 c4 + {0, 1}), (token g + 8, ...)
       if (!fp) {
         const long long ws = k_codes_strides[3];
         uint32_t kw[2][NWL];
@@ -613,7 +663,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
             tq_pair(lk2[tq_block_code<BK>(w, j + 2)], lk2[tq_block_code<BK>(w, j + 3)],
                     ah[2 + hf], al[2 + hf]);
           }
-          tq_mma3(s[mt], ah, al, q.x, q.y, q.z, q.w);
+          tq_mma3(s, ah, al, q.x, q.y, q.z, q.w);
         }
       } else {
         auto rows0 = sink_k, rows1 = sink_k;  // sink and tail share a dtype
@@ -633,50 +683,31 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
           rows1 = tail_k + tk_base + (long long)(t1 - S) * tail_k_strides[2];
           fs1 = tail_k_strides[3];
         }
-        #pragma unroll 2
+        #pragma unroll 4
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const uint4 q = qf[ks * 32 + lane];
           const int d = c4 * KPL + 4 * ks;
           float x0[4], x1[4];
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            x0[e] = t0 < n_tok ? (float)rows0[(d + e) * fs0] : 0.f;
-            x1[e] = t1 < n_tok ? (float)rows1[(d + e) * fs1] : 0.f;
-          }
+          tq_load4(rows0 + d * fs0, fs0, t0 < n_tok, x0);
+          tq_load4(rows1 + d * fs1, fs1, t1 < n_tok, x1);
           uint32_t ah[4], al[4];
           tq_split2(x0[0], x0[1], ah[0], al[0]);
           tq_split2(x1[0], x1[1], ah[1], al[1]);
           tq_split2(x0[2], x0[3], ah[2], al[2]);
           tq_split2(x1[2], x1[3], ah[3], al[3]);
-          tq_mma3(s[mt], ah, al, q.x, q.y, q.z, q.w);
+          tq_mma3(s, ah, al, q.x, q.y, q.z, q.w);
         }
       }
-    }
-    #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
       #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int u = warp * 32 + mt * 16 + hf * 8 + g, t = tile * TILE + u;
-        const bool valid = t < n_tok;
-        float kn = 1.f, vscale = 0.f, bias = 0.f;
-        if (valid) {
-          int col;
-          if (!fp) {
-            kn = (float)k_norms[kn_base + (long long)t * k_norms_strides[2]];
-            vscale = (float)v_norms[vn_base + (long long)t * v_norms_strides[2]] * v_scale;
-            col = S + t;
-          } else {
-            vscale = 1.f;
-            col = t < S ? t : C + t;
-          }
-          if (HAS_MASK) bias = mask[mrow + col];
-        }
+        const int u = warp * 32 + mt * 16 + hf * 8 + g;
+        const bool valid = tile * TILE + u < n_tok;
         #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int r = 2 * c4 + i;
-          if (r < R) sc[u * R + r] = valid ? s[mt][2 * hf + i] * kn + bias : TQ_NEG_INF;
+          if (r < R) sc[u * R + r] = valid ? s[2 * hf + i] * kn[hf] + bias[hf] : TQ_NEG_INF;
         }
-        if (c4 == 0) vn[u] = vscale;
+        if (c4 == 0) vn[u] = vscale[hf];
       }
     }
     __syncthreads();
@@ -734,12 +765,21 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
           for (int k = 0; k < VPL; ++k) vt[e][k] = lv2[(uint32_t)(bits >> (k * BV)) & ((1u << BV) - 1u)];
         } else {
           const int t = tile * TILE + u;
-          #pragma unroll
-          for (int k = 0; k < VPL; ++k) {
-            const int d = d0 + k;
-            vt[e][k] = __float_as_uint(t >= n_tok ? 0.f
-                : t < S ? (float)sink_v[sv_base + (long long)t * sink_v_strides[2] + d * sink_v_strides[3]]
-                        : (float)tail_v[tv_base + (long long)(t - S) * tail_v_strides[2] + d * tail_v_strides[3]]);
+          auto row = t < S ? sink_v + sv_base + (long long)t * sink_v_strides[2]
+                           : tail_v + tv_base + (long long)(t - S) * tail_v_strides[2];
+          const long long vs = t < S ? sink_v_strides[3] : tail_v_strides[3];
+          if (VPL % 4 == 0) {  // whole groups of 4 dims: vector loads where the row allows
+            #pragma unroll
+            for (int k = 0; k < VPL; k += 4) {
+              float x[4];
+              tq_load4(row + (d0 + k) * vs, vs, t < n_tok, x);
+              #pragma unroll
+              for (int e4 = 0; e4 < 4; ++e4) vt[e][(k + e4) % VPL] = __float_as_uint(x[e4]);
+            }
+          } else {
+            #pragma unroll
+            for (int k = 0; k < VPL; ++k)
+              vt[e][k] = __float_as_uint(t < n_tok ? (float)row[(d0 + k) * vs] : 0.f);
           }
         }
       }
@@ -940,7 +980,7 @@ def plan(b: int, kv: int, c_len: int, f_len: int, fp_tokens: int | None = None
 
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
-MMA_BLOCKS_PER_SM = 5  # `_PARTIAL_MMA`'s (96 registers with nvcc for sm_90)
+MMA_BLOCKS_PER_SM = 6  # `_PARTIAL_MMA`'s (72 registers with nvcc for sm_90)
 
 # Two of the lab's candidates (session 8), on since their GPU tests passed with them
 # (session 9, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
