@@ -877,11 +877,11 @@ def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
     monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv, "MMA_BLOCKS_PER_SM", 5)  # a plan of its own (6 for `_PARTIAL`)
     lay = cuda_kv.prepare(q, parts, 0.1).layout
     assert lay.partial_kernel == "tq_kv_partial_mma"
     s_len, c_len, t_len = parts.lengths
-    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE,
-                                                     cuda_kv.MMA_BLOCKS_PER_SM)
+    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE, 5)
     assert (lay.ncc, lay.fpch) != cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (7, 5))
     assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"
