@@ -1007,5 +1007,7 @@ def test_sources_compile_with_nvcc(tmp_path):
         launches.append(cuda_kv.prepare(q.astype(mx.bfloat16), parts, 0.1))
     q, parts, _ = make_case(b=2, kv=8, r=4, kd=128, c=200, s=4, t=140)
     launches.append(cuda_kv.prepare(q, parts, 0.1, mx.ones((2, 1, 1, parts.length), mx.bool_)))
+    q, parts, _ = make_case(kv=2, r=8, kd=128, c=300, fp=np.float32)  # the mma kernel's float loads
+    launches.append(cuda_kv.prepare(q, parts, 0.1))
     src = cuda_kv.HEADER + "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
     compile_with_nvcc(src, tmp_path)
