@@ -233,6 +233,47 @@ __device__ __forceinline__ void tq_load4(const float* p, long long s, bool ok, f
 }
 """.replace("@NT@", str(NT)).replace("@TILE@", str(TILE)).replace("@MAXCH@", str(MAX_CHUNKS))
 
+# Pieces both partial kernels share: a tile's value codes into shared memory, every load
+# in flight at once (the value phase then reads no global memory), and the online softmax
+# over a tile's scores (a warp per query row; sc becomes p * value scale).
+_STAGE_V = r"""    if (!fp) {
+      #pragma unroll
+      for (int k = 0; k < (TILE * WV + NT - 1) / NT; ++k) {
+        const int i = tid + k * NT;
+        if (i < TILE * WV) {
+          const int tt = tile * TILE + i / WV;
+          vw[i] = tt < n_tok ? v_codes[vc_base + (long long)tt * v_codes_strides[2] +
+                                       (long long)(i % WV) * v_codes_strides[3]] : 0u;
+        }
+      }
+    }
+"""
+
+_ONLINE_SOFTMAX = r"""    // ---- online softmax, a warp per query row
+    for (int r = warp; r < R; r += NWARPS) {
+      float mx = TQ_NEG_INF;
+      for (int u = lane; u < TILE; u += 32) mx = fmaxf(mx, sc[u * R + r]);
+      mx = tq_warp_max(mx);
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(fmaxf(m_old, mx), TQ_NEG);
+      float sum = 0.f;
+      for (int u = lane; u < TILE; u += 32) {
+        const float p = expf(sc[u * R + r] - m_new);
+        sum += p;
+        sc[u * R + r] = p * vn[u];
+      }
+      sum = tq_warp_sum(sum);
+      if (lane == 0) {
+        const float a = expf(m_old - m_new);
+        a_s[r] = a;
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+"""
+
+
 # One block per (chunk, b * KV + kv head). Chunks [0, ncc) walk the compressed span,
 # [ncc, ncc + FPCH) the fp16 tokens (sinks then tail). queries (B, H, 1, KD) any float
 # dtype, strided; consts float32 [signs KD | mix A*A | levels_k 2^BK | levels_v 2^BV |
@@ -348,18 +389,7 @@ _PARTIAL = r"""
   for (int tile = tile0; tile < tile1; ++tile) {
     // ---- the tile's value codes into shared memory, every load in flight at once (the
     // value phase then reads no global memory: one latency per tile, not one per token)
-    if (!fp) {
-      #pragma unroll
-      for (int k = 0; k < (TILE * WV + NT - 1) / NT; ++k) {
-        const int i = tid + k * NT;
-        if (i < TILE * WV) {
-          const int tt = tile * TILE + i / WV;
-          vw[i] = tt < n_tok ? v_codes[vc_base + (long long)tt * v_codes_strides[2] +
-                                       (long long)(i % WV) * v_codes_strides[3]] : 0u;
-        }
-      }
-    }
-    // ---- scores: one token per thread
+@STAGE_V@    // ---- scores: one token per thread
     const int t = tile * TILE + tid;
     const bool valid = t < n_tok;
     float s[R];
@@ -417,29 +447,7 @@ _PARTIAL = r"""
     vn[tid] = vscale;
     __syncthreads();
 
-    // ---- online softmax, a warp per query row
-    for (int r = warp; r < R; r += NWARPS) {
-      float mx = TQ_NEG_INF;
-      for (int u = lane; u < TILE; u += 32) mx = fmaxf(mx, sc[u * R + r]);
-      mx = tq_warp_max(mx);
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(fmaxf(m_old, mx), TQ_NEG);
-      float sum = 0.f;
-      for (int u = lane; u < TILE; u += 32) {
-        const float p = expf(sc[u * R + r] - m_new);
-        sum += p;
-        sc[u * R + r] = p * vn[u];
-      }
-      sum = tq_warp_sum(sum);
-      if (lane == 0) {
-        const float a = expf(m_old - m_new);
-        a_s[r] = a;
-        l_s[r] = l_s[r] * a + sum;
-        m_s[r] = m_new;
-      }
-    }
-    __syncthreads();
-
+@SOFTMAX@
     // ---- values: a thread per output dim (and token group)
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -501,7 +509,7 @@ _PARTIAL = r"""
     part_ml[(prow + tid) * 2] = m_s[tid];
     part_ml[(prow + tid) * 2 + 1] = l_s[tid];
   }
-"""
+""".replace("@STAGE_V@", _STAGE_V).replace("@SOFTMAX@", _ONLINE_SOFTMAX)
 
 # A candidate partial kernel, timed and checked against `_PARTIAL` by the kernel lab
 # (`benchmarks/cuda_lab.py`, family kv_partial_*), run by the runtime only behind
@@ -606,18 +614,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
   __syncthreads();
 
   for (int tile = tile0; tile < tile1; ++tile) {
-    if (!fp) {
-      #pragma unroll
-      for (int k = 0; k < (TILE * WV + NT - 1) / NT; ++k) {
-        const int i = tid + k * NT;
-        if (i < TILE * WV) {
-          const int tt = tile * TILE + i / WV;
-          vw[i] = tt < n_tok ? v_codes[vc_base + (long long)tt * v_codes_strides[2] +
-                                       (long long)(i % WV) * v_codes_strides[3]] : 0u;
-        }
-      }
-    }
-    // ---- scores: warp tokens u = warp * 32 + mt * 16 + half * 8 + g
+@STAGE_V@    // ---- scores: warp tokens u = warp * 32 + mt * 16 + half * 8 + g
     #pragma unroll 1
     for (int mt = 0; mt < 2; ++mt) {  // one M-tile at a time: fewer registers, more blocks
       // the tokens' norms and mask bias, loaded before the products need the registers
@@ -712,29 +709,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
     }
     __syncthreads();
 
-    // ---- online softmax, a warp per query row
-    for (int r = warp; r < R; r += NWARPS) {
-      float mx = TQ_NEG_INF;
-      for (int u = lane; u < TILE; u += 32) mx = fmaxf(mx, sc[u * R + r]);
-      mx = tq_warp_max(mx);
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(fmaxf(m_old, mx), TQ_NEG);
-      float sum = 0.f;
-      for (int u = lane; u < TILE; u += 32) {
-        const float p = expf(sc[u * R + r] - m_new);
-        sum += p;
-        sc[u * R + r] = p * vn[u];
-      }
-      sum = tq_warp_sum(sum);
-      if (lane == 0) {
-        const float a = expf(m_old - m_new);
-        a_s[r] = a;
-        l_s[r] = l_s[r] * a + sum;
-        m_s[r] = m_new;
-      }
-    }
-    __syncthreads();
-
+@SOFTMAX@
     // ---- values: k-steps of 16 tokens u0 + {0, 1 | 8, 9}, u0 = ts * 16 + 2 c4
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -816,7 +791,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
     part_ml[(prow + tid) * 2] = m_s[tid];
     part_ml[(prow + tid) * 2 + 1] = l_s[tid];
   }
-"""
+""".replace("@STAGE_V@", _STAGE_V).replace("@SOFTMAX@", _ONLINE_SOFTMAX)
 
 _PARTIAL_MMA = _spliced(_PARTIAL, (
     ("  // value phase: thread -> (token group", None, _MMA_BODY),
