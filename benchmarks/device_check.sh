@@ -79,8 +79,10 @@ for s in "$@"; do
         tests/test_kernels_cuda_kv.py
       step kv-decode-vec 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:vec ;;
-    kv-mma)  # the tensor-core partial kernel (cuda_kv KV_PARTIAL_MMA) with fp16 chunks of a
-      # tile: the KV GPU tests with both on, then decode beside the default and fp16
+    kv-mma)  # session 10's check of the tensor-core partial kernel (cuda_kv KV_PARTIAL_MMA)
+      # with fp16 chunks of a tile, both defaults since: the KV GPU tests with both, then
+      # decode with them (K4V3 and K4V3:f128 are the old default's figures only when run with
+      # TURBOQUANT_CUDA_KV_PARTIAL_MMA=0 TURBOQUANT_CUDA_KV_FP_TOKENS=256)
       step tests-kv-mma 240 env TURBOQUANT_CUDA_KV_PARTIAL_MMA=1 TURBOQUANT_CUDA_KV_FP_TOKENS=128 \
         python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
       step kv-decode-mma 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
