@@ -277,6 +277,29 @@ def _after(x: mx.array, prev):
     return x if prev is None else mx.depends(x, prev)
 
 
+def _compressed_blocks(qr, pk: "PackedKV", scale: float, mask, q_cols, s_len: int, rows: int,
+                       chunk: int | None, prev):
+    """The compressed span's (max, sum, accumulator in the rotated domain), walked in
+    blocks of decoded codes (the scores against the rotated queries qr)."""
+    b, kv, c_len = pk.k_codes.shape[:3]
+    kbook, vbook = kv_levels(pk.bits_k), kv_levels(pk.bits_v)
+    k_scale = pk.k_norms.astype(mx.float32) * (scale / math.sqrt(pk.k_dim))
+    v_scale = pk.v_norms.astype(mx.float32) / math.sqrt(pk.v_dim)
+    step = _chunk_tokens(b, kv, pk.k_dim + pk.v_dim, rows, chunk)
+    comp = None
+    for c0 in range(0, c_len, step):
+        c1 = min(c0 + step, c_len)
+        lk = kbook[unpack_kv(_after(pk.k_codes[:, :, c0:c1], prev), pk.bits_k, pk.k_dim)]
+        scores = qr @ mx.expand_dims(lk, 2).swapaxes(-1, -2)
+        scores = scores * k_scale[:, :, None, None, c0:c1]
+        m, s, p = _piece(_masked(scores, mask, s_len + c0, s_len + c1, q_cols))
+        lv = vbook[unpack_kv(pk.v_codes[:, :, c0:c1], pk.bits_v, pk.v_dim)]
+        acc = (p * v_scale[:, :, None, None, c0:c1]) @ mx.expand_dims(lv, 2)
+        comp = _merge(comp, (m, s, acc))
+        prev = comp[2]
+    return comp
+
+
 def tq_attention(
     queries: mx.array,
     parts: KVParts,
@@ -284,12 +307,16 @@ def tq_attention(
     mask=None,
     *,
     chunk: int | None = None,
+    compressed=None,
 ) -> mx.array:
     """Attention of queries (B, H, L, D) over sink + compressed + tail -> (B, H, L, Dv).
 
     `mask`: None, "causal" (query i sits at column T - L + i), or an mlx-lm mask array
     (bool or additive) over the T columns of `parts` in temporal order. Every part is
     walked in blocks (`chunk` bounds a block's float32 values), so prefill stays bounded.
+    `compressed(q_rot, packed, scale) -> (max, sum, accumulator)`, if given, scores the
+    compressed span of an unmasked one-token step instead of those blocks (a kernel:
+    `metal_kv.compressed_piece`); q_rot (B, KV, R, 1, D), the accumulator un-rotated here.
     """
     b, h, n_q, _ = queries.shape
     s_len, c_len, t_len = parts.lengths
@@ -331,22 +358,10 @@ def tq_attention(
     if c_len:
         pk = parts.packed
         qr = rotate(q, pk.seed)  # rotate the query once
-        kbook, vbook = kv_levels(pk.bits_k), kv_levels(pk.bits_v)
-        k_scale = pk.k_norms.astype(mx.float32) * (scale / math.sqrt(pk.k_dim))
-        v_scale = pk.v_norms.astype(mx.float32) / math.sqrt(pk.v_dim)
-        step = _chunk_tokens(b, kv, pk.k_dim + pk.v_dim, rows, chunk)
-        comp = None
-        for c0 in range(0, c_len, step):
-            c1 = min(c0 + step, c_len)
-            lk = kbook[unpack_kv(_after(pk.k_codes[:, :, c0:c1], prev), pk.bits_k, pk.k_dim)]
-            scores = qr @ mx.expand_dims(lk, 2).swapaxes(-1, -2)
-            scores = scores * k_scale[:, :, None, None, c0:c1]
-            m, s, p = _piece(_masked(scores, mask, s_len + c0, s_len + c1, q_cols))
-            lv = vbook[unpack_kv(pk.v_codes[:, :, c0:c1], pk.bits_v, pk.v_dim)]
-            acc = (p * v_scale[:, :, None, None, c0:c1]) @ mx.expand_dims(lv, 2)
-            comp = _merge(comp, (m, s, acc))
-            prev = comp[2]
-        m, s, acc = comp
+        if compressed is not None and n_q == 1 and mask is None and q_cols is None:
+            m, s, acc = compressed(qr, pk, scale)
+        else:
+            m, s, acc = _compressed_blocks(qr, pk, scale, mask, q_cols, s_len, rows, chunk, prev)
         out = _merge(out, (m, s, unrotate(acc, pk.seed)))  # un-rotate once
 
     _, s, acc = out

@@ -19,14 +19,16 @@ Kernels: `register_kernel(backend, fn)` installs a fused decode kernel ("cuda", 
 with `tq_attention`'s signature; it runs for single-token decode on that backend and may
 raise NotImplementedError to fall back to the pure-MLX reference. The built-in CUDA kernel
 (kernels/cuda_kv.py) is imported on the first decode step that runs on CUDA, unless a
-kernel was registered (or unregistered) for that backend before. `reference_only()`
-turns kernels off for a while (benchmarks, debugging).
+kernel was registered (or unregistered) for that backend before; the Metal one
+(kernels/metal_kv.py) likewise, with TURBOQUANT_METAL_KV=1 until it has run on a Mac.
+`reference_only()` turns kernels off for a while (benchmarks, debugging).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from typing import Callable
 
 import mlx.core as mx
@@ -36,6 +38,8 @@ from turboquant.kernels.kv_reference import KVParts, tq_attention
 
 _KERNELS: dict[str, Callable] = {}
 _BUILTIN = {"cuda": ("turboquant.kernels.cuda_kv", "decode_attention")}  # loaded lazily
+# the Metal kernel (kernels/metal_kv.py), written without a Mac: opt-in until it has run on one
+_METAL = ("turboquant.kernels.metal_kv", "decode_attention")
 _SETTLED: set[str] = set()  # backends whose kernel was loaded, registered or unregistered
 _OFF = [0]  # reference_only() depth
 _ORIGINAL = "_turboquant_original"
@@ -50,10 +54,14 @@ def register_kernel(backend: str, fn: Callable) -> None:
 
 
 def builtin_kernel(backend: str) -> Callable | None:
-    """The kernel this package ships for `backend` (imported now), or None."""
-    if backend not in _BUILTIN:
+    """The kernel this package ships for `backend` (imported now), or None; Metal's only
+    with TURBOQUANT_METAL_KV=1."""
+    builtin = dict(_BUILTIN)
+    if os.environ.get("TURBOQUANT_METAL_KV", "0") == "1":
+        builtin["metal"] = _METAL
+    if backend not in builtin:
         return None
-    module, name = _BUILTIN[backend]
+    module, name = builtin[backend]
     return getattr(importlib.import_module(module), name)
 
 
