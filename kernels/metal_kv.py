@@ -165,9 +165,8 @@ def compressed_piece(q_rot: mx.array, packed: PackedKV, scale: float):
     rows, dv = b * kv * r, packed.v_dim
     nch = -(-packed.length // TOKENS)
     part_m, part_s, part_acc = _kernel()(
-        inputs=[mx.contiguous(q_rot.reshape(rows, kd).astype(mx.float32)), packed.k_codes,
-                packed.k_norms,
-                packed.v_codes, packed.v_norms,
+        inputs=[mx.contiguous(q_rot.reshape(rows, kd).astype(mx.float32)),
+                packed.k_codes, packed.k_norms, packed.v_codes, packed.v_norms,
                 consts(packed.bits_k, packed.bits_v, packed.k_dim, dv, float(scale))],
         template=[("KD", kd), ("DV", dv), ("BK", packed.bits_k), ("BV", packed.bits_v),
                   ("R", r), ("KV", kv), ("TOKENS", TOKENS)],
