@@ -67,6 +67,12 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V
 # ---------------------------------------------------------------------------- caches
 
 
+# a cache name's options: flags (field, value) and numbers p<n>, w<n>, f<n> (field)
+_SPEC_FLAGS = {"raw": ("norm_correction", False), "ref": ("reference", True),
+               "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True)}
+_SPEC_NUMBERS = {"p": "protect", "w": "window", "f": "fp_tokens"}
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache to measure, parsed from names like "K4V3", "K4V3:raw:p2:w128", "affine4".
@@ -76,7 +82,9 @@ class CacheSpec:
     through the pure-MLX reference even where a decode kernel is registered), f<n> (the
     CUDA decode kernel's fp16 tokens per chunk, `cuda_kv.FP_TOKENS_PER_CHUNK`, instead of
     its default), vec (the CUDA partial kernel reading key rows in 16-byte loads,
-    `cuda_kv.KV_PARTIAL_VEC`), mma (the tensor-core partial kernel, `cuda_kv.KV_PARTIAL_MMA`).
+    `cuda_kv.KV_PARTIAL_VEC`), mma (the tensor-core partial kernel, `cuda_kv.KV_PARTIAL_MMA`,
+    the default where it fits), plain (neither: the plain partial kernel, for a same-run
+    comparison with the default).
     """
 
     name: str
@@ -90,6 +98,7 @@ class CacheSpec:
     fp_tokens: int | None = None
     vec: bool = False
     mma: bool = False
+    plain: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -102,25 +111,15 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
         for o in opts:
-            if o == "raw":
-                kw["norm_correction"] = False
-            elif o.startswith("p"):
-                kw["protect"] = int(o[1:])
-            elif o.startswith("w"):
-                kw["window"] = int(o[1:])
-            elif o == "ref":
-                kw["reference"] = True
-            elif o == "vec":
-                kw["vec"] = True
-            elif o == "mma":
-                kw["mma"] = True
-            elif o.startswith("f"):
-                kw["fp_tokens"] = int(o[1:])
+            if o in _SPEC_FLAGS:
+                kw[_SPEC_FLAGS[o][0]] = _SPEC_FLAGS[o][1]
+            elif o[:1] in _SPEC_NUMBERS and o[1:].isdigit():
+                kw[_SPEC_NUMBERS[o[:1]]] = int(o[1:])
             else:
                 raise ValueError(f"cache spec {name!r}: unknown option {o!r}")
         return cls(name, "tq", int(bk), int(bv), **kw)
@@ -339,8 +338,8 @@ def _attention_path(spec: CacheSpec):
 
     saved = cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA
     cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
-    cuda_kv.KV_PARTIAL_VEC = spec.vec or saved[1]
-    cuda_kv.KV_PARTIAL_MMA = spec.mma or saved[2]
+    cuda_kv.KV_PARTIAL_VEC = spec.vec or (saved[1] and not spec.plain)
+    cuda_kv.KV_PARTIAL_MMA = spec.mma or (saved[2] and not spec.plain)
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield

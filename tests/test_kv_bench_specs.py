@@ -1,0 +1,40 @@
+"""benchmarks/kv.py's cache names: what each option selects for a config of a run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import kv  # noqa: E402  (the benchmark script)
+
+from turboquant.kernels import cuda_kv  # noqa: E402
+
+
+def test_options_parse():
+    spec = kv.CacheSpec.parse("K4V3:p2:w64:f256:plain")
+    assert (spec.kind, spec.bits_k, spec.bits_v, spec.protect, spec.window) == ("tq", 4, 3, 2, 64)
+    assert spec.fp_tokens == 256 and spec.plain and not spec.mma and not spec.vec
+    assert kv.CacheSpec.parse("K8V3:mma").mma and kv.CacheSpec.parse("fp16").kind == "fp16"
+    with pytest.raises(ValueError, match="unknown option 'x'"):
+        kv.CacheSpec.parse("K4V3:x")
+
+
+@pytest.mark.parametrize("name, mma, vec, fp", [
+    ("K4V3", True, False, cuda_kv.TILE),  # the defaults
+    ("K4V3:plain", False, False, cuda_kv.TILE),
+    ("K4V3:vec:f256", True, True, 256),
+])
+def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, vec, fp,
+                                                                   monkeypatch):
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", cuda_kv.TILE)
+    with kv._attention_path(kv.CacheSpec.parse(name)):
+        assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC) == (mma, vec)
+        assert cuda_kv.FP_TOKENS_PER_CHUNK == fp
+    assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK) == (
+        True, False, cuda_kv.TILE)
