@@ -6,10 +6,11 @@ blocks (which decode every code to a float32 K and V block first); the fp16 sink
 the merges and the single un-rotation stay the reference's MLX ops.
 
 The kernel, split-K: one simdgroup (32 threads) per (chunk of TOKENS tokens, batch x KV
-head x query row). Lane l holds the rotated query's dims l, l + 32, ... and walks the
-chunk a token at a time: its part of `q_rot . levels_k[codes]` (codes read straight from
-the packed words), `simd_sum`, times the key's norm * scale / sqrt(k_dim); an online
-softmax; and its value dims l, l + 32, ... accumulated as `p * vnorm / sqrt(v_dim) *
+head), for the KV head's R query rows at once (each code read and looked up once for the
+group). Lane l holds the rotated queries' dims l, l + 32, ... and walks the chunk a token
+at a time: its part of each `q_rot . levels_k[codes]` (codes read straight from the packed
+words), `simd_sum`, times the key's norm * scale / sqrt(k_dim); an online softmax per
+row; and its value dims l, l + 32, ... accumulated as `p * vnorm / sqrt(v_dim) *
 levels_v[code]` in the rotated domain. Per chunk it writes (max, sum, accumulator);
 `merge_chunks` folds them into the reference's (max, sum, accumulator) piece.
 
@@ -18,7 +19,8 @@ body as C++ (32 threads and a barrier stand in for a simdgroup and its `simd_sum
 checks it against the reference on Linux; its test on a real Metal device skips here.
 `runtime.kv_attention` uses it on Metal only with TURBOQUANT_METAL_KV=1 until it has run
 on a Mac. Raises NotImplementedError (the caller falls back to the reference) for more
-than one query position, masks, and head dims that are not multiples of 32 or over 256.
+than one query position, masks, head dims that are not multiples of 32 or over 256, and
+more than 8 query heads per KV head.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .kv_reference import NEG, KVParts, PackedKV, kv_levels, tq_attention
 
 TOKENS = 128  # tokens a simdgroup walks (a chunk)
 MAX_DIMS = 256  # head dims: 8 per lane at most
+MAX_ROWS = 8  # query heads per KV head (GQA group) a simdgroup holds
 
 HEADER = f"""
 #define NEG_SCORE ({NEG!r}f)  // kv_reference.NEG: an empty chunk merges with weight zero
@@ -62,11 +65,12 @@ inline uint tq_kv_code(P row, long ws, uint i) {
 # (B, KV, C, words) uint32 and k_norms, v_norms (B, KV, C) float16, strided; consts
 # float32 [scale / sqrt(KD), 1 / sqrt(DV), kbook (2^BK), vbook (2^BV)].
 # outputs: part_m, part_s (rows, NCH); part_acc (rows, NCH, DV).
+# A simdgroup takes the R query rows of its KV head (GQA), so each code is read and looked
+# up once for all of them.
 SOURCE = """
     const uint lane = thread_index_in_simdgroup;
     const uint chunk = threadgroup_position_in_grid.x;
-    const uint row = threadgroup_position_in_grid.y;
-    const uint bk = row / uint(R);
+    const uint bk = threadgroup_position_in_grid.y;  // b * KV + h
     const long b = long(bk / uint(KV)), h = long(bk % uint(KV));
     const int C = int(k_codes_shape[2]);
     const long nch = long((C + TOKENS - 1) / TOKENS);
@@ -78,41 +82,61 @@ SOURCE = """
     const long vn = b * v_norms_strides[0] + h * v_norms_strides[1];
     const float kscale = consts[0], vscale = consts[1];
     const int KL = KD / 32, VL = DV / 32;  // dims a lane
-    float q[KL];
-    for (int j = 0; j < KL; ++j) {
-        q[j] = q_rot[long(row) * KD + long(lane) + 32 * j];
+    float q[R][KL];
+    float acc[R][VL];
+    float m[R], l[R];
+    for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < KL; ++j) {
+            q[r][j] = q_rot[(long(bk) * R + r) * KD + long(lane) + 32 * j];
+        }
+        for (int j = 0; j < VL; ++j) {
+            acc[r][j] = 0.0f;
+        }
+        m[r] = NEG_SCORE;
+        l[r] = 0.0f;
     }
-    float acc[VL];
-    for (int j = 0; j < VL; ++j) {
-        acc[j] = 0.0f;
-    }
-    float m = NEG_SCORE, l = 0.0f;
     for (int t = t0; t < t1; ++t) {
         auto krow = k_codes + kc + long(t) * k_codes_strides[2];
-        float part = 0.0f;
-        for (int j = 0; j < KL; ++j) {
-            part += q[j] * consts[2 + tq_kv_code<BK>(krow, k_codes_strides[3], lane + 32u * uint(j))];
+        float part[R];
+        for (int r = 0; r < R; ++r) {
+            part[r] = 0.0f;
         }
-        const float s = simd_sum(part) * float(k_norms[kn + long(t) * k_norms_strides[2]]) * kscale;
-        const float m_new = max(m, s);
-        const float a = exp(m - m_new);
-        const float p = exp(s - m_new);
-        l = l * a + p;
-        const float pv = p * float(v_norms[vn + long(t) * v_norms_strides[2]]) * vscale;
+        for (int j = 0; j < KL; ++j) {
+            const float x = consts[2 + tq_kv_code<BK>(krow, k_codes_strides[3], lane + 32u * uint(j))];
+            for (int r = 0; r < R; ++r) {
+                part[r] += q[r][j] * x;
+            }
+        }
+        const float knorm = float(k_norms[kn + long(t) * k_norms_strides[2]]) * kscale;
+        const float vnorm = float(v_norms[vn + long(t) * v_norms_strides[2]]) * vscale;
+        float a[R], pv[R];
+        for (int r = 0; r < R; ++r) {
+            const float s = simd_sum(part[r]) * knorm;
+            const float m_new = max(m[r], s);
+            a[r] = exp(m[r] - m_new);
+            const float p = exp(s - m_new);
+            l[r] = l[r] * a[r] + p;
+            pv[r] = p * vnorm;
+            m[r] = m_new;
+        }
         auto vrow = v_codes + vc + long(t) * v_codes_strides[2];
         for (int j = 0; j < VL; ++j) {
             const uint code = tq_kv_code<BV>(vrow, v_codes_strides[3], lane + 32u * uint(j));
-            acc[j] = acc[j] * a + pv * consts[2 + (1 << BK) + code];
+            const float x = consts[2 + (1 << BK) + code];
+            for (int r = 0; r < R; ++r) {
+                acc[r][j] = acc[r][j] * a[r] + pv[r] * x;
+            }
         }
-        m = m_new;
     }
-    const long at = long(row) * nch + long(chunk);
-    if (lane == 0u) {
-        part_m[at] = m;
-        part_s[at] = l;
-    }
-    for (int j = 0; j < VL; ++j) {
-        part_acc[at * DV + long(lane) + 32 * j] = acc[j];
+    for (int r = 0; r < R; ++r) {
+        const long at = (long(bk) * R + r) * nch + long(chunk);
+        if (lane == 0u) {
+            part_m[at] = m[r];
+            part_s[at] = l[r];
+        }
+        for (int j = 0; j < VL; ++j) {
+            part_acc[at * DV + long(lane) + 32 * j] = acc[r][j];
+        }
     }
 """
 
@@ -136,12 +160,16 @@ def consts(bits_k: int, bits_v: int, k_dim: int, v_dim: int, scale: float) -> mx
     return mx.concatenate([head, kv_levels(bits_k), kv_levels(bits_v)])
 
 
-def check_shapes(k_dim: int, v_dim: int) -> None:
-    """NotImplementedError where the kernel's lanes cannot hold the head dims."""
+def check_shapes(k_dim: int, v_dim: int, rows: int = 1) -> None:
+    """NotImplementedError where the kernel's lanes cannot hold the head dims, or a
+    simdgroup the query rows of a KV head."""
     for d in (k_dim, v_dim):
         if d % 32 or d > MAX_DIMS:
             raise NotImplementedError(f"head dim {d}: the Metal kernel takes multiples of 32 "
                                       f"up to {MAX_DIMS}")
+    if rows > MAX_ROWS:
+        raise NotImplementedError(f"{rows} query heads per KV head: the Metal kernel takes "
+                                  f"up to {MAX_ROWS}")
 
 
 def merge_chunks(part_m: mx.array, part_s: mx.array, part_acc: mx.array):
@@ -161,7 +189,7 @@ def compressed_piece(q_rot: mx.array, packed: PackedKV, scale: float):
     b, kv, r, n_q, kd = q_rot.shape
     if n_q != 1:
         raise NotImplementedError("the Metal kernel takes one query position")
-    check_shapes(packed.k_dim, packed.v_dim)
+    check_shapes(packed.k_dim, packed.v_dim, r)
     rows, dv = b * kv * r, packed.v_dim
     nch = -(-packed.length // TOKENS)
     part_m, part_s, part_acc = _kernel()(
@@ -170,7 +198,7 @@ def compressed_piece(q_rot: mx.array, packed: PackedKV, scale: float):
                 consts(packed.bits_k, packed.bits_v, packed.k_dim, dv, float(scale))],
         template=[("KD", kd), ("DV", dv), ("BK", packed.bits_k), ("BV", packed.bits_v),
                   ("R", r), ("KV", kv), ("TOKENS", TOKENS)],
-        grid=(32 * nch, rows, 1), threadgroup=(32, 1, 1),
+        grid=(32 * nch, b * kv, 1), threadgroup=(32, 1, 1),
         output_shapes=[(rows, nch), (rows, nch), (rows, nch, dv)],
         output_dtypes=[mx.float32] * 3,
     )
@@ -187,7 +215,8 @@ def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None)
     if mask is not None and not isinstance(mask, str):
         raise NotImplementedError("masks are left to the reference")
     if parts.packed is not None:
-        check_shapes(parts.packed.k_dim, parts.packed.v_dim)
+        check_shapes(parts.packed.k_dim, parts.packed.v_dim,
+                     queries.shape[1] // parts.packed.k_codes.shape[1])
     return tq_attention(queries, parts, scale, mask, compressed=compressed_piece)
 
 

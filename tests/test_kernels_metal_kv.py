@@ -130,7 +130,7 @@ int main() {{
   std::vector<float> pm({rows * nch}, -7.f), ps({rows * nch}, -7.f), pa({rows * nch * dv}, -7.f);
   std::barrier<> bar(32);
   g_bar = &bar;
-  for (uint row = 0; row < {rows}; ++row) for (uint ch = 0; ch < {nch}; ++ch) {{
+  for (uint row = 0; row < {rows // r}; ++row) for (uint ch = 0; ch < {nch}; ++ch) {{
     std::vector<std::thread> lanes;
     for (uint lane = 0; lane < 32; ++lane) lanes.emplace_back([&, lane] {{
       t_lane = lane;
@@ -179,16 +179,16 @@ def _emulated_piece(tmp_path):
 
 
 @pytest.mark.skipif(CXX is None, reason="needs a C++20 compiler to emulate the kernel source")
-@pytest.mark.parametrize("case", [
-    dict(bits=(4, 3), c=300),  # 3 chunks, the last partial
-    dict(bits=(8, 3), c=128, b=2, kv=1),  # exactly one chunk, two batches
-    dict(bits=(3, 3), c=200, sink=0),  # 3-bit keys: codes straddling words
-    dict(bits=(2, 4), c=150, kd=64, dv=96, tail=0),  # other head dims (2 and 3 a lane)
+@pytest.mark.parametrize("case, r", [
+    (dict(bits=(4, 3), c=300), 4),  # 3 chunks, the last partial; GQA groups of 4
+    (dict(bits=(8, 3), c=128, b=2, kv=1), 8),  # exactly one chunk, two batches, 8 rows
+    (dict(bits=(3, 3), c=200, sink=0), 1),  # 3-bit keys: codes straddling words; MHA
+    (dict(bits=(2, 4), c=150, kd=64, dv=96, tail=0), 3),  # other head dims (2 and 3 a lane)
 ])
-def test_emulated_kernel_gives_the_reference_attention(tmp_path, case):
+def test_emulated_kernel_gives_the_reference_attention(tmp_path, case, r):
     parts, buffers = make_parts(**case)
     kd = parts.packed.k_dim
-    h = parts.packed.k_codes.shape[1] * 4
+    h = parts.packed.k_codes.shape[1] * r
     q = mx.random.normal((parts.packed.k_codes.shape[0], h, 1, kd), key=mx.random.key(3))
     piece = _emulated_piece(tmp_path)
     piece.buffers = buffers
@@ -227,6 +227,8 @@ def test_decode_attention_leaves_what_it_does_not_take_to_the_reference():
     parts, _ = make_parts()
     with pytest.raises(NotImplementedError, match="one query position"):
         metal_kv.decode_attention(mx.zeros((1, 8, 2, 128)), parts, 0.1)
+    with pytest.raises(NotImplementedError, match="16 query heads per KV head"):
+        metal_kv.decode_attention(mx.zeros((1, 32, 1, 128)), parts, 0.1)
     with pytest.raises(NotImplementedError, match="masks"):
         metal_kv.decode_attention(mx.zeros((1, 8, 1, 128)), parts, 0.1,
                                   mx.ones((1, parts.length), mx.bool_))
