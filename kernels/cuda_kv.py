@@ -564,8 +564,9 @@ _PARTIAL_VEC = _spliced(_PARTIAL, (
 ))
 
 # The runtime's partial kernel where it fits (KV_PARTIAL_MMA, `use_mma`: sm_80+), on the
-# tensor cores; the kernel lab checks it against `_PARTIAL` and times both. `_PARTIAL` spends ~124 instructions a token at 32K (session 10's ncu:
-# 32.4M for 256K tokens, issue slots 46% busy, L1 76%): a thread per token for the
+# tensor cores; the kernel lab checks it against `_PARTIAL` and times both. `_PARTIAL`
+# spends ~124 instructions a token at 32K (session 10's ncu: 32.4M for 256K tokens, issue
+# slots 46% busy, L1 76%; this kernel 25.3M): a thread per token for the
 # scores (128 code lookups and 512 shared-memory reads of the queries a key) and a thread
 # per value dim (a lookup, a code and R weights from shared memory per token and dim).
 # Here both products are mma m16n8k16 on fp16 fragments, each float carried as hi + lo
