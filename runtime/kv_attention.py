@@ -75,6 +75,15 @@ def kernel_for(backend: str) -> Callable | None:
     return _KERNELS.get(backend)
 
 
+def decode_path() -> str:
+    """What one-token attention over a TurboQuant cache runs on this backend, in words."""
+    backend = dispatch.backend()
+    fn = None if backend == "cpu" or _OFF[0] else kernel_for(backend)
+    if fn is None:
+        return "the pure-MLX reference"
+    return f"{fn.__module__}.{fn.__qualname__} ({backend}; the reference where it does not fit)"
+
+
 @contextlib.contextmanager
 def reference_only():
     """Within this block, TurboQuant attention runs the pure-MLX reference everywhere."""

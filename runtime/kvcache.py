@@ -156,6 +156,15 @@ class TurboQuantKVCache(_BaseCache):
             n += b * h * self._n_comp * per
         return n
 
+    @property
+    def fp16_nbytes(self) -> int:
+        """Bytes an fp16 cache would hold for the same tokens (K and V, 2 bytes each)."""
+        held = [x for x in (self._sink_k, self._tail_k, *(self._comp or ())[:1]) if x is not None]
+        if self._dims is None or not held:
+            return 0
+        b, h = held[0].shape[:2]
+        return b * h * self.size() * 2 * sum(self._dims)
+
     # ------------------------------------------------------------------ update
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -509,6 +518,21 @@ def make_turboquant_cache(
         else:
             owner[j] = new
     return caches
+
+
+def kv_summary(caches: list) -> str:
+    """One line on a cache list's TurboQuant layers: bytes held against an fp16 cache of
+    the same tokens, and what one-token attention over them runs (`generate` prints it)."""
+    tq = [c for c in caches if isinstance(c, TurboQuantKVCache)]
+    tq += [s for c in caches if isinstance(c, CacheList) for s in c.caches
+           if isinstance(s, TurboQuantKVCache)]
+    held = sum(c.nbytes for c in tq)
+    dense = sum(c.fp16_nbytes for c in tq)
+    tokens = max((c.size() for c in tq), default=0)
+    ratio = f", {dense / held:.1f}x less" if held else ""
+    return (f"KV cache: {held / 2**20:.2f} MB for {tokens} tokens in {len(tq)} TurboQuant "
+            f"layers (fp16: {dense / 2**20:.2f} MB{ratio}); decode attention: "
+            f"{kv_attention.decode_path()}")
 
 
 def kv_cache_from_args(

@@ -118,6 +118,23 @@ def test_nbytes_is_the_packed_size(bits):
     # 4-bit keys + 3-bit values: (64*4 + 64*3) / 8 + 4 bytes = 60 bytes for 256 fp16 bytes
     if bits == (4, 3):
         assert kv_bytes_per_token(D, *bits) == 60
+    # what an fp16 cache would hold for the same 300 tokens
+    assert c.fp16_nbytes == KV * 300 * D * 2 * 2
+
+
+def test_summary_line_counts_the_turboquant_layers():
+    from mlx_lm.models.cache import CacheList, KVCache
+
+    from turboquant.runtime.kvcache import kv_summary
+
+    a, b = (TurboQuantKVCache(4, 3, sink=4, window=32, block=16) for _ in range(2))
+    _feed(a, [300], seed=1)
+    _feed(b, [300], seed=2)
+    line = kv_summary([a, CacheList(b), KVCache()])  # an fp16 layer is not counted
+    held, dense = a.nbytes + b.nbytes, a.fp16_nbytes + b.fp16_nbytes
+    assert f"{held / 2**20:.2f} MB for 300 tokens in 2 TurboQuant layers" in line
+    assert f"fp16: {dense / 2**20:.2f} MB, {dense / held:.1f}x less" in line
+    assert line.endswith("decode attention: the pure-MLX reference")  # on the CPU
 
 
 def test_trim_then_refeed_is_the_same_cache():

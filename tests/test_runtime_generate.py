@@ -66,6 +66,9 @@ def test_kv_flags_compress_the_cache_and_bad_combinations_are_refused(repo):
     # a tiny window forces compression: still runs end to end
     small = _run(*base, "--kv-bits-k", 4, "--kv-bits-v", 3, "--kv-window", 1, "--kv-sink", 1)
     assert small.returncode == 0, small.stderr
+    assert "TurboQuant layers (fp16: " in small.stderr and "x less)" in small.stderr
+    assert "decode attention: the pure-MLX reference" in small.stderr
+    assert "KV cache:" not in plain.stderr
     bad = _run(*base, "--kv-bits-k", 16, "--kv-bits-v", 3)
     assert bad.returncode == 2 and "--kv-bits" in bad.stderr
 

@@ -3,7 +3,8 @@
     turboquant generate --model ./out --prompt "Once upon a time" --max-tokens 64
 
 Tokens go to stdout as they are generated; prompt and generation speed and peak memory
-go to stderr at the end. MLX and mlx-lm are imported only when the command runs.
+go to stderr at the end, and with the --kv-* flags the compressed cache's size against an
+fp16 cache of the same tokens and which attention path decoding used. MLX and mlx-lm are imported only when the command runs.
 
 `--expert-budget 25%` (or `6GB`) streams a Mixture-of-Experts model's experts from disk
 through a cache of that size (docs/expert-streaming.md) and adds its hit rate, bytes read
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     stats = expert_stats(model)
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
+    if cache is not None:
+        from turboquant.runtime.kvcache import kv_summary
+
+        print(kv_summary(cache), file=sys.stderr)
     return 0
 
 
