@@ -664,23 +664,15 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
           tq_mma3(s, ah, al, q.x, q.y, q.z, q.w);
         }
       } else {
-        auto rows0 = sink_k, rows1 = sink_k;  // sink and tail share a dtype
-        long long fs0 = 0, fs1 = 0;
+        // token t's key row (sink or tail: they share a dtype) and its element stride
+        auto key_row = [&](int t) {
+          return t < S ? sink_k + sk_base + (long long)t * sink_k_strides[2]
+                       : tail_k + tk_base + (long long)(t - S) * tail_k_strides[2];
+        };
+        auto key_stride = [&](int t) { return t < S ? sink_k_strides[3] : tail_k_strides[3]; };
         const int t0 = tile * TILE + warp * 32 + mt * 16 + g, t1 = t0 + 8;
-        if (t0 < S) {
-          rows0 = sink_k + sk_base + (long long)t0 * sink_k_strides[2];
-          fs0 = sink_k_strides[3];
-        } else {
-          rows0 = tail_k + tk_base + (long long)(t0 - S) * tail_k_strides[2];
-          fs0 = tail_k_strides[3];
-        }
-        if (t1 < S) {
-          rows1 = sink_k + sk_base + (long long)t1 * sink_k_strides[2];
-          fs1 = sink_k_strides[3];
-        } else {
-          rows1 = tail_k + tk_base + (long long)(t1 - S) * tail_k_strides[2];
-          fs1 = tail_k_strides[3];
-        }
+        const auto rows0 = key_row(t0), rows1 = key_row(t1);
+        const long long fs0 = key_stride(t0), fs1 = key_stride(t1);
         #pragma unroll 4
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const uint4 q = qf[ks * 32 + lane];
@@ -860,8 +852,8 @@ _MERGE = r"""
   }
 """
 
-# The split merge (replayed by tests/test_kv_cuda_layout.py; the runtime's for calls of
-# MERGE_SPLIT_MIN_CHUNKS chunks or more, KV_MERGE_SPLIT):
+# The split merge (replayed by tests/test_kv_cuda_layout.py; the runtime's for every call,
+# KV_MERGE_SPLIT):
 # Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
 # query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
@@ -965,7 +957,6 @@ MMA_BLOCKS_PER_SM = 6  # `_PARTIAL_MMA`'s (72 registers with nvcc for sm_90)
 # the middle of decoding (session 10: 4K decode at 20 tok/s, ~1 s of NVRTC inside the
 # timed steps)
 KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
-MERGE_SPLIT_MIN_CHUNKS = 1
 
 
 def split_per_dim(v_dim: int) -> int:
@@ -1224,7 +1215,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
                  else plan(b, kv, c_len, f_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT and ncc >= MERGE_SPLIT_MIN_CHUNKS,
+                  ncc, fpch, KV_MERGE_SPLIT,
                   "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain")
     fp = lay.dummy_fp
     return Launch(lay, [

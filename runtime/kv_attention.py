@@ -75,13 +75,19 @@ def kernel_for(backend: str) -> Callable | None:
     return _KERNELS.get(backend)
 
 
+def _decode_kernel() -> Callable | None:
+    """The kernel one-token attention tries first on this backend now (None: the reference)."""
+    backend = dispatch.backend()
+    return None if backend == "cpu" or _OFF[0] else kernel_for(backend)
+
+
 def decode_path() -> str:
     """What one-token attention over a TurboQuant cache runs on this backend, in words."""
-    backend = dispatch.backend()
-    fn = None if backend == "cpu" or _OFF[0] else kernel_for(backend)
+    fn = _decode_kernel()
     if fn is None:
         return "the pure-MLX reference"
-    return f"{fn.__module__}.{fn.__qualname__} ({backend}; the reference where it does not fit)"
+    return (f"{fn.__module__}.{fn.__qualname__} ({dispatch.backend()}; the reference where "
+            "it does not fit)")
 
 
 @contextlib.contextmanager
@@ -96,9 +102,8 @@ def reference_only():
 
 def turboquant_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
     """Attention over a TurboQuant cache view: a decode kernel if one fits, else the reference."""
-    if queries.shape[2] == 1 and not _OFF[0]:
-        backend = dispatch.backend()
-        fn = None if backend == "cpu" else kernel_for(backend)
+    if queries.shape[2] == 1:
+        fn = _decode_kernel()
         if fn is not None:
             try:
                 return fn(queries, parts, scale, mask)

@@ -160,15 +160,15 @@ int main() {{
             vals[2 * n :].reshape(rows, nch, dv))
 
 
-def _emulated_piece(tmp_path):
-    """`compressed_piece` with the kernel emulated (the merge is the real one)."""
+def _emulated_piece(tmp_path, buffers: dict):
+    """`compressed_piece` with the kernel emulated over `buffers` (the merge is the real one)."""
     calls = []
 
     def piece(q_rot, packed, scale):
         b, kv, r, _, kd = q_rot.shape
         rows = b * kv * r
         ml, sl, acc = _emulate(tmp_path, np.asarray(q_rot).reshape(rows, kd), packed,
-                               piece.buffers, scale)
+                               buffers, scale)
         calls.append(ml.shape)
         m, s, a = metal_kv.merge_chunks(mx.array(ml), mx.array(sl), mx.array(acc))
         return (m.reshape(b, kv, r, 1, 1), s.reshape(b, kv, r, 1, 1),
@@ -190,8 +190,7 @@ def test_emulated_kernel_gives_the_reference_attention(tmp_path, case, r):
     kd = parts.packed.k_dim
     h = parts.packed.k_codes.shape[1] * r
     q = mx.random.normal((parts.packed.k_codes.shape[0], h, 1, kd), key=mx.random.key(3))
-    piece = _emulated_piece(tmp_path)
-    piece.buffers = buffers
+    piece = _emulated_piece(tmp_path, buffers)
     got = tq_attention(q, parts, 0.1, compressed=piece)
     want = tq_attention(q, parts, 0.1)
     assert piece.calls, "the compressed span did not go through the kernel"

@@ -702,10 +702,9 @@ def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
-    """KV_MERGE_SPLIT (here for every chunk count): the layout launches
-    `_MERGE_SPLIT` with Q x DV threads a block, replayed as launched."""
+    """KV_MERGE_SPLIT (for every chunk count): the layout launches `_MERGE_SPLIT` with
+    Q x DV threads a block, replayed as launched."""
     monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
-    monkeypatch.setattr(cuda_kv, "MERGE_SPLIT_MIN_CHUNKS", 1)
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
     q = min(4, 1024 // lay.v_dim)
     assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
