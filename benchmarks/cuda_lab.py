@@ -238,6 +238,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
 
     ml_shape, acc_shape = lay.partial_shapes
     in_dtypes = [b.dtype for _, b in args]
+    exact = lay.partial_template + (("EXACT", True),)  # `_PARTIAL_MMA` with hi + lo products
     partial = variant(
         "tq_kv_partial", f"kv_partial_{tag}", f"kv_partial_{tag}", args, in_dtypes,
         [mx.float32] * 2, lay.partial_template,
@@ -249,7 +250,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
     mma = variant(  # the tensor-core candidate, checked against the partial too
         "tq_kv_partial_mma", f"kv_partial_mma_{tag}", partial.family, args, in_dtypes,
-        [mx.float32] * 2, lay.partial_template, partial.grid, partial.block, partial.outputs)
+        [mx.float32] * 2, exact, partial.grid, partial.block, partial.outputs)
     # the candidate grid (`cuda_kv.plan_waves`, H200: 132 SMs): its own family, as its
     # chunk sums differ; only its time is compared
     ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS)
@@ -265,7 +266,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     mma_shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
     mma_waves = variant(
         "tq_kv_partial_mma", f"kv_partial_mma_waves_{tag}", f"kv_partial_mma_waves_{tag}",
-        args, in_dtypes, [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1),
+        args, in_dtypes, [mx.float32] * 2, exact, (ncc + fpch, lay.partial_grid[1], 1),
         cuda_kv.NT, [(name, mx.float32, math.prod(shape))
                      for name, shape in zip(("part_ml", "part_acc"), mma_shapes)])
     # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
@@ -284,19 +285,25 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
             (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
         fp_chunked.append(variant(  # the tensor-core candidate, checked against it
             "tq_kv_partial_mma", f"kv_partial_mma_fp{per_chunk}_{tag}", name, args, in_dtypes,
-            [mx.float32] * 2, template, (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
-            outs))
-        # and both on the runtime's grid: waves and fp16 chunks of per_chunk
-        for kernel, blocks in (("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM),
-                               ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM)):
+            [mx.float32] * 2, template + (("EXACT", True),),
+            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
+        # and on the runtime's grid (waves, fp16 chunks of per_chunk): the plain kernel, the
+        # tensor-core one with hi + lo products and with fp16 products (the runtime's
+        # default; same family as the exact one, so the lab prints their difference)
+        for kernel, blocks, flag in (
+                ("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
+                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),)),
+                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),))):
             ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
             shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
             name = f"{kernel[3:]}_waves_fp{per_chunk}_{tag}"
+            fast = flag == (("EXACT", False),)
             fp_chunked.append(variant(
-                kernel, name, name, args, in_dtypes, [mx.float32] * 2, template,
-                (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
+                kernel, name + "_fp16x" if fast else name, name, args, in_dtypes,
+                [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
+                cuda_kv.NT,
                 [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
                                                                         shapes)]))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
@@ -337,6 +344,8 @@ H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidat
 
 def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
           kv_tail_contexts=KV_CONTEXTS) -> list[Variant]:
+    from turboquant.kernels import cuda_kv
+
     _no_mlx_kernels()
     out = []
     for kind, o, i, bits, options in specs:
@@ -345,9 +354,8 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
     for context in kv_contexts:
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
-        # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's) and in
-        # one of 256 (before session 10)
-        out += kv_variants(context, tail=188, fp_tokens=(256,))
+        # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's)
+        out += kv_variants(context, tail=188, fp_tokens=(cuda_kv.FP_TOKENS_PER_CHUNK,))
     return out
 
 

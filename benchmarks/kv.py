@@ -69,7 +69,8 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V
 
 # a cache name's options: flags (field, value) and numbers p<n>, w<n>, f<n> (field)
 _SPEC_FLAGS = {"raw": ("norm_correction", False), "ref": ("reference", True),
-               "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True)}
+               "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True),
+               "exact": ("exact", True)}
 _SPEC_NUMBERS = {"p": "protect", "w": "window", "f": "fp_tokens"}
 
 
@@ -84,7 +85,8 @@ class CacheSpec:
     its default), vec (the CUDA partial kernel reading key rows in 16-byte loads,
     `cuda_kv.KV_PARTIAL_VEC`), mma (the tensor-core partial kernel, `cuda_kv.KV_PARTIAL_MMA`,
     the default where it fits), plain (neither: the plain partial kernel, for a same-run
-    comparison with the default).
+    comparison with the default), exact (the tensor-core kernel with hi + lo products,
+    `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands).
     """
 
     name: str
@@ -99,6 +101,7 @@ class CacheSpec:
     vec: bool = False
     mma: bool = False
     plain: bool = False
+    exact: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -111,7 +114,7 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain][:exact]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -336,15 +339,18 @@ def _attention_path(spec: CacheSpec):
     from turboquant.kernels import cuda_kv
     from turboquant.runtime import kv_attention
 
-    saved = cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA
+    saved = (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
+             cuda_kv.KV_MMA_EXACT)
     cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
     cuda_kv.KV_PARTIAL_VEC = spec.vec or (saved[1] and not spec.plain)
     cuda_kv.KV_PARTIAL_MMA = spec.mma or (saved[2] and not spec.plain)
+    cuda_kv.KV_MMA_EXACT = spec.exact or saved[3]
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
-        cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA = saved
+        (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
+         cuda_kv.KV_MMA_EXACT) = saved
 
 
 def _kernel_name() -> str:
@@ -368,8 +374,14 @@ def gpu_decode(
     """Decode tokens/s of an 8B-shaped random Llama (bf16) at each context, per cache.
 
     Random tokens are prefilled once per context into the fp16 cache (2048 per call, as
-    mlx_lm.generate does); each cache starts from that prefill's K/V (`seeded`) and
-    `steps` greedy tokens are timed (one mx.eval per token, like generation).
+    mlx_lm.generate does); each cache starts from that prefill's K/V (`seeded`). Two
+    timings of `steps` greedy tokens each, one after the other on the same cache:
+    - generation (the headline): mlx-lm's own `generate_step` loop, as `turboquant generate`
+      and `mlx_lm.generate` decode: it builds token n + 1's graph while the GPU evaluates
+      token n (`mx.async_eval`), so the host's work hides behind the GPU's where it is
+      shorter;
+    - a token at a time (one mx.eval per token, no overlap), split into building the graph
+      and evaluating it: where each token's time goes.
     Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
     the kernel runtime/kv_attention.py finds for the backend (on CUDA kernels/cuda_kv.py);
     configs with ":ref" force the pure-MLX reference, so both paths are timed in one run.
@@ -406,11 +418,12 @@ def gpu_decode(
                     build += time.perf_counter() - t1
                     mx.eval(y)
                 total = time.perf_counter() - t0
-                row[name] = steps / total
+                row[name + ":serial"] = steps / total
                 # a token's time split: building its graph (host) vs evaluating it (encoding
                 # the launches, the GPU's work, the wait for it)
                 row[name + ":build_ms"] = 1e3 * build / steps
                 row[name + ":eval_ms"] = 1e3 * (total - build) / steps
+                row[name] = generation_tps(model, cache, y, steps)
             row[name + ":GB"] = sum(c.nbytes for c in cache) / 1e9
             del cache
             mx.clear_cache()
@@ -418,13 +431,15 @@ def gpu_decode(
         log("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in row.items()))
         rows.append(row)
-    log("\ndecode tokens/s (ratio to fp16)")
-    log(f"{'context':>8} " + " ".join(f"{c:>18}" for c in configs))
-    for r in rows:
-        cells = [f"{r[c]:8.1f} ({r[c] / r['fp16']:.2f}x)" if "fp16" in r else f"{r[c]:8.1f}"
-                 for c in configs]
-        log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
-    log("\nms per token: building the graph + evaluating it")
+    for title, key in (("decode tokens/s, generation (mlx-lm's generate_step; ratio to fp16)",
+                        ""), ("decode tokens/s, a token at a time (ratio to fp16)", ":serial")):
+        log(f"\n{title}")
+        log(f"{'context':>8} " + " ".join(f"{c:>18}" for c in configs))
+        for r in rows:
+            cells = [f"{r[c + key]:8.1f} ({r[c + key] / r['fp16' + key]:.2f}x)" if "fp16" in r
+                     else f"{r[c + key]:8.1f}" for c in configs]
+            log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    log("\nms per token, a token at a time: building the graph + evaluating it")
     for r in rows:
         cells = [f"{r[c + ':build_ms']:6.2f} + {r[c + ':eval_ms']:6.2f}" for c in configs]
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
@@ -435,6 +450,20 @@ def gpu_decode(
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
     _reproduce(log)
     return rows
+
+
+def generation_tps(model, cache, y: mx.array, steps: int) -> float:
+    """Greedy tokens/s of mlx-lm's `generate_step` continuing from token `y` on `cache`:
+    `steps` tokens timed from the first one out (the one-token prompt's step excluded)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    t0 = None
+    for i, _ in enumerate(generate_step(y, model, max_tokens=steps + 1, prompt_cache=cache,
+                                        sampler=make_sampler(0.0))):
+        if i == 0:
+            t0 = time.perf_counter()
+    return steps / (time.perf_counter() - t0)
 
 
 ATTN_PER_EVAL = 20  # calls per mx.eval: amortises MLX's per-evaluation overhead

@@ -188,12 +188,17 @@ __device__ __forceinline__ void tq_mma(float (&d)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += a b with both split: the three products that matter, smallest first
+// d += a b. EXACT: both split, the three products that matter, smallest first; else the
+// hi halves alone, fp16 operands (2^-11 relative each) with float32 sums, one product (the
+// lo halves are then dead code)
+template <bool EXACT>
 __device__ __forceinline__ void tq_mma3(float (&d)[4], const uint32_t (&ah)[4],
                                         const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1,
                                         uint32_t bl0, uint32_t bl1) {
-  tq_mma(d, al, bh0, bh1);
-  tq_mma(d, ah, bl0, bl1);
+  if (EXACT) {
+    tq_mma(d, al, bh0, bh1);
+    tq_mma(d, ah, bl0, bl1);
+  }
   tq_mma(d, ah, bh0, bh1);
 }
 
@@ -569,8 +574,10 @@ _PARTIAL_VEC = _spliced(_PARTIAL, (
 # slots 46% busy, L1 76%; this kernel 25.3M): a thread per token for the
 # scores (128 code lookups and 512 shared-memory reads of the queries a key) and a thread
 # per value dim (a lookup, a code and R weights from shared memory per token and dim).
-# Here both products are mma m16n8k16 on fp16 fragments, each float carried as hi + lo
-# halves (`tq_mma3`: float32's accuracy), with the codes decoded straight into fragments:
+# Here both products are mma m16n8k16 on fp16 fragments, with the codes decoded straight
+# into fragments. Template EXACT: each float carried as hi + lo halves, three products
+# (`tq_mma3`: float32's accuracy); without it, the fp16 operands alone and one product
+# (what `KV_MMA_EXACT` chooses; see there):
 # * scores S^T = K Q^T: a warp takes 32 tokens of the tile (2 M-tiles of 16), query rows
 #   are the 8 columns (R <= 8 real). Dims are permuted so that a lane's A elements are
 #   whole 32-code blocks of its tokens' keys: lane (g, c) holds dims c * KD/4 + 4 ks +
@@ -661,7 +668,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
             tq_pair(lk2[tq_block_code<BK>(w, j + 2)], lk2[tq_block_code<BK>(w, j + 3)],
                     ah[2 + hf], al[2 + hf]);
           }
-          tq_mma3(s, ah, al, q.x, q.y, q.z, q.w);
+          tq_mma3<EXACT>(s, ah, al, q.x, q.y, q.z, q.w);
         }
       } else {
         // token t's key row (sink or tail: they share a dtype) and its element stride
@@ -673,7 +680,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
         const int t0 = tile * TILE + warp * 32 + mt * 16 + g, t1 = t0 + 8;
         const auto rows0 = key_row(t0), rows1 = key_row(t1);
         const long long fs0 = key_stride(t0), fs1 = key_stride(t1);
-        #pragma unroll 4
+        #pragma unroll (EXACT ? 4 : 1)
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const uint4 q = qf[ks * 32 + lane];
           const int d = c4 * KPL + 4 * ks;
@@ -685,7 +692,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
           tq_split2(x1[0], x1[1], ah[1], al[1]);
           tq_split2(x0[2], x0[3], ah[2], al[2]);
           tq_split2(x1[2], x1[3], ah[3], al[3]);
-          tq_mma3(s, ah, al, q.x, q.y, q.z, q.w);
+          tq_mma3<EXACT>(s, ah, al, q.x, q.y, q.z, q.w);
         }
       }
       #pragma unroll
@@ -765,7 +772,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
             tq_split2(__uint_as_float(vt[2][k]), __uint_as_float(vt[3][k]), ah[2 + hf], al[2 + hf]);
           }
         }
-        tq_mma3(acc[mt], ah, al, bh0, bh1, bl0, bl1);
+        tq_mma3<EXACT>(acc[mt], ah, al, bh0, bh1, bl0, bl1);
       }
     }
     __syncthreads();
@@ -973,6 +980,23 @@ KV_PARTIAL_VEC = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_VEC", "0") == "1"
 # its own wave grid), 29.1 at 1K against 41.1, outputs within 1e-6; the KV GPU tests pass
 # with it (session 10, `device_check.sh kv-mma`: 23/23)
 KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
+# `_PARTIAL_MMA`'s products: "1" carries every operand as fp16 hi + lo halves (three
+# products, float32's accuracy); "0" (the default) rounds the operands to fp16 once (one
+# product, float32 sums). fp16 keeps 11 significant bits: the decoded levels, the rotated
+# queries and the softmax weights each move by at most 2^-11 relative, 4x finer than the
+# bf16 K/V, queries and weights of the fp16 cache's own attention (cuDNN SDPA), and 30x
+# under the 4-bit codes' own error (sqrt(kv_mse(4)) = 9.7%). The fp16 sink and tail enter
+# the products as fp16 too: exact for bf16 and fp16 parts within fp16's range.
+KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
+# What fp16 operands may move an output, relative to the largest |output|: a score's
+# error (2^-10 of sum |q_i k_i| at most) reaches the weights through exp, so scores of up
+# to ~8 give 8 * 2^-11 = 2^-8. The CPU replay measures 3e-4 to 9e-4 on its cases.
+MMA_FP16_RTOL = 2.0 ** -8
+
+
+def fp16_operands(layout: "Layout") -> bool:
+    """Whether a call's partial kernel rounds its products' operands to fp16."""
+    return dict(layout.partial_template).get("EXACT") is False
 
 
 def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
@@ -1139,13 +1163,14 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
     `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`);
     `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
-    `_PARTIAL_VEC`) or "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`)."""
+    `_PARTIAL_VEC`), "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`, fp16
+    products) or "mma_exact" (the same with hi + lo products, float32's accuracy)."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
     wv = kv_words(v_dim, bits_v)
     smem = 4 * (r * k_dim + TILE * r + TILE + TILE * wv + (1 << bits_k) + (1 << bits_v) + 3 * r)
-    if partial == "mma":  # the queries' fragments and the split level tables
+    if partial.startswith("mma"):  # the queries' fragments and the split level tables
         smem += 32 * k_dim + 4 * ((1 << bits_k) + (1 << bits_v))
     if smem > SMEM_LIMIT or r * -(-v_dim // NT) > MAX_ACC:
         raise NotImplementedError(f"group of {r} heads x head_dim {k_dim}/{v_dim} is too large")
@@ -1153,7 +1178,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
     partial_template = (
         ("KD", k_dim), ("DV", v_dim), ("BK", bits_k), ("BV", bits_v), ("R", r), ("P", p),
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
-    )
+    ) + ((("EXACT", partial == "mma_exact"),) if partial.startswith("mma") else ())
     nch, bkv = ncc + fpch, b * kv
     split = split_per_dim(v_dim) if merge_split else 1
     merge_threads = split * v_dim if split > 1 else NT
@@ -1171,7 +1196,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
 
 
 PARTIAL_KERNELS = {"plain": "tq_kv_partial", "vec": "tq_kv_partial_vec",
-                   "mma": "tq_kv_partial_mma"}
+                   "mma": "tq_kv_partial_mma", "mma_exact": "tq_kv_partial_mma"}
 
 
 @dataclass
@@ -1216,7 +1241,8 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
                   ncc, fpch, KV_MERGE_SPLIT,
-                  "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain")
+                  ("mma_exact" if KV_MMA_EXACT else "mma") if mma
+                  else "vec" if KV_PARTIAL_VEC else "plain")
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

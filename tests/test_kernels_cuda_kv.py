@@ -147,14 +147,16 @@ def compare(q, parts: KVParts, scale: float, mask=None, label: str = "") -> str:
     w = np.asarray(want)
     shapes = f"q {tuple(q.shape)} {q.dtype}, out {tuple(got.shape)} {got.dtype}"
     info = (f"{label}: {shapes}, lengths (sink, compressed, tail) {parts.lengths}, "
-            f"chunks {launch.layout.ncc}+{launch.layout.fpch}, {launch.layout.partial_kernel}, "
+            f"chunks {launch.layout.ncc}+{launch.layout.fpch}, {launch.layout.partial_kernel}"
+            f"{' (fp16 operands)' if cuda_kv.fp16_operands(launch.layout) else ''}, "
             f"reference on {where}")
     assert g.shape == w.shape, f"{info}: shape {g.shape} != reference {w.shape}"
     assert np.isfinite(g).all(), f"{info}: {np.size(g) - np.isfinite(g).sum()} non-finite outputs"
     diff = np.abs(g - w)
     err = float(diff.max())
     scale_ref = max(1.0, float(np.abs(w).max()))
-    tol = _tol(q.dtype) * scale_ref * (1 if where == "cpu" else 5)
+    rtol = max(_tol(q.dtype), cuda_kv.MMA_FP16_RTOL if cuda_kv.fp16_operands(launch.layout) else 0)
+    tol = rtol * scale_ref * (1 if where == "cpu" else 5)
     at = np.unravel_index(int(diff.argmax()), diff.shape)
     msg = (f"{info}: max abs diff {err:.3g} at (b, h, 0, d) = {tuple(int(i) for i in at)} "
            f"(kernel {g[at]:.5g}, reference {w[at]:.5g}), tol {tol:.3g}, max |ref| {scale_ref:.3g}, "
@@ -185,6 +187,26 @@ def check_fp_chunks_of_a_tile() -> list[str]:
         return [compare(q, parts, 128 ** -0.5, None, "fp16 chunks of a tile")]
     finally:
         cuda_kv.FP_TOKENS_PER_CHUNK = saved
+
+
+def check_exact_products() -> list[str]:
+    """The tensor-core kernel with hi + lo products (KV_MMA_EXACT), at float32's tolerance:
+    the 8B case, float32 parts, head dim 256."""
+    saved = cuda_kv.KV_MMA_EXACT
+    cuda_kv.KV_MMA_EXACT = True
+    try:
+        out = []
+        for case in (Case(), Case(kv=2, r=4, bits=(4, 3), ctx=900, dtype="float32"),
+                     Case(kv=1, r=2, dim=256, bits=(4, 4), ctx=700)):
+            q, parts, _ = cache_parts(case, seed=5)
+            lay = cuda_kv.prepare(q, parts, case.dim ** -0.5).layout
+            if lay.partial_kernel == "tq_kv_partial_mma":  # sm_80+
+                assert not cuda_kv.fp16_operands(lay), f"{case.name}: {lay.partial_template}"
+            out.append(compare(q.astype(mx.float32), parts, case.dim ** -0.5, None,
+                               case.name + " (exact products, float32 queries)"))
+        return out
+    finally:
+        cuda_kv.KV_MMA_EXACT = saved
 
 
 def check_masks() -> list[str]:
@@ -338,6 +360,10 @@ if pytest is not None:
         for line in check_masks():
             print(line)
 
+    def test_exact_products():
+        for line in check_exact_products():
+            print(line)
+
     def test_fp_chunks_of_a_tile():
         for line in check_fp_chunks_of_a_tile():
             print(line)
@@ -365,7 +391,8 @@ def main() -> int:
         print(f"SKIP: MLX is not running on CUDA (backend {dispatch.backend()!r})")
         return 0
     checks = [(c.name, lambda c=c: check_case(c)) for c in CASES]
-    checks += [("masks", check_masks), ("fp16 chunks of a tile", check_fp_chunks_of_a_tile),
+    checks += [("masks", check_masks), ("exact products", check_exact_products),
+               ("fp16 chunks of a tile", check_fp_chunks_of_a_tile),
                ("decode steps", check_decode_steps),
                ("fallbacks", check_fallbacks),
                ("hook", check_hook_loads_kernel), ("model", check_model_decode)]

@@ -385,12 +385,15 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
     return out.done().reshape(L.layout.out_shape)
 
 
-def mma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """mma m16n8k16 from its lanes' fragments (as exact floats: the kernel's hi + lo halves
-    carry float32's accuracy): a (32, 4, 2), b (32, 2, 2) -> d (32, 4), the PTX layouts
+def mma(a: np.ndarray, b: np.ndarray, exact: bool = True) -> np.ndarray:
+    """mma m16n8k16 from its lanes' fragments: as exact floats (the kernel's hi + lo halves
+    carry float32's accuracy), or with `exact` False rounded to fp16 first (the kernel's
+    fp16 operands): a (32, 4, 2), b (32, 2, 2) -> d (32, 4), the PTX layouts
     (g = lane / 4, c = lane % 4): a = {(g, 2c + i), (g + 8, 2c + i), (g, 2c + 8 + i),
     (g + 8, 2c + 8 + i)}, b = {(2c + i, g), (2c + 8 + i, g)}, d = {(g, 2c), (g, 2c + 1),
     (g + 8, 2c), (g + 8, 2c + 1)}."""
+    if not exact:
+        a, b = (x.astype(np.float16).astype(np.float64) for x in (a, b))
     lane = np.arange(32)
     g, c = lane >> 2, lane & 3
     A, B = np.zeros((16, 16), np.float64), np.zeros((16, 8), np.float64)
@@ -408,6 +411,7 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
     and tokens it permutes), through `mma`; the prologue and softmax are `_PARTIAL`'s."""
     T = dict(L.layout.partial_template)
     KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
+    EXACT = T["EXACT"]
     WV = kv_words(DV, BV)
     KSTEPS, KPL = KD // 16, KD // 4
     NWL = KPL // 32 * BK
@@ -471,14 +475,15 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
                         for ks in range(KSTEPS):
                             a = np.zeros((32, 4, 2), F32)
                             for hf in (0, 1):
+                                blk, j = (4 * ks) >> 5, (4 * ks) & 31
+                                w = kw[hf][blk * BK : blk * BK + BK] if not fp else None
                                 for e in range(4):
-                                    if not fp:
-                                        blk, j = (4 * ks) >> 5, (4 * ks) & 31
-                                        x = lk[block_code(kw[hf][blk * BK : blk * BK + BK], j + e, BK)]
-                                    else:
+                                    if fp:
                                         x = fp_read("k", 0, ts_[hf], c4 * KPL + 4 * ks + e, ok[hf])
+                                    else:
+                                        x = lk[block_code(w, j + e, BK)]
                                     a[:, hf + 2 * (e // 2), e % 2] = x
-                            s += mma(a, qf[ks])
+                            s += mma(a, qf[ks], EXACT)
                         for hf in (0, 1):
                             u = warp * 32 + mt * 16 + hf * 8 + g
                             t, valid = tile * TILE + u, ok[hf]
@@ -541,7 +546,7 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
                             for hf in (0, 1):
                                 a[:, hf] = vt[0:2, 2 * mt + hf].T
                                 a[:, 2 + hf] = vt[2:4, 2 * mt + hf].T
-                            acc[warp, mt] += mma(a, bf)
+                            acc[warp, mt] += mma(a, bf, EXACT)
             prow = (bk * nch + chunk) * R
             for warp in range(4):
                 d0 = warp * VWARP + g * VPL
@@ -636,6 +641,8 @@ def _transposed(qb: np.ndarray) -> Arg:
 
 def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, vec_keys=False, split=None):
     launch = cuda_kv.prepare(q, parts, scale, mask)
+    if cuda_kv.fp16_operands(launch.layout):
+        atol = max(atol, cuda_kv.MMA_FP16_RTOL)
     got = emulate(launch, args, vec_keys, split)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
     err = np.abs(got - want).max()
@@ -847,13 +854,16 @@ def test_fp16_chunks_are_a_tile_by_default():
     assert cuda_kv.plan(1, 8, 1024 - 196, 196)[1] == 2
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["fp16-operands", "exact"])
 @pytest.mark.parametrize("name", ["k8v3-d128-gqa4", "k3v3-d128-mha", "k4v4-d256", "k4v3-d128-mask",
                                   "k2v4-d128-fp32-parts-r8"])
-def test_mma_partial_replayed_matches_reference(name, monkeypatch):
+def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
     """`_PARTIAL_MMA` replayed lane by lane (`emulate_partial_mma`: its fragments through the
-    PTX layouts of mma m16n8k16) against `tq_attention`, as the runtime launches it."""
+    PTX layouts of mma m16n8k16) against `tq_attention`, as the runtime launches it: with
+    fp16 operands (the default) within MMA_FP16_RTOL, with hi + lo products within 2e-5."""
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", exact)
     more = {"k4v3-d128-mask": dict(b=2, kv=2, r=3, kd=128, bits=(4, 3), c=300, s=4, t=140),
             "k2v4-d128-fp32-parts-r8": dict(kv=1, r=8, kd=128, dv=64, bits=(2, 4), c=260, t=30,
                                             fp=np.float32)}
@@ -863,6 +873,7 @@ def test_mma_partial_replayed_matches_reference(name, monkeypatch):
         mask = mx.array(np.random.default_rng(3).random((2, 1, 1, parts.length)) > 0.3)
     launch = check(q, parts, args, mask=mask)
     assert launch.layout.partial_kernel == "tq_kv_partial_mma"
+    assert cuda_kv.fp16_operands(launch.layout) is not exact
 
 
 def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
@@ -991,9 +1002,10 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_split_{tag}", "tq_kv_merge_split", [mx.float32] * 3,
                           [lay.out_dtype], lay.merge_template),
-        mlx_kernel_source(f"partial_mma_{tag}", "tq_kv_partial_mma", [x.dtype for x in L.inputs],
-                          [mx.float32, mx.float32], lay.partial_template)
-        if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r) else "",
+        *(mlx_kernel_source(f"partial_mma_{tag}_{exact}", "tq_kv_partial_mma",
+                            [x.dtype for x in L.inputs], [mx.float32, mx.float32],
+                            lay.partial_template + (("EXACT", exact),))
+          for exact in (False, True) if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r)),
     ])
 
 
