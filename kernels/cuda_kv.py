@@ -861,7 +861,7 @@ _MERGE = r"""
 
 # The split merge (replayed by tests/test_kv_cuda_layout.py; the runtime's for every call,
 # KV_MERGE_SPLIT):
-# Q = blockDim.x / DV threads per output dim (Q <= 4) split the chunk sums and the
+# Q = blockDim.x / DV threads per output dim (Q <= 8) split the chunk sums and the
 # un-rotation, so a block keeps Q times more loads in flight (the merge runs one block per
 # query row: 32 blocks for an 8B layer, 23 us at 32K in the lab). `_MERGE` with its block
 # size read at run time and its last phase (from the compressed chunks' sums on) replaced:
@@ -870,13 +870,13 @@ _SPLIT_SIZES = r"""  constexpr int MAXCH = TQ_MAXCH;
 """
 
 _SPLIT_SHARED = r"""  __shared__ float red[32];
-  __shared__ float part[4 * DV];  // the Q partial sums of every dim
+  __shared__ float part[8 * DV];  // the Q partial sums of every dim
 """
 
 _SPLIT_SUMS = r"""  const int Q = NT / DV, d = tid % DV, q = tid / DV;
   // compressed chunks: thread (d, q) sums chunks q, q + Q, ...
   float a = 0.f;
-  #pragma unroll 4
+  #pragma unroll 8
   for (int c = q; c < ncc; c += Q) a += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
   part[q * DV + d] = a;
   __syncthreads();
@@ -892,7 +892,7 @@ _SPLIT_SUMS = r"""  const int Q = NT / DV, d = tid % DV, q = tid / DV;
     for (int c = ncc; c < nch; ++c) o += part_acc[(((size_t)bk * nch + c) * R + r) * DV + d] * w[c];
     o *= inv;
   }
-  #pragma unroll 8
+  #pragma unroll 16
   for (int i = q; i < DV; i += Q) o += rot[i] * unrot[i * DV + d];
   part[q * DV + d] = o;
   __syncthreads();
@@ -967,8 +967,8 @@ KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
 
 
 def split_per_dim(v_dim: int) -> int:
-    """Threads per value dim of `_MERGE_SPLIT` (at most 4, a block of at most 1024)."""
-    return min(4, 1024 // v_dim)
+    """Threads per value dim of `_MERGE_SPLIT` (at most 8, a block of at most 1024)."""
+    return min(8, 1024 // v_dim)
 
 # the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
 KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
@@ -1005,7 +1005,6 @@ def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
     return KV_PARTIAL_MMA and mma_fits(k_dim, v_dim, r) and cc is not None and cc >= (8, 0)
 
 
-@functools.lru_cache(maxsize=4096)
 def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
                fp_tokens: int | None = None, blocks_per_sm: int = PARTIAL_BLOCKS_PER_SM
                ) -> tuple[int, int]:
@@ -1013,15 +1012,22 @@ def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
     chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
     instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
-    tiles = -(-c_len // TILE)
     _, fpch = plan(b, kv, c_len, f_len, fp_tokens)
-    slots = sms * blocks_per_sm
+    return _wave_chunks(b * kv, -(-c_len // TILE), fpch, sms * blocks_per_sm), fpch
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_chunks(bkv: int, tiles: int, fpch: int, slots: int) -> int:
+    """`plan_waves`'s compressed chunks. Cached on the tile count, which changes once per
+    TILE compressed tokens: keyed on the token counts (the fp16 tail grows every step), it
+    missed on every decode step and walked up to MAX_CHUNKS candidates (session 11: ~60 us
+    of a token's host time at 32K)."""
     best = None
     for ncc in range(1, max(1, min(tiles, MAX_CHUNKS - fpch)) + 1):
-        cost = -(-(ncc + fpch) * b * kv // slots) * -(-tiles // ncc)
+        cost = -(-(ncc + fpch) * bkv // slots) * -(-tiles // ncc)
         if best is None or cost < best[0]:
             best = (cost, ncc)
-    return best[1], fpch
+    return best[1]
 
 
 def chunk_tiles(tiles: int, n_chunks: int, c_idx: int) -> tuple[int, int]:
@@ -1161,7 +1167,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
             has_mask: bool, ncc: int, fpch: int, merge_split: bool = False,
             partial: str = "plain") -> Layout:
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
-    `merge_split`: the merge with up to 4 threads a value dim (`_MERGE_SPLIT`);
+    `merge_split`: the merge with up to 8 threads a value dim (`_MERGE_SPLIT`);
     `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
     `_PARTIAL_VEC`), "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`, fp16
     products) or "mma_exact" (the same with hi + lo products, float32's accuracy)."""

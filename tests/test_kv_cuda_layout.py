@@ -713,7 +713,7 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
     Q x DV threads a block, replayed as launched."""
     monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
-    q = min(4, 1024 // lay.v_dim)
+    q = min(8, 1024 // lay.v_dim)  # lab, 32K: 10.2 us, 14.5 with 4
     assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
     assert lay.merge_grid == (lay.b * lay.h * q * lay.v_dim, 1, 1)
 
@@ -747,6 +747,16 @@ def test_runtime_wave_plan_sets_the_grid_and_matches_reference(name, monkeypatch
 def test_candidate_plan_at_32k_runs_one_wave_of_three_tiles_a_block():
     assert cuda_kv.plan(1, 8, 32768, 68) == (128, 1)  # 1032 blocks: 1.3 waves of 792
     assert cuda_kv.plan_waves(1, 8, 32768, 68, 132) == (86, 1)  # 696 blocks, 3 tiles each
+
+
+def test_wave_plan_is_searched_once_per_tile_count_not_per_decode_step():
+    """A decode step grows the fp16 tail by one token: the plan's search (up to MAX_CHUNKS
+    candidates) runs again only when the tiles or the fp16 chunks change."""
+    cuda_kv._wave_chunks.cache_clear()
+    plans = {cuda_kv.plan_waves(1, 8, 32768 - c, 132 + t, 132) for t in range(64) for c in (0, 64)}
+    assert len(plans) == 1 and cuda_kv._wave_chunks.cache_info().misses == 1
+    cuda_kv.plan_waves(1, 8, 32768 + 128, 140, 132)  # one more tile: searched again
+    assert cuda_kv._wave_chunks.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("name", list(CASES))
