@@ -9,9 +9,15 @@ Per layer the tokens live in three parts, in temporal order:
     sink (first `sink` tokens, fp16) | compressed (packed codes + fp16 norms) | tail (fp16)
 
 New tokens go to the tail. Before each forward step (and when `state` is read) the tail
-tokens older than the hot `window` are compressed, once at least `block` of them are
-waiting and the context has reached `start_after`. So the queries of one step see their
-own step's keys in fp16, and every query sees at least `window` recent tokens in fp16.
+tokens older than the hot `window` are compressed in whole blocks: the compressed part
+ends on a position sink + phase + k * block, so a compression happens once `block` more
+tokens have left the window (and the context has reached `start_after`). So the queries
+of one step see their own step's keys in fp16, and every query sees at least `window`
+recent tokens in fp16. `make_turboquant_cache` gives each layer its own `phase`, so the
+layers compress on different decode steps: a compression is ~180 MLX ops a layer (on the
+H200's host ~0.7 ms of graph building alone, before encoding them), so one step
+compressing all 32 layers of an 8B model stalls generation there, while one layer a step
+can hide behind the GPU's work.
 Only packed codes and norms are kept for the compressed part (no fp16 shadow copy).
 
 Attention reads the parts as they are (kernels/kv_reference.py): `update_and_fetch`
@@ -67,9 +73,11 @@ class TurboQuantKVCache(_BaseCache):
     """A KV cache that keeps tokens beyond the hot window as TurboQuant codes.
 
     bits_k, bits_v: 2, 3, 4 or 8. sink: leading tokens kept in fp16. window: recent tokens
-    kept in fp16. block: compress once this many tokens have left the window. start_after:
-    compress nothing before the context holds this many tokens. seed: rotation seed of the
-    layer. norm_correction: store the norm that makes each decoded vector's norm exact.
+    kept in fp16. block: compress once this many tokens have left the window. phase (0 <=
+    phase < block): the compressed part ends on positions sink + phase + k * block (layers
+    with different phases compress on different steps). start_after: compress nothing
+    before the context holds this many tokens. seed: rotation seed of the layer.
+    norm_correction: store the norm that makes each decoded vector's norm exact.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class TurboQuantKVCache(_BaseCache):
         sink: int = 4,
         window: int = 128,
         block: int = 64,
+        phase: int = 0,
         start_after: int = 0,
         seed: int = 0,
         norm_correction: bool = True,
@@ -87,12 +96,15 @@ class TurboQuantKVCache(_BaseCache):
         self.bits_k = check_kv_bits(bits_k)
         self.bits_v = check_kv_bits(bits_v)
         for name, v, lo in (("sink", sink, 0), ("window", window, 0), ("block", block, 1),
-                            ("start_after", start_after, 0)):
+                            ("phase", phase, 0), ("start_after", start_after, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if phase >= block:
+            raise ValueError(f"phase must be below block ({block}), got {phase}")
         if not 0 <= int(seed) < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed}")
         self.sink, self.window, self.block, self.start_after = sink, window, block, start_after
+        self.phase = phase
         self.seed = int(seed)
         self.norm_correction = bool(norm_correction)
         self.offset = 0
@@ -200,10 +212,20 @@ class TurboQuantKVCache(_BaseCache):
     def _drop_before_append(self, n: int):
         """The sliding-window variant drops old tokens here."""
 
-    def _flush(self, force: bool = False):
-        """Compress the tail tokens that have left the hot window."""
-        over = self._n_tail - self.window
-        if over <= 0 or (over < self.block and not force) or self.offset < self.start_after:
+    def _due(self) -> int:
+        """Tail tokens to compress now: those before the last position sink + phase +
+        k * block that has left the hot window (0 if none has since the last time)."""
+        first = self.offset - self._n_tail  # position of the tail's first token
+        anchor = self.sink + self.phase
+        if self.offset - self.window < anchor:
+            return 0
+        end = anchor + (self.offset - self.window - anchor) // self.block * self.block
+        return max(0, end - first)
+
+    def _flush(self):
+        """Compress the tail tokens that have left the hot window, up to a block boundary."""
+        over = self._due()
+        if over <= 0 or self.offset < self.start_after:
             return
         kd, vd = self._dims
         b, h = self._tail_k.shape[:2]
@@ -291,6 +313,7 @@ class TurboQuantKVCache(_BaseCache):
             "sink": self.sink,
             "window": self.window,
             "block": self.block,
+            "phase": self.phase,
             "start_after": self.start_after,
             "seed": str(self.seed),  # 64-bit: saved as text
             "norm_correction": self.norm_correction,
@@ -302,6 +325,7 @@ class TurboQuantKVCache(_BaseCache):
         self.bits_k, self.bits_v = int(meta["bits_k"]), int(meta["bits_v"])
         self.sink, self.window = int(meta["sink"]), int(meta["window"])
         self.block, self.start_after = int(meta["block"]), int(meta["start_after"])
+        self.phase = int(meta.get("phase", 0))  # caches saved before session 11 have none
         self.seed = int(meta["seed"])
         self.norm_correction = bool(meta["norm_correction"])
         self.offset = int(meta["offset"])
@@ -486,7 +510,9 @@ def make_turboquant_cache(
     Layers whose cache is not a KV cache (linear attention, Mamba) keep theirs. The first
     and last `protect_layers` KV-bearing layers (counted in KV-layer order) use
     `protect_bits` for K and V (None or 16: the model's fp16 cache). Sliding-window layers
-    (RotatingKVCache) get TurboQuantRotatingKVCache with the same size and keep.
+    (RotatingKVCache) get TurboQuantRotatingKVCache with the same size and keep. KV layer
+    i of n compresses at phase i * block // n, so a decode step compresses at most
+    ceil(n / block) layers.
     """
     if _learned_sinks(model):
         raise ValueError(
@@ -504,8 +530,9 @@ def make_turboquant_cache(
             if protect_bits in (None, 16):
                 continue
             bk, bv = max(bits_k, protect_bits), max(bits_v, protect_bits)
-        kw = dict(bits_k=bk, bits_v=bv, window=window, block=block, start_after=start_after,
-                  seed=tensor_seed(seed, f"kv_cache.{i}"), norm_correction=norm_correction)
+        kw = dict(bits_k=bk, bits_v=bv, window=window, block=block, phase=i * block // n,
+                  start_after=start_after, seed=tensor_seed(seed, f"kv_cache.{i}"),
+                  norm_correction=norm_correction)
         old = owner.caches[j] if isinstance(owner, CacheList) else owner[j]
         if isinstance(old, RotatingKVCache):
             new = TurboQuantRotatingKVCache(old.max_size, old.keep, **kw)

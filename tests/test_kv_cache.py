@@ -101,13 +101,30 @@ def test_start_after_delays_compression():
     assert c.compressed_tokens == 40 - 2 - 4
 
 
+@pytest.mark.parametrize("phase", [0, 5, 15])
+def test_compressed_part_ends_on_the_phase_s_block_boundaries(phase):
+    """Whatever the steps (prefill chunks, single tokens), the compressed part ends on a
+    position sink + phase + k * block: all the whole blocks that have left the window."""
+    c = TurboQuantKVCache(4, 3, sink=4, window=32, block=16, phase=phase)
+    done = 0
+    for n in [7, 100, 1, 1, 33, 1, 1, 1, 200, *[1] * 40]:
+        _feed(c, [n], seed=done)
+        done += n
+        c.state  # noqa: B018  (compresses what the next step would)
+        ends = 4 + phase + (done - 32 - 4 - phase) // 16 * 16 if done - 32 >= 4 + phase else 4
+        assert c.sink_tokens + c.compressed_tokens == ends, (n, done)
+        assert c.size() == done
+    with pytest.raises(ValueError, match="phase must be below block"):
+        TurboQuantKVCache(4, 3, block=16, phase=16)
+
+
 @pytest.mark.parametrize("bits", [(8, 3), (4, 3), (4, 4), (3, 3), (2, 2), (8, 8)])
 def test_nbytes_is_the_packed_size(bits):
     c = TurboQuantKVCache(*bits, sink=4, window=32, block=16)
     _feed(c, [300], seed=1)
     c.state  # noqa: B018  (reading the state compresses what left the window)
     n_comp, n_fp = c.compressed_tokens, c.fp16_tokens
-    assert n_comp == 300 - 4 - 32
+    assert n_comp == (300 - 4 - 32) // 16 * 16  # whole blocks out of the window
     packed = KV * n_comp * (4 * (kv_words(D, bits[0]) + kv_words(D, bits[1])) + 2 * 2)
     fp16 = KV * n_fp * D * 2 * 2
     assert c.nbytes == packed + fp16
@@ -261,7 +278,7 @@ def test_no_fp16_copy_of_compressed_tokens_stays_alive():
     del parts
     gc.collect()
     held = mx.get_active_memory() - before
-    assert c.compressed_tokens == 4096 - 4 - 32
+    assert c.compressed_tokens == (4096 - 4 - 32) // 16 * 16
     slack = 256 * KV * (4 * (kv_words(D, 4) + kv_words(D, 3)) + 4) + 2 * 288 * KV * D * 2
     assert held <= c.nbytes + slack < fp16_bytes / 3
 
@@ -294,6 +311,6 @@ def test_decode_steps_reuse_the_compressed_view(rotating):
     cache.trim(cache._n_tail + 3)  # into the compressed part: a fresh, shorter view
     n0 = _same_view(cache).length
     assert n0 == views[-1].length - 3
-    cache.trim(cache._n_tail + 8)  # 8 more, then 8 new ones compressed: the same length,
-    _feed(cache, [16 + 8, 1], seed=7)  # other rows, and the view shows them
-    assert _same_view(cache).length == n0
+    cache.trim(cache._n_tail + 5)  # back to a block boundary, then a block of new tokens
+    _feed(cache, [16 + 8, 1], seed=7)  # compressed: other rows, and the view shows them
+    assert _same_view(cache).length == n0 - 5 + 8

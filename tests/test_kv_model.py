@@ -140,6 +140,29 @@ def test_protected_layers_and_construction(model):
     assert [(c.bits_k, c.bits_v, c.sink, c.window) for c in made] == [(8, 3, 2, 32)] * 4
 
 
+def test_layers_compress_on_different_decode_steps(model):
+    """Layer i of n compresses at phase i * block // n: after the step that compresses the
+    prompt, decoding token by token compresses one layer a step (never all four at once),
+    each once per block, and each layer's compressed part ends on its own block boundary."""
+    cache = make_turboquant_cache(model, sink=4, window=16, block=8, protect_layers=0)
+    assert [c.phase for c in cache] == [0, 2, 4, 6]
+    model(_tokens(100, 5)[None], cache=cache)
+    flushes = []
+    tok = _tokens(1, 6)
+    for _ in range(17):  # the first step compresses the prompt, in every layer
+        before = [c.compressed_tokens for c in cache]
+        tok = mx.argmax(model(tok[None], cache=cache)[:, -1], axis=-1)
+        mx.eval(tok)
+        flushes.append([i for i, c in enumerate(cache) if c.compressed_tokens != before[i]])
+    assert flushes[0] == [0, 1, 2, 3]
+    flushes = flushes[1:]
+    assert max(len(f) for f in flushes) == 1
+    assert sorted(i for f in flushes for i in f) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for c in cache:
+        assert (c.compressed_tokens - c.phase) % c.block == 0  # sink + comp on its boundary
+        assert c.window <= c._n_tail < c.window + c.block + 1
+
+
 class _Hybrid(nn.Module):
     """A stand-in for hybrid models: linear-attention layers between attention layers."""
 
@@ -195,6 +218,7 @@ def test_save_load_mid_generation(model, tmp_path):
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, a)
     b = load_prompt_cache(path)
+    assert [c.phase for c in b[1:3]] == [c.phase for c in a[1:3]] == [16, 32]  # 64 * i // 4
     nxt = _tokens(20, 12)
     assert mx.array_equal(_logits(model, nxt, a, 1), _logits(model, nxt, b, 1))
 
