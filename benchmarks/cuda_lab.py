@@ -342,8 +342,10 @@ KV_CONTEXTS = (1024, 32768)
 H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidate)
 
 
-def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
-          kv_tail_contexts=KV_CONTEXTS) -> list[Variant]:
+def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
+          tail_fp_tokens: tuple[int, ...] | None = None) -> list[Variant]:
+    """The lab's variants; the tail contexts' fp16 chunk sizes are `tail_fp_tokens`
+    (default: the runtime's, `cuda_kv.FP_TOKENS_PER_CHUNK`)."""
     from turboquant.kernels import cuda_kv
 
     _no_mlx_kernels()
@@ -355,7 +357,8 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS,
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
         # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's)
-        out += kv_variants(context, tail=188, fp_tokens=(cuda_kv.FP_TOKENS_PER_CHUNK,))
+        out += kv_variants(context, tail=188,
+                           fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
     return out
 
 

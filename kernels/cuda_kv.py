@@ -680,6 +680,7 @@ _MMA_BODY = r"""  // ---- tensor-core layout (see above)
         const int t0 = tile * TILE + warp * 32 + mt * 16 + g, t1 = t0 + 8;
         const auto rows0 = key_row(t0), rows1 = key_row(t1);
         const long long fs0 = key_stride(t0), fs1 = key_stride(t1);
+        // unrolled, the fp16-operand build takes 110 registers instead of 72 (nvcc, sm_90)
         #pragma unroll (EXACT ? 4 : 1)
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const uint4 q = qf[ks * 32 + lane];

@@ -61,15 +61,17 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     partial, candidate, mma, waves, mma_waves, merge, merge_split = lab.build(
         [], kv_contexts=(4096,), kv_tail_contexts=())
-    assert merge_split.family == merge.family and merge_split.block == 4 * 128
+    from turboquant.kernels import cuda_kv
+
+    assert merge_split.family == merge.family
+    assert merge_split.block == cuda_kv.split_per_dim(128) * 128 == 8 * 128
     # the candidate partial kernels run the same launch and are checked against it
     for other in (candidate, mma):
         assert other.family == partial.family and other.func != partial.func
         assert (other.grid, other.block, other.args) == (partial.grid, partial.block,
                                                         partial.args)
-    assert "tq_mma3(" in mma.source and mma_waves.args == partial.args
-    from turboquant.kernels import cuda_kv
-
+    assert "tq_mma3<EXACT>(" in mma.source and mma_waves.args == partial.args
+    assert "constexpr bool EXACT = true;" in mma.source  # the lab's hi + lo reference
     # the wave-filling grid: its own family (other chunk sums), fewer chunks at 32K only
     assert waves.family != partial.family and waves.args == partial.args
     assert waves.grid == partial.grid  # 4K: 32 chunks fill less than a wave either way
@@ -89,13 +91,24 @@ def test_fp16_parts_in_bigger_chunks_get_fewer_blocks(lab):
     """The runtime's fp16 part at its longest (4 sink + 188 tail tokens: 2 tiles) in chunks
     of a tile (the runtime's, 128), or in one chunk of 256 (before session 10): the same
     compressed chunks, one fp16 chunk fewer, FPCH to match."""
-    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,), tail_fp_tokens=(256,))
     partial = variants[0]
     fp256 = next(v for v in variants if v.name.startswith("kv_partial_fp256"))
     assert partial.name == "kv_partial_1024_t188_k4v3"
     assert fp256.family != partial.family and fp256.args == partial.args
     assert fp256.grid == (partial.grid[0] - 1, 8, 1)
     assert "constexpr int FPCH = 2;" in partial.source and "constexpr int FPCH = 1;" in fp256.source
+
+
+def test_runtime_grid_times_both_products_of_the_tensor_core_kernel(lab):
+    """On the runtime's grid the lab times `_PARTIAL_MMA` with hi + lo products and with
+    fp16 operands (the runtime's default) as one family, so it prints their difference."""
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,))
+    exact = next(v for v in variants if v.name == "kv_partial_mma_waves_fp128_1024_t188_k4v3")
+    fast = next(v for v in variants if v.name == exact.name + "_fp16x")
+    assert fast.family == exact.family and (fast.grid, fast.args) == (exact.grid, exact.args)
+    assert "constexpr bool EXACT = true;" in exact.source
+    assert "constexpr bool EXACT = false;" in fast.source
 
 
 def test_program_compiles_with_nvcc(lab, tmp_path):
