@@ -342,10 +342,18 @@ KV_CONTEXTS = (1024, 32768)
 H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidate)
 
 
+# other K/V bits timed at the tail contexts by `--emit`: the 8-bit layers that
+# `make_turboquant_cache` protects by default (session 11's ncu at 32K: 180.7 us against
+# 63.5 for K4/V3; nvcc gives that kernel 130 registers against 72)
+KV_EXTRA_BITS = ((8, 8), (8, 3))
+
+
 def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
-          tail_fp_tokens: tuple[int, ...] | None = None) -> list[Variant]:
+          tail_fp_tokens: tuple[int, ...] | None = None,
+          kv_extra_bits: tuple[tuple[int, int], ...] = ()) -> list[Variant]:
     """The lab's variants; the tail contexts' fp16 chunk sizes are `tail_fp_tokens`
-    (default: the runtime's, `cuda_kv.FP_TOKENS_PER_CHUNK`)."""
+    (default: the runtime's, `cuda_kv.FP_TOKENS_PER_CHUNK`), and `kv_extra_bits` adds
+    each (K, V) bits' kernels at the tail contexts."""
     from turboquant.kernels import cuda_kv
 
     _no_mlx_kernels()
@@ -359,6 +367,9 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
         # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's)
         out += kv_variants(context, tail=188,
                            fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
+        for bits_k, bits_v in kv_extra_bits:
+            out += kv_variants(context, bits_k, bits_v, tail=188,
+                               fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
     return out
 
 
@@ -643,7 +654,7 @@ def main() -> None:
     ap.add_argument("--emit", type=Path, required=True, help="folder for the lab's files")
     args = ap.parse_args()
     args.emit.mkdir(parents=True, exist_ok=True)
-    variants = build()
+    variants = build(kv_extra_bits=KV_EXTRA_BITS)
     (args.emit / "kernels.cu").write_text(kernels_file(variants))
     (args.emit / "main.cu").write_text(program(variants))
     (args.emit / "nvrtc_build.py").write_text(NVRTC_BUILD)

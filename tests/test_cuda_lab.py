@@ -111,6 +111,17 @@ def test_runtime_grid_times_both_products_of_the_tensor_core_kernel(lab):
     assert "constexpr bool EXACT = false;" in fast.source
 
 
+def test_extra_kv_bits_add_the_8_bit_layers_kernels(lab):
+    """`--emit` also times the 8-bit K/V kernels (the layers the cache protects by
+    default) at the tail contexts, as the runtime lays them out."""
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,), kv_extra_bits=((8, 8),))
+    k8v8 = [v for v in variants if v.name.endswith("_1024_t188_k8v8")]
+    assert {"kv_partial_1024_t188_k8v8", "kv_merge_split_1024_t188_k8v8"} <= {v.name for v in k8v8}
+    args = dict(k8v8[0].args)
+    assert args["k_codes"].shape[-1] == args["v_codes"].shape[-1] == 32  # 128 bytes a head
+    assert lab.KV_EXTRA_BITS[0] == (8, 8)
+
+
 def test_program_compiles_with_nvcc(lab, tmp_path):
     """kernels.cu builds as a CUBIN (the device also builds it with NVRTC, as MLX does) and
     main.cu, which launches them through the driver API, compiles."""
