@@ -290,18 +290,22 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         # and on the runtime's grid (waves, fp16 chunks of per_chunk): the plain kernel, the
         # tensor-core one with hi + lo products and with fp16 products (the runtime's
         # default; same family as the exact one, so the lab prints their difference)
+        # and the same two with value codes staged 8 loads at a time (`_b8`, KV_STAGE_BATCH)
         for kernel, blocks, flag in (
                 ("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
+                ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
                 ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),)),
-                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),))):
+                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),)),
+                ("tq_kv_partial_mma_b8", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),))):
             ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
             shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
-            name = f"{kernel[3:]}_waves_fp{per_chunk}_{tag}"
-            fast = flag == (("EXACT", False),)
+            base = kernel.removesuffix("_b8")
+            name = f"{base[3:]}_waves_fp{per_chunk}_{tag}"
+            suffix = ("_fp16x" if flag == (("EXACT", False),) else "") + kernel[len(base):]
             fp_chunked.append(variant(
-                kernel, name + "_fp16x" if fast else name, name, args, in_dtypes,
+                kernel, name + suffix, name, args, in_dtypes,
                 [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
                 cuda_kv.NT,
                 [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),

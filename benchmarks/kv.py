@@ -70,7 +70,7 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V
 # a cache name's options: flags (field, value) and numbers p<n>, w<n>, f<n> (field)
 _SPEC_FLAGS = {"raw": ("norm_correction", False), "ref": ("reference", True),
                "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True),
-               "exact": ("exact", True)}
+               "exact": ("exact", True), "b8": ("stage_batch", True)}
 _SPEC_NUMBERS = {"p": "protect", "w": "window", "f": "fp_tokens"}
 
 
@@ -86,7 +86,8 @@ class CacheSpec:
     `cuda_kv.KV_PARTIAL_VEC`), mma (the tensor-core partial kernel, `cuda_kv.KV_PARTIAL_MMA`,
     the default where it fits), plain (neither: the plain partial kernel, for a same-run
     comparison with the default), exact (the tensor-core kernel with hi + lo products,
-    `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands).
+    `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands), b8 (the partial kernels staging
+    value codes 8 loads at a time, `cuda_kv.KV_STAGE_BATCH`).
     """
 
     name: str
@@ -102,6 +103,7 @@ class CacheSpec:
     mma: bool = False
     plain: bool = False
     exact: bool = False
+    stage_batch: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -114,7 +116,7 @@ class CacheSpec:
         if not (head.startswith("K") and "V" in head):
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
-                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain][:exact]"
+                "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain][:exact][:b8]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -340,17 +342,18 @@ def _attention_path(spec: CacheSpec):
     from turboquant.runtime import kv_attention
 
     saved = (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
-             cuda_kv.KV_MMA_EXACT)
+             cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH)
     cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
     cuda_kv.KV_PARTIAL_VEC = spec.vec or (saved[1] and not spec.plain)
     cuda_kv.KV_PARTIAL_MMA = spec.mma or (saved[2] and not spec.plain)
     cuda_kv.KV_MMA_EXACT = spec.exact or saved[3]
+    cuda_kv.KV_STAGE_BATCH = spec.stage_batch or saved[4]
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
         (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
-         cuda_kv.KV_MMA_EXACT) = saved
+         cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) = saved
 
 
 def _kernel_name() -> str:

@@ -798,6 +798,14 @@ _PARTIAL_MMA = _spliced(_PARTIAL, (
     ("  // value phase: thread -> (token group", None, _MMA_BODY),
 ))
 
+# `_STAGE_V` with its loop unrolled by 8 loads instead of fully (KV_STAGE_BATCH). Fully
+# unrolled, nvcc keeps the loop's addresses in registers across the tiles: the tensor-core
+# kernel takes 72 registers for K4/V3 and 130 for K8/V8 (3 blocks an SM), the plain one 72
+# and 164 for K8/V8; unrolled by 8, 56 and about 40 (nvcc, sm_90, session 11). Fewer loads
+# are in flight a thread (8 instead of 12 for 3-bit values, 32 for 8-bit), more warps an SM.
+_STAGE_V_BATCHED = _STAGE_V.replace("      #pragma unroll\n", "      #pragma unroll 8\n", 1)
+assert _STAGE_V_BATCHED != _STAGE_V and _PARTIAL.count(_STAGE_V) == _PARTIAL_MMA.count(_STAGE_V) == 1
+
 
 def mma_fits(k_dim: int, v_dim: int, r: int) -> bool:
     """Whether `_PARTIAL_MMA` takes these heads: whole 32-code blocks a lane (k_dim a
@@ -919,6 +927,11 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # KV_PARTIAL_VEC
     "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # KV_MERGE_SPLIT
     "tq_kv_partial_mma": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_MMA),  # KV_PARTIAL_MMA
+    # KV_STAGE_BATCH: the same kernels staging value codes 8 loads at a time
+    "tq_kv_partial_b8": (PARTIAL_INPUTS, ["part_ml", "part_acc"],
+                         _PARTIAL.replace(_STAGE_V, _STAGE_V_BATCHED)),
+    "tq_kv_partial_mma_b8": (PARTIAL_INPUTS, ["part_ml", "part_acc"],
+                             _PARTIAL_MMA.replace(_STAGE_V, _STAGE_V_BATCHED)),
 }
 HEADER = _HEADER
 
@@ -989,6 +1002,12 @@ KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
 # under the 4-bit codes' own error (sqrt(kv_mse(4)) = 9.7%). The fp16 sink and tail enter
 # the products as fp16 too: exact for bf16 and fp16 parts within fp16's range.
 KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
+# The partial kernels (plain and tensor-core) with `_STAGE_V_BATCHED`: 56 registers
+# instead of 72 (K4/V3) and 130 (K8/V8, the layers the cache protects by default, whose
+# kernel session 11's ncu timed at 180.7 us at 32K against 63.5 for K4/V3). Written after
+# session 11's device time was spent: off ("0") until the lab and the KV GPU tests have
+# run with it ("1").
+KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "0") == "1"
 # What fp16 operands may move an output, relative to the largest |output|: a score's
 # error (2^-10 of sum |q_i k_i| at most) reaches the weights through exp, so scores of up
 # to ~8 give 8 * 2^-11 = 2^-8. The CPU replay measures 3e-4 to 9e-4 on its cases.
@@ -1171,7 +1190,8 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
     `merge_split`: the merge with up to 8 threads a value dim (`_MERGE_SPLIT`);
     `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
     `_PARTIAL_VEC`), "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`, fp16
-    products) or "mma_exact" (the same with hi + lo products, float32's accuracy)."""
+    products) or "mma_exact" (the same with hi + lo products, float32's accuracy); "_b8"
+    after plain or mma: value codes staged 8 loads at a time (`_STAGE_V_BATCHED`)."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
@@ -1185,7 +1205,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
     partial_template = (
         ("KD", k_dim), ("DV", v_dim), ("BK", bits_k), ("BV", bits_v), ("R", r), ("P", p),
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
-    ) + ((("EXACT", partial == "mma_exact"),) if partial.startswith("mma") else ())
+    ) + ((("EXACT", partial.startswith("mma_exact")),) if partial.startswith("mma") else ())
     nch, bkv = ncc + fpch, b * kv
     split = split_per_dim(v_dim) if merge_split else 1
     merge_threads = split * v_dim if split > 1 else NT
@@ -1203,7 +1223,9 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
 
 
 PARTIAL_KERNELS = {"plain": "tq_kv_partial", "vec": "tq_kv_partial_vec",
-                   "mma": "tq_kv_partial_mma", "mma_exact": "tq_kv_partial_mma"}
+                   "mma": "tq_kv_partial_mma", "mma_exact": "tq_kv_partial_mma",
+                   "plain_b8": "tq_kv_partial_b8", "mma_b8": "tq_kv_partial_mma_b8",
+                   "mma_exact_b8": "tq_kv_partial_mma_b8"}
 
 
 @dataclass
@@ -1245,11 +1267,13 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     blocks = MMA_BLOCKS_PER_SM if mma else PARTIAL_BLOCKS_PER_SM
     ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK, blocks) if sms
                  else plan(b, kv, c_len, f_len))
+    partial = (("mma_exact" if KV_MMA_EXACT else "mma") if mma
+               else "vec" if KV_PARTIAL_VEC else "plain")
+    if KV_STAGE_BATCH and partial != "vec":
+        partial += "_b8"
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT,
-                  ("mma_exact" if KV_MMA_EXACT else "mma") if mma
-                  else "vec" if KV_PARTIAL_VEC else "plain")
+                  ncc, fpch, KV_MERGE_SPLIT, partial)
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

@@ -64,3 +64,21 @@ def compile_with_nvcc(source: str, tmp_path, name: str = "kernels") -> None:
     )
     assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
     assert "spill" not in res.stderr, res.stderr[-2000:]
+
+
+def nvcc_registers(source: str, tmp_path, name: str = "kernel") -> int:
+    """Registers a thread of the one kernel in `source` takes, as nvcc (ptxas) reports them
+    for sm_90."""
+    import re
+
+    path = tmp_path / f"{name}.cu"
+    path.write_text(MLX_DEFAULT_HEADER + source)
+    res = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", str(path), "-o",
+         str(tmp_path / f"{name}.cubin"), "-Xptxas", "-v"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
+    found = re.findall(r"Used (\d+) registers", res.stderr)
+    assert len(found) == 1, res.stderr[-2000:]
+    return int(found[0])

@@ -20,6 +20,7 @@ def test_options_parse():
     assert spec.fp_tokens == 256 and spec.plain and not spec.mma and not spec.vec
     assert kv.CacheSpec.parse("K8V3:mma").mma and kv.CacheSpec.parse("fp16").kind == "fp16"
     assert kv.CacheSpec.parse("K4V3:exact").exact and not spec.exact
+    assert kv.CacheSpec.parse("K8V8:b8").stage_batch and not spec.stage_batch
     with pytest.raises(ValueError, match="unknown option 'x'"):
         kv.CacheSpec.parse("K4V3:x")
 
@@ -29,15 +30,19 @@ def test_options_parse():
     ("K4V3:plain", False, False, cuda_kv.TILE, False),
     ("K4V3:vec:f256", True, True, 256, False),
     ("K4V3:exact", True, False, cuda_kv.TILE, True),
+    ("K4V3:b8", True, False, cuda_kv.TILE, False),
 ])
 def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, vec, fp, exact,
                                                                    monkeypatch):
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
     monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", False)
+    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", False)
     monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", cuda_kv.TILE)
     with kv._attention_path(kv.CacheSpec.parse(name)):
         assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC) == (mma, vec)
         assert cuda_kv.FP_TOKENS_PER_CHUNK == fp and cuda_kv.KV_MMA_EXACT == exact
+        assert cuda_kv.KV_STAGE_BATCH == name.endswith(":b8")
     assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK,
-            cuda_kv.KV_MMA_EXACT) == (True, False, cuda_kv.TILE, False)
+            cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) == (True, False, cuda_kv.TILE, False,
+                                                              False)

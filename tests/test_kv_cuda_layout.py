@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cuda_source import compile_with_nvcc, kernel_source
+from cuda_source import compile_with_nvcc, kernel_source, nvcc_registers
 from turboquant.kernels import cuda_kv
 from turboquant.kernels.kv_reference import (
     NEG,
@@ -567,7 +567,7 @@ def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
     vec_keys = vec_keys or L.layout.partial_kernel == "tq_kv_partial_vec"  # as launched
-    if L.layout.partial_kernel == "tq_kv_partial_mma":
+    if L.layout.partial_kernel.startswith("tq_kv_partial_mma"):  # "_b8": the same arithmetic
         ml, acc = emulate_partial_mma(L, full)
     else:
         ml, acc = emulate_partial(L, full, vec_keys)
@@ -886,6 +886,39 @@ def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
     assert cuda_kv.fp16_operands(launch.layout) is not exact
 
 
+@pytest.mark.parametrize("name, mma", [("k8v3-d128-gqa4", True), ("k4v4-d256", True),
+                                       ("k4v3-d64-gqa2-b2", False), ("k8v8-kd64-dv128", False)])
+def test_batched_value_staging_launches_and_matches_reference(name, mma, monkeypatch):
+    """KV_STAGE_BATCH: the partial kernels whose value codes are staged 8 loads at a time
+    (`_STAGE_V_BATCHED`), replayed as launched; the rest of their source is unchanged."""
+    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", True)
+    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
+    lay = check(*make_case(**CASES[name], seed=len(name))).layout
+    assert lay.partial_kernel == ("tq_kv_partial_mma_b8" if mma else "tq_kv_partial_b8")
+    for base in ("tq_kv_partial", "tq_kv_partial_mma"):
+        full, batched = cuda_kv.SOURCES[base][2], cuda_kv.SOURCES[base + "_b8"][2]
+        assert batched == full.replace(cuda_kv._STAGE_V, cuda_kv._STAGE_V_BATCHED)
+    assert "#pragma unroll 8\n" in cuda_kv._STAGE_V_BATCHED
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_batched_value_staging_takes_fewer_registers(tmp_path):
+    """Why KV_STAGE_BATCH exists: fully unrolled, the staging loop's addresses stay in
+    registers across tiles (nvcc, sm_90: 130 for the K8/V8 tensor-core kernel); batched,
+    the K8/V8 and K4/V3 kernels need fewer, and at most 64."""
+    q, parts, _ = make_case(kv=2, r=4, kd=128, bits=(8, 8), c=300, s=4, t=140)
+    lay = cuda_kv.prepare(q.astype(mx.bfloat16), parts, 0.1).layout
+    template = lay.partial_template + (("EXACT", False),)
+    dtypes = [mx.bfloat16, mx.float32, mx.uint32, mx.float16, mx.uint32, mx.float16,
+              mx.float16, mx.float16, mx.float16, mx.float16, mx.float32]
+    regs = {}
+    for kernel in ("tq_kv_partial_mma", "tq_kv_partial_mma_b8"):
+        src = cuda_kv.HEADER + mlx_kernel_source(kernel, kernel, dtypes, [mx.float32] * 2, template)
+        regs[kernel] = nvcc_registers(src, tmp_path, kernel)
+    assert regs["tq_kv_partial_mma_b8"] <= 64 < regs["tq_kv_partial_mma"], regs
+
+
 def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
     """KV_PARTIAL_MMA: `_PARTIAL_MMA` for heads of 128/256 dims and up to 8 query rows a KV
     head on an sm_80+ GPU, on its own wave plan (fewer resident blocks); the plain kernel
@@ -1016,6 +1049,12 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                             [x.dtype for x in L.inputs], [mx.float32, mx.float32],
                             lay.partial_template + (("EXACT", exact),))
           for exact in (False, True) if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r)),
+        mlx_kernel_source(f"partial_b8_{tag}", "tq_kv_partial_b8", [x.dtype for x in L.inputs],
+                          [mx.float32, mx.float32], lay.partial_template),
+        mlx_kernel_source(f"partial_mma_b8_{tag}", "tq_kv_partial_mma_b8",
+                          [x.dtype for x in L.inputs], [mx.float32, mx.float32],
+                          lay.partial_template + (("EXACT", False),))
+        if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r) else "",
     ])
 
 
