@@ -387,9 +387,9 @@ def gpu_decode(
     - a token at a time (one mx.eval per token, no overlap), split into building the graph
       and evaluating it: where each token's time goes.
     The generation timing runs `rounds` times, the caches taking turns (fp16, K4V3, fp16,
-    ...), and reports each cache's median: the GPU host's speed swings by a third between
-    runs of the same code (session 11: fp16 at 32K 73.8 then 140.5 tok/s in two processes),
-    so only same-time, alternating figures compare.
+    ...), and reports each cache's median: the GPU host's speed swings by a third and more
+    between rounds of the same code (session 11, fp16 at 32K, graphs off: 65.8, 118.0 and
+    71.0 tok/s in one process), so only same-time, alternating figures compare.
     Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
     the kernel runtime/kv_attention.py finds for the backend (on CUDA kernels/cuda_kv.py);
     configs with ":ref" force the pure-MLX reference, so both paths are timed in one run.

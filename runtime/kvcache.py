@@ -14,7 +14,7 @@ ends on a position sink + phase + k * block, so a compression happens once `bloc
 tokens have left the window (and the context has reached `start_after`). So the queries
 of one step see their own step's keys in fp16, and every query sees at least `window`
 recent tokens in fp16. `make_turboquant_cache` gives each layer its own `phase`, so the
-layers compress on different decode steps: a compression is ~180 MLX ops a layer (on the
+layers compress on different decode steps: a compression is ~150 MLX ops a layer (on the
 H200's host ~0.7 ms of graph building alone, before encoding them), so one step
 compressing all 32 layers of an 8B model stalls generation there, while one layer a step
 can hide behind the GPU's work.

@@ -85,9 +85,9 @@ _LEFT3, _RIGHT3 = _pack3_shifts()
 
 
 def _pack3(c: mx.array) -> mx.array:
-    # the 3 words at once: fields never overlap, so their sum is their bitwise or. Four
-    # MLX ops instead of the 25 of a word-by-word build, which the KV cache's compression
-    # (a 3-bit block every 64 decode tokens a layer) pays for on the host
+    # the 3 words at once: fields never overlap, so their sum is their bitwise or. A 3-bit
+    # pack_codes graph has 13 nodes this way against 34 word by word, which the KV cache's
+    # compression (every 64 decode tokens a layer) pays for on the host
     return mx.sum((c[..., None, :] << _LEFT3) >> _RIGHT3, axis=-1)
 
 
