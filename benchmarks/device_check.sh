@@ -6,7 +6,7 @@
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
-#   session9  kv-fp-chunks  kv-vec  ncu-steady
+#   session9  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -87,6 +87,21 @@ for s in "$@"; do
         python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
       step kv-decode-mma 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f128 K4V3:mma:f128 ;;
+    kv-rounds)  # session 12's first figures: generation as mlx-lm runs it, 5 alternating
+      # rounds, graphs off (what `turboquant generate` uses), then on (MLX's default)
+      step kv-rounds-nographs 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
+        --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 --gpu-rounds 5
+      step kv-rounds-graphs 300 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/kv.py \
+        --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 --gpu-rounds 5 ;;
+    tests-kv-b8)  # the KV GPU tests with value codes staged 8 loads at a time (KV_STAGE_BATCH)
+      step tests-kv-b8 260 env TURBOQUANT_CUDA_KV_STAGE_BATCH=1 python3 -P -m pytest -q -x \
+        tests/test_kernels_cuda_kv.py ;;
+    kv-b8)  # decode with it, the protected 8-bit layers (:p2) included
+      step kv-b8 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 32768 --gpu-configs fp16 K4V3 K4V3:b8 K4V3:p2 K4V3:p2:b8 --gpu-rounds 3 ;;
+    kv-affine)  # does mlx-lm's QuantizedKVCache run on MLX's CUDA build? (a process of its own)
+      step kv-affine 200 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
+        --contexts 1024 32768 --gpu-configs fp16 affine4 --gpu-rounds 1 ;;
     ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
       step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
