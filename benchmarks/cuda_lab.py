@@ -238,6 +238,12 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
 
     ml_shape, acc_shape = lay.partial_shapes
     in_dtypes = [b.dtype for _, b in args]
+
+    def partial_outputs(nch: int) -> list[tuple[str, object, int]]:
+        """part_ml and part_acc of a grid of `nch` chunks a KV head."""
+        return [(n, mx.float32, math.prod((shape[0], nch, *shape[2:])))
+                for n, shape in (("part_ml", ml_shape), ("part_acc", acc_shape))]
+
     exact = lay.partial_template + (("EXACT", True),)  # `_PARTIAL_MMA` with hi + lo products
     partial = variant(
         "tq_kv_partial", f"kv_partial_{tag}", f"kv_partial_{tag}", args, in_dtypes,
@@ -254,32 +260,26 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     # the candidate grid (`cuda_kv.plan_waves`, H200: 132 SMs): its own family, as its
     # chunk sums differ; only its time is compared
     ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS)
-    waves_shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
     waves = variant(
         "tq_kv_partial", f"kv_partial_waves_{tag}", f"kv_partial_waves_{tag}", args, in_dtypes,
         [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
-        [(name, mx.float32, math.prod(shape))
-         for name, shape in zip(("part_ml", "part_acc"), waves_shapes)])
+        partial_outputs(ncc + fpch))
     # the tensor-core candidate on its own wave-filling grid (fewer resident blocks)
     ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS,
                                    blocks_per_sm=cuda_kv.MMA_BLOCKS_PER_SM)
-    mma_shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
     mma_waves = variant(
         "tq_kv_partial_mma", f"kv_partial_mma_waves_{tag}", f"kv_partial_mma_waves_{tag}",
         args, in_dtypes, [mx.float32] * 2, exact, (ncc + fpch, lay.partial_grid[1], 1),
-        cuda_kv.NT, [(name, mx.float32, math.prod(shape))
-                     for name, shape in zip(("part_ml", "part_acc"), mma_shapes)])
+        cuda_kv.NT, partial_outputs(ncc + fpch))
     # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
     # for the sink + tail (the kernel splits it by whole tiles, so below TILE tokens a
     # chunk only adds empty blocks); own families (other chunk sums), only times compared
     fp_chunked = []
     for per_chunk in fp_tokens:
         fpch = cuda_kv.plan(1, kv, context, sink + tail, per_chunk)[1]
-        shapes = [(s[0], lay.ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
         template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
         name = f"kv_partial_fp{per_chunk}_{tag}"
-        outs = [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
-                                                                       shapes)]
+        outs = partial_outputs(lay.ncc + fpch)
         fp_chunked.append(variant(
             "tq_kv_partial", name, name, args, in_dtypes, [mx.float32] * 2, template,
             (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
@@ -289,8 +289,8 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
             (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
         # and on the runtime's grid (waves, fp16 chunks of per_chunk): the plain kernel, the
         # tensor-core one with hi + lo products and with fp16 products (the runtime's
-        # default; same family as the exact one, so the lab prints their difference)
-        # and the same two with value codes staged 8 loads at a time (`_b8`, KV_STAGE_BATCH)
+        # default; same family as the exact one, so the lab prints their difference), and
+        # the plain and fp16-product ones staging value codes 8 loads at a time (`_b8`)
         for kernel, blocks, flag in (
                 ("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
                 ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
@@ -299,7 +299,6 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                 ("tq_kv_partial_mma_b8", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),))):
             ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
-            shapes = [(s[0], ncc + fpch, *s[2:]) for s in (ml_shape, acc_shape)]
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
             base = kernel.removesuffix("_b8")
             name = f"{base[3:]}_waves_fp{per_chunk}_{tag}"
@@ -307,9 +306,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
             fp_chunked.append(variant(
                 kernel, name + suffix, name, args, in_dtypes,
                 [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
-                cuda_kv.NT,
-                [(n, mx.float32, math.prod(shape)) for n, shape in zip(("part_ml", "part_acc"),
-                                                                        shapes)]))
+                cuda_kv.NT, partial_outputs(ncc + fpch)))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -369,9 +366,7 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part
         # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's)
-        out += kv_variants(context, tail=188,
-                           fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
-        for bits_k, bits_v in kv_extra_bits:
+        for bits_k, bits_v in ((4, 3), *kv_extra_bits):
             out += kv_variants(context, bits_k, bits_v, tail=188,
                                fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
     return out

@@ -341,19 +341,22 @@ def _attention_path(spec: CacheSpec):
     from turboquant.kernels import cuda_kv
     from turboquant.runtime import kv_attention
 
-    saved = (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
-             cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH)
-    cuda_kv.FP_TOKENS_PER_CHUNK = spec.fp_tokens or saved[0]
-    cuda_kv.KV_PARTIAL_VEC = spec.vec or (saved[1] and not spec.plain)
-    cuda_kv.KV_PARTIAL_MMA = spec.mma or (saved[2] and not spec.plain)
-    cuda_kv.KV_MMA_EXACT = spec.exact or saved[3]
-    cuda_kv.KV_STAGE_BATCH = spec.stage_batch or saved[4]
+    saved = {name: getattr(cuda_kv, name) for name in (
+        "FP_TOKENS_PER_CHUNK", "KV_PARTIAL_VEC", "KV_PARTIAL_MMA", "KV_MMA_EXACT",
+        "KV_STAGE_BATCH")}
+    for name, value in dict(
+            FP_TOKENS_PER_CHUNK=spec.fp_tokens or saved["FP_TOKENS_PER_CHUNK"],
+            KV_PARTIAL_VEC=spec.vec or (saved["KV_PARTIAL_VEC"] and not spec.plain),
+            KV_PARTIAL_MMA=spec.mma or (saved["KV_PARTIAL_MMA"] and not spec.plain),
+            KV_MMA_EXACT=spec.exact or saved["KV_MMA_EXACT"],
+            KV_STAGE_BATCH=spec.stage_batch or saved["KV_STAGE_BATCH"]).items():
+        setattr(cuda_kv, name, value)
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
-        (cuda_kv.FP_TOKENS_PER_CHUNK, cuda_kv.KV_PARTIAL_VEC, cuda_kv.KV_PARTIAL_MMA,
-         cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) = saved
+        for name, value in saved.items():
+            setattr(cuda_kv, name, value)
 
 
 def _kernel_name() -> str:

@@ -147,9 +147,9 @@ __device__ __forceinline__ float tq_warp_sum(float v) {
   return v;
 }
 
-// ---- fp16 tensor-core helpers (`_PARTIAL_MMA`, sm_80+): a float x is carried as the
-// pair hi = half(x), lo = half(x - hi), and a product as hi*hi + hi*lo + lo*hi, which is
-// x*y to ~2^-22 relative (float32's accuracy, not fp16's 2^-11)
+// ---- fp16 tensor-core helpers (`_PARTIAL_MMA`, sm_80+): with EXACT a float x is carried
+// as the pair hi = half(x), lo = half(x - hi), and a product as hi*hi + hi*lo + lo*hi, which
+// is x*y to ~2^-22 relative (float32's accuracy, not fp16's 2^-11); without it, hi alone
 
 // a half2 as its 32 bits: .x (the lower index of a fragment pair) in the low half
 __device__ __forceinline__ uint32_t tq_h2bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
@@ -520,10 +520,10 @@ _PARTIAL = r"""
 # (`benchmarks/cuda_lab.py`, family kv_partial_*), run by the runtime only behind
 # KV_PARTIAL_VEC until it has passed the GPU tests: a thread reads its token's key row in
 # 16-byte loads where the row allows it (contiguous, 16-byte aligned, whole 16-byte units:
-# the same for every token of a block) instead of word by word. Session 8's ncu of `_PARTIAL` at 32K: 77% of
-# its global sectors were excess (16 scattered 4-byte loads a row for K4/128) and its
-# L1 66% busy. The words, and so the sums, are the same. `_PARTIAL` with two pieces
-# replaced:
+# the same for every token of a block) instead of word by word. Session 8's ncu of
+# `_PARTIAL` at 32K: 77% of its global sectors were excess (16 scattered 4-byte loads a
+# row for K4/128) and its L1 66% busy. The words, and so the sums, are the same.
+# `_PARTIAL` with two pieces replaced:
 _VEC_FLAG = r"""  const float v_scale = 1.f / sqrtf((float)DV);
   const bool vec_keys = WK % 4 == 0 && k_codes_strides[3] == 1 && k_codes_strides[2] % 4 == 0 &&
       (reinterpret_cast<unsigned long long>(k_codes + kc_base) & 15ull) == 0;
@@ -1185,19 +1185,19 @@ class Layout:
 def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
             seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
             has_mask: bool, ncc: int, fpch: int, merge_split: bool = False,
-            partial: str = "plain") -> Layout:
+            partial: str = "plain", exact: bool = False, stage_batch: bool = False) -> Layout:
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
     `merge_split`: the merge with up to 8 threads a value dim (`_MERGE_SPLIT`);
     `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
-    `_PARTIAL_VEC`), "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`, fp16
-    products) or "mma_exact" (the same with hi + lo products, float32's accuracy); "_b8"
-    after plain or mma: value codes staged 8 loads at a time (`_STAGE_V_BATCHED`)."""
+    `_PARTIAL_VEC`) or "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`; `exact`:
+    its hi + lo products, float32's accuracy, else fp16 operands); `stage_batch`: plain or
+    mma with value codes staged 8 loads at a time (`_STAGE_V_BATCHED`, sources "_b8")."""
     r = h // kv
     if fp_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError(f"fp16 parts of dtype {fp_dtype}")
     wv = kv_words(v_dim, bits_v)
     smem = 4 * (r * k_dim + TILE * r + TILE + TILE * wv + (1 << bits_k) + (1 << bits_v) + 3 * r)
-    if partial.startswith("mma"):  # the queries' fragments and the split level tables
+    if partial == "mma":  # the queries' fragments and the split level tables
         smem += 32 * k_dim + 4 * ((1 << bits_k) + (1 << bits_v))
     if smem > SMEM_LIMIT or r * -(-v_dim // NT) > MAX_ACC:
         raise NotImplementedError(f"group of {r} heads x head_dim {k_dim}/{v_dim} is too large")
@@ -1205,7 +1205,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
     partial_template = (
         ("KD", k_dim), ("DV", v_dim), ("BK", bits_k), ("BV", bits_v), ("R", r), ("P", p),
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
-    ) + ((("EXACT", partial.startswith("mma_exact")),) if partial.startswith("mma") else ())
+    ) + ((("EXACT", exact),) if partial == "mma" else ())
     nch, bkv = ncc + fpch, b * kv
     split = split_per_dim(v_dim) if merge_split else 1
     merge_threads = split * v_dim if split > 1 else NT
@@ -1218,14 +1218,9 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         merge_grid=(b * h * merge_threads, 1, 1), out_shape=(b, h, 1, v_dim),
         merge_kernel="tq_kv_merge_split" if split > 1 else "tq_kv_merge",
         merge_threads=merge_threads,
-        partial_kernel=PARTIAL_KERNELS[partial],
+        partial_kernel=("tq_kv_partial" + ("" if partial == "plain" else "_" + partial)
+                        + ("_b8" if stage_batch else "")),  # a SOURCES name
     )
-
-
-PARTIAL_KERNELS = {"plain": "tq_kv_partial", "vec": "tq_kv_partial_vec",
-                   "mma": "tq_kv_partial_mma", "mma_exact": "tq_kv_partial_mma",
-                   "plain_b8": "tq_kv_partial_b8", "mma_b8": "tq_kv_partial_mma_b8",
-                   "mma_exact_b8": "tq_kv_partial_mma_b8"}
 
 
 @dataclass
@@ -1267,13 +1262,11 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     blocks = MMA_BLOCKS_PER_SM if mma else PARTIAL_BLOCKS_PER_SM
     ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK, blocks) if sms
                  else plan(b, kv, c_len, f_len))
-    partial = (("mma_exact" if KV_MMA_EXACT else "mma") if mma
-               else "vec" if KV_PARTIAL_VEC else "plain")
-    if KV_STAGE_BATCH and partial != "vec":
-        partial += "_b8"
+    partial = "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain"
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT, partial)
+                  ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT,
+                  KV_STAGE_BATCH and partial != "vec")
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

@@ -347,7 +347,19 @@ def check_model_decode() -> str:
     return msg
 
 
-# ---------------------------------------------------------------------------- pytest entry points
+# ---------------------------------------------------------------------------- entry points
+
+# the checks besides the cases: (name, check) -> the lines it reports, or one line
+CHECKS = [("masks", check_masks), ("exact_products", check_exact_products),
+          ("fp_chunks_of_a_tile", check_fp_chunks_of_a_tile),
+          ("decode_steps", check_decode_steps), ("declined_cases_fall_back", check_fallbacks),
+          ("hook_loads_the_kernel", check_hook_loads_kernel),
+          ("model_decode_matches_reference", check_model_decode)]
+
+
+def _report(res) -> list[str]:
+    return res if isinstance(res, list) else [res]
+
 
 if pytest is not None:
 
@@ -356,52 +368,22 @@ if pytest is not None:
         for line in check_case(case):
             print(line)
 
-    def test_masks():
-        for line in check_masks():
+    @pytest.mark.parametrize("check", [c for _, c in CHECKS], ids=[n for n, _ in CHECKS])
+    def test_check(check):
+        for line in _report(check()):
             print(line)
-
-    def test_exact_products():
-        for line in check_exact_products():
-            print(line)
-
-    def test_fp_chunks_of_a_tile():
-        for line in check_fp_chunks_of_a_tile():
-            print(line)
-
-    def test_decode_steps():
-        for line in check_decode_steps():
-            print(line)
-
-    def test_declined_cases_fall_back():
-        for line in check_fallbacks():
-            print(line)
-
-    def test_hook_loads_the_kernel_on_cuda():
-        print(check_hook_loads_kernel())
-
-    def test_model_decode_matches_reference():
-        print(check_model_decode())
-
-
-# ---------------------------------------------------------------------------- script
 
 
 def main() -> int:
     if not on_cuda():
         print(f"SKIP: MLX is not running on CUDA (backend {dispatch.backend()!r})")
         return 0
-    checks = [(c.name, lambda c=c: check_case(c)) for c in CASES]
-    checks += [("masks", check_masks), ("exact products", check_exact_products),
-               ("fp16 chunks of a tile", check_fp_chunks_of_a_tile),
-               ("decode steps", check_decode_steps),
-               ("fallbacks", check_fallbacks),
-               ("hook", check_hook_loads_kernel), ("model", check_model_decode)]
+    checks = [(c.name, lambda c=c: check_case(c)) for c in CASES] + CHECKS
     failed = 0
     for name, fn in checks:
         t0 = time.perf_counter()
         try:
-            res = fn()
-            for line in res if isinstance(res, list) else [res]:
+            for line in _report(fn()):
                 print(f"PASS {name}: {line}")
         except Exception as e:  # noqa: BLE001 - report every case, then fail
             failed += 1

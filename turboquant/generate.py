@@ -4,7 +4,8 @@
 
 Tokens go to stdout as they are generated; prompt and generation speed and peak memory
 go to stderr at the end, and with the --kv-* flags the compressed cache's size against an
-fp16 cache of the same tokens and which attention path decoding used. MLX and mlx-lm are imported only when the command runs.
+fp16 cache of the same tokens and which attention path decoding used. MLX and mlx-lm are
+imported only when the command runs.
 
 `--expert-budget 25%` (or `6GB`) streams a Mixture-of-Experts model's experts from disk
 through a cache of that size (docs/expert-streaming.md) and adds its hit rate, bytes read
