@@ -87,7 +87,8 @@ class CacheSpec:
     the default where it fits), plain (neither: the plain partial kernel, for a same-run
     comparison with the default), exact (the tensor-core kernel with hi + lo products,
     `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands), b8 (the partial kernels staging
-    value codes 8 loads at a time, `cuda_kv.KV_STAGE_BATCH`).
+    value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by default
+    only layers with 8-bit values do).
     """
 
     name: str
@@ -349,7 +350,7 @@ def _attention_path(spec: CacheSpec):
             KV_PARTIAL_VEC=spec.vec or (saved["KV_PARTIAL_VEC"] and not spec.plain),
             KV_PARTIAL_MMA=spec.mma or (saved["KV_PARTIAL_MMA"] and not spec.plain),
             KV_MMA_EXACT=spec.exact or saved["KV_MMA_EXACT"],
-            KV_STAGE_BATCH=spec.stage_batch or saved["KV_STAGE_BATCH"]).items():
+            KV_STAGE_BATCH="1" if spec.stage_batch else saved["KV_STAGE_BATCH"]).items():
         setattr(cuda_kv, name, value)
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():

@@ -1002,12 +1002,12 @@ KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
 # under the 4-bit codes' own error (sqrt(kv_mse(4)) = 9.7%). The fp16 sink and tail enter
 # the products as fp16 too: exact for bf16 and fp16 parts within fp16's range.
 KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
-# The partial kernels (plain and tensor-core) with `_STAGE_V_BATCHED`: 56 registers
-# instead of 72 (K4/V3) and 130 (K8/V8, the layers the cache protects by default, whose
-# kernel session 11's ncu timed at 180.7 us at 32K against 63.5 for K4/V3). Written after
-# session 11's device time was spent: off ("0") until the lab and the KV GPU tests have
-# run with it ("1").
-KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "0") == "1"
+# Where the partial kernels (plain and tensor-core) take `_STAGE_V_BATCHED`: "auto" (the
+# default) for 8-bit values, "1" always, "0" never. Lab, H200, 32K tokens, the runtime's
+# grid and 188-token tail, fp16 operands (session 12): K8/V8 99.3 us batched against 150.7
+# (130 registers -> 56; the layers the cache protects by default), K4/V3 50.9 against 50.1
+# and K8/V3 66.6 against 65.7, the same within 2% at 1K. The KV GPU tests pass with "1".
+KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "auto")
 # What fp16 operands may move an output, relative to the largest |output|: a score's
 # error (2^-10 of sum |q_i k_i| at most) reaches the weights through exp, so scores of up
 # to ~8 give 8 * 2^-11 = 2^-8. The CPU replay measures 3e-4 to 9e-4 on its cases.
@@ -1017,6 +1017,11 @@ MMA_FP16_RTOL = 2.0 ** -8
 def fp16_operands(layout: "Layout") -> bool:
     """Whether a call's partial kernel rounds its products' operands to fp16."""
     return dict(layout.partial_template).get("EXACT") is False
+
+
+def stage_batch(bits_v: int) -> bool:
+    """Whether a call with values of `bits_v` bits stages them 8 loads at a time."""
+    return KV_STAGE_BATCH == "1" or (KV_STAGE_BATCH == "auto" and bits_v == 8)
 
 
 def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
@@ -1266,7 +1271,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
                   ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT,
-                  KV_STAGE_BATCH and partial != "vec")
+                  stage_batch(pk.bits_v) and partial != "vec")
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

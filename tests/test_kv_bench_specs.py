@@ -37,12 +37,12 @@ def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, ve
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
     monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", False)
-    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", False)
+    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "auto")
     monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", cuda_kv.TILE)
     with kv._attention_path(kv.CacheSpec.parse(name)):
         assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC) == (mma, vec)
         assert cuda_kv.FP_TOKENS_PER_CHUNK == fp and cuda_kv.KV_MMA_EXACT == exact
-        assert cuda_kv.KV_STAGE_BATCH == name.endswith(":b8")
+        assert (cuda_kv.KV_STAGE_BATCH == "1") == name.endswith(":b8")
     assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK,
             cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) == (True, False, cuda_kv.TILE, False,
-                                                              False)
+                                                              "auto")
