@@ -70,7 +70,8 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V
 # a cache name's options: flags (field, value) and numbers p<n>, w<n>, f<n> (field)
 _SPEC_FLAGS = {"raw": ("norm_correction", False), "ref": ("reference", True),
                "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True),
-               "exact": ("exact", True), "b8": ("stage_batch", True)}
+               "exact": ("exact", True), "b8": ("stage_batch", True),
+               "eager": ("eager_flush", True)}
 _SPEC_NUMBERS = {"p": "protect", "w": "window", "f": "fp_tokens"}
 
 
@@ -88,7 +89,8 @@ class CacheSpec:
     comparison with the default), exact (the tensor-core kernel with hi + lo products,
     `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands), b8 (the partial kernels staging
     value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by default
-    only layers with 8-bit values do).
+    only layers with 8-bit values do), eager (a decode step's compression through the
+    plain kv_quantize, `kvcache.COMPILED_FLUSH` "0", instead of the compiled one on a GPU).
     """
 
     name: str
@@ -105,6 +107,7 @@ class CacheSpec:
     plain: bool = False
     exact: bool = False
     stage_batch: bool = False
+    eager_flush: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -118,6 +121,7 @@ class CacheSpec:
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
                 "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain][:exact][:b8]"
+                "[:eager]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -340,8 +344,10 @@ LLAMA_8B = dict(
 def _attention_path(spec: CacheSpec):
     """A context in which TurboQuant attention takes the path `spec` asks for."""
     from turboquant.kernels import cuda_kv
-    from turboquant.runtime import kv_attention
+    from turboquant.runtime import kv_attention, kvcache
 
+    flush = kvcache.COMPILED_FLUSH
+    kvcache.COMPILED_FLUSH = "0" if spec.eager_flush else flush
     saved = {name: getattr(cuda_kv, name) for name in (
         "FP_TOKENS_PER_CHUNK", "KV_PARTIAL_VEC", "KV_PARTIAL_MMA", "KV_MMA_EXACT",
         "KV_STAGE_BATCH")}
@@ -358,6 +364,7 @@ def _attention_path(spec: CacheSpec):
     finally:
         for name, value in saved.items():
             setattr(cuda_kv, name, value)
+        kvcache.COMPILED_FLUSH = flush
 
 
 def _kernel_name() -> str:
@@ -424,13 +431,20 @@ def gpu_decode(
                     y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
                     mx.eval(y)
                 build = 0.0
+                per_step = {True: [], False: []}  # ms, steps with a compression or without
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     t1 = time.perf_counter()
+                    held = _compressed_tokens(cache)
                     y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
                     build += time.perf_counter() - t1
                     mx.eval(y)
+                    per_step[_compressed_tokens(cache) != held].append(
+                        1e3 * (time.perf_counter() - t1))
                 total = time.perf_counter() - t0
+                for flushed, times in per_step.items():
+                    key = name + (":flush_ms" if flushed else ":step_ms")
+                    row[key] = sorted(times)[len(times) // 2] if times else float("nan")
                 row[name + ":serial"] = steps / total
                 # a token's time split: building its graph (host) vs evaluating it (encoding
                 # the launches, the GPU's work, the wait for it)
@@ -465,6 +479,12 @@ def gpu_decode(
     for r in rows:
         cells = [f"{r[c + ':build_ms']:6.2f} + {r[c + ':eval_ms']:6.2f}" for c in configs]
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
+    log("\nms per token, a token at a time, median: steps without a compression | steps with "
+        "one (a layer's block of tokens coded and packed; `make_turboquant_cache` staggers "
+        "the layers)")
+    for r in rows:
+        cells = [f"{r[c + ':step_ms']:6.2f} | {r[c + ':flush_ms']:6.2f}" for c in configs]
+        log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
     log("\nKV cache GB (ratio fp16 / cache)")
     for r in rows:
         cells = [f"{r[c + ':GB']:8.3g} ({r['fp16:GB'] / r[c + ':GB']:.2f}x)" if "fp16" in r
@@ -472,6 +492,11 @@ def gpu_decode(
         log(f"{r['context']:>8} " + " ".join(f"{c:>18}" for c in cells))
     _reproduce(log)
     return rows
+
+
+def _compressed_tokens(cache: list) -> int:
+    """Tokens held compressed over a cache list's TurboQuant layers (0 for other caches)."""
+    return sum(getattr(c, "compressed_tokens", 0) for c in cache)
 
 
 def generation_tps(model, cache, y: mx.array, steps: int) -> tuple[float, mx.array]:

@@ -14,10 +14,11 @@ ends on a position sink + phase + k * block, so a compression happens once `bloc
 tokens have left the window (and the context has reached `start_after`). So the queries
 of one step see their own step's keys in fp16, and every query sees at least `window`
 recent tokens in fp16. `make_turboquant_cache` gives each layer its own `phase`, so the
-layers compress on different decode steps: a compression is ~150 MLX ops a layer (on the
-H200's host ~0.7 ms of graph building alone, before encoding them), so one step
-compressing all 32 layers of an 8B model stalls generation there, while one layer a step
-can hide behind the GPU's work.
+layers compress on different decode steps: a compression is 112 graph nodes a layer for
+K4/V3 (67 through the compiled quantizer a GPU uses, `COMPILED_FLUSH`); on the H200 a
+step with one layer's compression took ~0.8 ms more than one without, so one step
+compressing all 32 layers of an 8B model would stall generation there, while one layer a
+step can hide behind the GPU's work.
 Only packed codes and norms are kept for the compressed part (no fp16 shadow copy).
 
 Attention reads the parts as they are (kernels/kv_reference.py): `update_and_fetch`
@@ -30,6 +31,9 @@ the first `keep` tokens stay as fp16 sinks and tokens older than `max_size` are 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import mlx.core as mx
 from mlx_lm.models.cache import (
     CacheList,
@@ -40,6 +44,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from turboquant.kernels import dispatch
 from turboquant.kernels.kv_reference import (
     CHUNK,
     KVParts,
@@ -55,6 +60,29 @@ from . import kv_attention
 DEFAULTS = dict(bits_k=4, bits_v=3, sink=4, window=128, protect_layers=2, protect_bits=8,
                 norm_correction=True)  # measured: docs/kv-cache.md
 _STEP = 256
+
+
+# A decode step's compression (a block of tokens) through one mx.compile'd kv_quantize:
+# "auto" (the default) on a GPU backend, "1" everywhere, "0" never. The same codes and
+# norms bit for bit (tests), in fewer kernels: 54 graph nodes -> 30 for 4-bit codes, 58 ->
+# 31 for 3-bit, 111 -> 65 for 8-bit, and a third of the graph-building time on the CPU
+# (`benchmarks/kv.py --host-cost` counts them). Larger pieces (a prefill's) stay plain:
+# every new shape would trace and build kernels again.
+COMPILED_FLUSH = os.environ.get("TURBOQUANT_KV_COMPILED_FLUSH", "auto")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_kv_quantize(bits: int, seed: int, norm_correction: bool):
+    return mx.compile(functools.partial(kv_quantize, bits=bits, seed=seed,
+                                        norm_correction=norm_correction))
+
+
+def _quantizer(bits: int, seed: int, norm_correction: bool, block_sized: bool):
+    """kv_quantize for one piece of a compression: x -> (codes, norms)."""
+    compiled = COMPILED_FLUSH == "1" or (COMPILED_FLUSH == "auto" and dispatch.backend() != "cpu")
+    if compiled and block_sized:
+        return _compiled_kv_quantize(bits, seed, norm_correction)
+    return functools.partial(kv_quantize, bits=bits, seed=seed, norm_correction=norm_correction)
 
 
 def _grow(buf: mx.array | None, used: int, extra: int, shape_of: mx.array) -> mx.array:
@@ -233,8 +261,10 @@ class TurboQuantKVCache(_BaseCache):
         nc = self.norm_correction
         for a in range(0, over, step):
             e = min(a + step, over)
-            kc, kn = kv_quantize(self._tail_k[:, :, a:e], self.bits_k, self.seed, nc)
-            vc, vn = kv_quantize(self._tail_v[:, :, a:e], self.bits_v, self.seed, nc)
+            quantize_k = _quantizer(self.bits_k, self.seed, nc, e - a <= self.block)
+            quantize_v = _quantizer(self.bits_v, self.seed, nc, e - a <= self.block)
+            kc, kn = quantize_k(self._tail_k[:, :, a:e])
+            vc, vn = quantize_v(self._tail_v[:, :, a:e])
             self._append_comp([kc, kn, vc, vn])
         # copy the window out, so the fp16 copy of the compressed tokens is freed now
         self._tail_k = mx.contiguous(self._tail_k[:, :, over : self._n_tail])

@@ -248,6 +248,43 @@ def check_decode_steps() -> list[str]:
     return out
 
 
+def check_compiled_compression() -> list[str]:
+    """A decode step's block compressed by the mx.compile'd kv_quantize (the default on a
+    GPU, runtime/kvcache.COMPILED_FLUSH) against the plain one, on the GPU: the same codes
+    (a code may differ only where fused float arithmetic moves a coordinate across a
+    threshold) and norms within fp16 rounding."""
+    from turboquant.runtime import kvcache
+    from turboquant.runtime.kvcache import TurboQuantKVCache
+
+    out, saved = [], kvcache.COMPILED_FLUSH
+    key = mx.random.key(9)
+    k = (mx.random.normal((1, 8, 700, 128), key=key) * 3).astype(mx.bfloat16)
+    try:
+        for bits in ((4, 3), (8, 8), (2, 4)):
+            packed = {}
+            for mode in ("0", "auto"):
+                kvcache.COMPILED_FLUSH = mode
+                cache = TurboQuantKVCache(*bits, sink=4, window=128, block=64)
+                cache.update_and_fetch(k[:, :, :500], k[:, :, :500])
+                for i in range(500, 700):  # decode: three block-sized compressions
+                    cache.update_and_fetch(k[:, :, i : i + 1], k[:, :, i : i + 1])
+                packed[mode] = cache.parts().packed
+            a, b = packed["0"], packed["auto"]
+            assert kvcache._compiled_kv_quantize.cache_info().currsize > 0, "compiled path unused"
+            for name in ("k_codes", "v_codes"):
+                x, y = getattr(a, name), getattr(b, name)
+                differ = mx.sum(x != y).item()
+                assert differ <= x.size // 10000, f"K{bits[0]}V{bits[1]} {name}: {differ} words differ"
+            for name in ("k_norms", "v_norms"):
+                x, y = (getattr(p, name).astype(mx.float32) for p in (a, b))
+                assert mx.allclose(x, y, rtol=2e-3, atol=0).item(), f"{name} differ"
+            out.append(f"K{bits[0]}V{bits[1]}: compiled compression matches "
+                       f"({a.length} tokens compressed)")
+    finally:
+        kvcache.COMPILED_FLUSH = saved
+    return out
+
+
 def check_fallbacks() -> list[str]:
     """Cases the kernel declines fall back to the reference through the hook."""
     from turboquant.runtime import kv_attention
@@ -353,6 +390,7 @@ def check_model_decode() -> str:
 CHECKS = [("masks", check_masks), ("exact_products", check_exact_products),
           ("fp_chunks_of_a_tile", check_fp_chunks_of_a_tile),
           ("decode_steps", check_decode_steps), ("declined_cases_fall_back", check_fallbacks),
+          ("compiled_compression", check_compiled_compression),
           ("hook_loads_the_kernel", check_hook_loads_kernel),
           ("model_decode_matches_reference", check_model_decode)]
 

@@ -46,3 +46,15 @@ def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, ve
     assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK,
             cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) == (True, False, cuda_kv.TILE, False,
                                                               "auto")
+
+
+@pytest.mark.parametrize("name, during", [("K4V3", "auto"), ("K4V3:eager", "0")])
+def test_eager_option_turns_the_compiled_compression_off_for_its_config(name, during,
+                                                                        monkeypatch):
+    from turboquant.runtime import kvcache
+
+    monkeypatch.setattr(kvcache, "COMPILED_FLUSH", "auto")
+    assert kv.CacheSpec.parse(name).eager_flush == (during == "0")
+    with kv._attention_path(kv.CacheSpec.parse(name)):
+        assert kvcache.COMPILED_FLUSH == during
+    assert kvcache.COMPILED_FLUSH == "auto"

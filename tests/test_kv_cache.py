@@ -314,3 +314,38 @@ def test_decode_steps_reuse_the_compressed_view(rotating):
     cache.trim(cache._n_tail + 5)  # back to a block boundary, then a block of new tokens
     _feed(cache, [16 + 8, 1], seed=7)  # compressed: other rows, and the view shows them
     assert _same_view(cache).length == n0 - 5 + 8
+
+
+@pytest.mark.parametrize("bits", [(4, 3), (8, 8), (2, 4)])
+def test_compiled_block_compression_is_bit_exact(bits, monkeypatch):
+    """COMPILED_FLUSH "1": a decode step's block goes through the mx.compile'd kv_quantize
+    (fewer kernels), giving the same codes and norms bit for bit as the plain one; the
+    prefill's large pieces stay plain (no trace per shape)."""
+    from turboquant.runtime import kvcache
+
+    kw = dict(bits_k=bits[0], bits_v=bits[1], sink=2, window=16, block=8, seed=5)
+    states = {}
+    for mode in ("0", "1"):
+        monkeypatch.setattr(kvcache, "COMPILED_FLUSH", mode)
+        kvcache._compiled_kv_quantize.cache_clear()
+        cache = TurboQuantKVCache(**kw)
+        _feed(cache, [100] + [1] * 40, seed=11)
+        pk = cache.parts().packed
+        states[mode] = [pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms]
+        # compiled functions were built only for block-sized pieces (per bits, seed, nc)
+        assert kvcache._compiled_kv_quantize.cache_info().currsize == (
+            0 if mode == "0" else len(set(bits)))
+    assert states["0"][0].shape[2] == 100 + 40 - 16 - 2 - (100 + 40 - 16 - 2) % 8
+    for plain, compiled in zip(states["0"], states["1"]):
+        assert plain.dtype == compiled.dtype and mx.array_equal(plain, compiled).item()
+
+
+def test_compiled_compression_is_on_for_gpu_backends_only(monkeypatch):
+    from turboquant.runtime import kvcache
+
+    monkeypatch.setattr(kvcache, "COMPILED_FLUSH", "auto")
+    plain = kvcache._quantizer(4, 0, True, True)
+    assert not hasattr(plain, "__wrapped__") and plain.func is kv_quantize  # CPU: plain
+    monkeypatch.setattr(kvcache.dispatch, "backend", lambda: "cuda")
+    assert kvcache._quantizer(4, 0, True, True) is kvcache._compiled_kv_quantize(4, 0, True)
+    assert kvcache._quantizer(4, 0, True, False).func is kv_quantize  # a prefill's piece
