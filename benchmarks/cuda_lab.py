@@ -290,13 +290,16 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         # and on the runtime's grid (waves, fp16 chunks of per_chunk): the plain kernel, the
         # tensor-core one with hi + lo products and with fp16 products (the runtime's
         # default; same family as the exact one, so the lab prints their difference), and
-        # the plain and fp16-product ones staging value codes 8 loads at a time (`_b8`)
+        # the plain and fp16-product ones staging value codes 8 loads at a time (`_b8`, the
+        # tensor-core one on the runtime's plan for it)
+        b8_blocks = (cuda_kv.MMA_B8_BLOCKS_PER_SM if max(bits_k, bits_v) <= 4
+                     else cuda_kv.MMA_BLOCKS_PER_SM)
         for kernel, blocks, flag in (
                 ("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
                 ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
                 ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),)),
                 ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),)),
-                ("tq_kv_partial_mma_b8", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),))):
+                ("tq_kv_partial_mma_b8", b8_blocks, (("EXACT", False),))):
             ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)

@@ -970,6 +970,11 @@ def plan(b: int, kv: int, c_len: int, f_len: int, fp_tokens: int | None = None
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
 MMA_BLOCKS_PER_SM = 6  # `_PARTIAL_MMA`'s (72 registers with nvcc for sm_90)
+# the batched-staging tensor-core kernel's for keys and values of at most 4 bits (56
+# registers: 9 blocks fit). Lab, H200, K4/V3, 32K, runtime grid: 43.7 us on this plan
+# against 51.0 on the 6-block one (and 50.9 for full staging on a 7-block one); the same
+# at 1K. K8/V8 stays on the 6-block plan: 101 us there against 119 on an 8- or 9-block one.
+MMA_B8_BLOCKS_PER_SM = 9
 
 # Two of the lab's candidates (session 8), on since their GPU tests passed with them
 # (session 9, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
@@ -1003,10 +1008,12 @@ KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
 # the products as fp16 too: exact for bf16 and fp16 parts within fp16's range.
 KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
 # Where the partial kernels (plain and tensor-core) take `_STAGE_V_BATCHED`: "auto" (the
-# default) for 8-bit values, "1" always, "0" never. Lab, H200, 32K tokens, the runtime's
-# grid and 188-token tail, fp16 operands (session 12): K8/V8 99.3 us batched against 150.7
-# (130 registers -> 56; the layers the cache protects by default), K4/V3 50.9 against 50.1
-# and K8/V3 66.6 against 65.7, the same within 2% at 1K. The KV GPU tests pass with "1".
+# default) for 8-bit values and for keys and values of at most 4 bits (the latter on a
+# plan of MMA_B8_BLOCKS_PER_SM), "1" always, "0" never. Lab, H200, 32K tokens, the
+# runtime's grid and 188-token tail, fp16 operands (session 12): K8/V8 99.3-101.6 us
+# batched against 150.7-155.3 (130 registers -> 56; the layers the cache protects by
+# default); K4/V3 43.7 against 50.9 (with the 9-block plan); K8/V3 66.6 against 65.7, so
+# it keeps full staging. The KV GPU tests pass with "1".
 KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "auto")
 # What fp16 operands may move an output, relative to the largest |output|: a score's
 # error (2^-10 of sum |q_i k_i| at most) reaches the weights through exp, so scores of up
@@ -1019,9 +1026,16 @@ def fp16_operands(layout: "Layout") -> bool:
     return dict(layout.partial_template).get("EXACT") is False
 
 
-def stage_batch(bits_v: int) -> bool:
-    """Whether a call with values of `bits_v` bits stages them 8 loads at a time."""
-    return KV_STAGE_BATCH == "1" or (KV_STAGE_BATCH == "auto" and bits_v == 8)
+def stage_batch(bits_k: int, bits_v: int) -> bool:
+    """Whether a call of these bits stages its value codes 8 loads at a time."""
+    return KV_STAGE_BATCH == "1" or (
+        KV_STAGE_BATCH == "auto" and (bits_v == 8 or max(bits_k, bits_v) <= 4))
+
+
+def mma_blocks_per_sm(bits_k: int, bits_v: int) -> int:
+    """Resident blocks an SM that the tensor-core kernel's wave plan counts on."""
+    batched = stage_batch(bits_k, bits_v) and max(bits_k, bits_v) <= 4
+    return MMA_B8_BLOCKS_PER_SM if batched else MMA_BLOCKS_PER_SM
 
 
 def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
@@ -1264,14 +1278,14 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
     f_len = s_len + t_len
     mma = use_mma(pk.k_dim, pk.v_dim, h // kv)
-    blocks = MMA_BLOCKS_PER_SM if mma else PARTIAL_BLOCKS_PER_SM
+    blocks = mma_blocks_per_sm(pk.bits_k, pk.bits_v) if mma else PARTIAL_BLOCKS_PER_SM
     ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK, blocks) if sms
                  else plan(b, kv, c_len, f_len))
     partial = "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain"
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
                   ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT,
-                  stage_batch(pk.bits_v) and partial != "vec")
+                  stage_batch(pk.bits_k, pk.bits_v) and partial != "vec")
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,

@@ -728,7 +728,8 @@ def test_runtime_vector_key_loads_launch_and_match_reference(name, monkeypatch):
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
     q, parts, _ = make_case(**CASES[name], seed=len(name))
     plain = cuda_kv.prepare(q, parts, 0.125)
-    batched = "_b8" if parts.packed.bits_v == 8 else ""  # KV_STAGE_BATCH "auto"
+    pk = parts.packed
+    batched = "_b8" if cuda_kv.stage_batch(pk.bits_k, pk.bits_v) else ""  # "auto"
     assert plain.layout.partial_kernel == "tq_kv_partial" + batched
     assert plain.layout.partial_grid == launch.layout.partial_grid
 
@@ -829,8 +830,8 @@ def test_two_launches_with_only_the_constants_they_need(monkeypatch):
     out = cuda_kv.decode_attention(q.astype(mx.bfloat16), parts, 0.125)
     assert out.shape == (2, 4, 1, 64) and out.dtype == mx.bfloat16
     merge = "tq_kv_merge_split" if cuda_kv.KV_MERGE_SPLIT else "tq_kv_merge"  # every call
-    assert [(n, k) for n, k, _ in calls] == [("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)),
-                                             (merge, len(cuda_kv.MERGE_INPUTS))]
+    assert [(n.removesuffix("_b8"), k) for n, k, _ in calls] == [
+        ("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)), (merge, len(cuda_kv.MERGE_INPUTS))]
     assert set(calls[0][2]) == {"KD", "DV", "BK", "BV", "R", "P", "FPCH", "HAS_SINK",
                                 "HAS_TAIL", "HAS_MASK"}
     assert set(calls[1][2]) == {"DV", "FPCH"}
@@ -884,7 +885,7 @@ def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
     if name.endswith("mask"):
         mask = mx.array(np.random.default_rng(3).random((2, 1, 1, parts.length)) > 0.3)
     launch = check(q, parts, args, mask=mask)
-    assert launch.layout.partial_kernel == "tq_kv_partial_mma"
+    assert launch.layout.partial_kernel.removesuffix("_b8") == "tq_kv_partial_mma"
     assert cuda_kv.fp16_operands(launch.layout) is not exact
 
 
@@ -905,18 +906,27 @@ def test_batched_value_staging_launches_and_matches_reference(name, mma, monkeyp
 
 
 @pytest.mark.parametrize("switch", ["auto", "0"])
-def test_batched_value_staging_by_default_for_8_bit_values_only(switch, monkeypatch):
-    """KV_STAGE_BATCH "auto" (the default): layers with 8-bit values (the protected ones)
-    get the batched kernels, where the lab measured 99 us against 151 at 32K; K4/V3 and
-    K8/V3 keep full staging (the same within 2%). "0" turns it off for all."""
+def test_batched_value_staging_by_default_where_the_lab_measured_it_faster(switch, monkeypatch):
+    """KV_STAGE_BATCH "auto" (the default): the batched kernels for 8-bit values (the
+    protected layers; lab, 32K: 99 us against 151) and for keys and values of at most 4 bits
+    on a wave plan of 9 resident blocks (K4/V3: 43.7 us against 50.9); K8/V3 keeps full
+    staging (the same within 2%). "0" turns it off, on the 6-block plan."""
     monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", switch)
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
-    for bits, batched in (((8, 8), switch == "auto"), ((4, 8), switch == "auto"),
-                          ((4, 3), False), ((8, 3), False), ((8, 4), False)):
-        q, parts, _ = make_case(kv=2, r=4, kd=128, bits=bits, c=300, s=4, t=140)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 132)
+    auto = switch == "auto"
+    for bits, batched, blocks in (((8, 8), auto, 6), ((4, 8), auto, 6), ((4, 3), auto, 9),
+                                  ((2, 4), auto, 9), ((8, 3), False, 6), ((8, 4), False, 6)):
+        blocks = blocks if batched else cuda_kv.MMA_BLOCKS_PER_SM
+        q, parts, _ = make_case(kv=8, r=4, kd=128, bits=bits, c=30000, s=4, t=140)
         lay = cuda_kv.prepare(q, parts, 0.1).layout
         assert lay.partial_kernel == "tq_kv_partial_mma" + ("_b8" if batched else ""), bits
+        assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(
+            1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, blocks), bits
+    assert cuda_kv.plan_waves(1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, 9) != \
+        cuda_kv.plan_waves(1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, 6)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -940,6 +950,7 @@ def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
     """KV_PARTIAL_MMA: `_PARTIAL_MMA` for heads of 128/256 dims and up to 8 query rows a KV
     head on an sm_80+ GPU, on its own wave plan (fewer resident blocks); the plain kernel
     elsewhere, and without a CUDA driver (this machine)."""
+    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "0")  # the full-staging kernels' plans
     assert cuda_kv.mma_fits(128, 128, 4) and cuda_kv.mma_fits(256, 256, 8)
     assert not cuda_kv.mma_fits(64, 64, 2) and not cuda_kv.mma_fits(128, 128, 16)
     q, parts, _ = make_case(b=1, kv=2, r=4, kd=128, c=1250, s=4, t=150)
