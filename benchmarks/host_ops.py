@@ -97,8 +97,28 @@ def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:
         if i == steps - 1:
             ops, calls = graph_ops([logits]), _StandInKernel.calls - before
         mx.eval(logits)
+    events = _call_events(lambda: model(token, cache=cache))
     del model, cache
-    return dict(seconds=statistics.median(times), ops=ops, calls=calls)
+    return dict(seconds=statistics.median(times), ops=ops, calls=calls, **events)
+
+
+def _call_events(step) -> dict:
+    """Python and C function calls made while building one step's graph (sys.setprofile),
+    the stand-ins' own excluded: an exact measure of the host's interpreter work, whatever
+    the machine's speed. (MLX's operations are nanobind functions: not among the C calls.)"""
+    counts = {"call": 0, "c_call": 0}
+    here = __file__
+
+    def count(frame, event, arg):
+        if event in counts and frame.f_code.co_filename != here:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        mx.eval(step())
+    finally:
+        sys.setprofile(None)
+    return dict(py_calls=counts["call"], c_calls=counts["c_call"])
 
 
 def per_layer(variant: str, layers: int, moe: bool, steps: int) -> dict:
@@ -107,7 +127,9 @@ def per_layer(variant: str, layers: int, moe: bool, steps: int) -> dict:
     names = set(small["ops"]) | set(big["ops"])
     ops = {n: (big["ops"].get(n, 0) - small["ops"].get(n, 0)) / 2 for n in names}
     return dict(us=(big["seconds"] - small["seconds"]) / 2 * 1e6,
-                ops={n: v for n, v in ops.items() if v}, calls=(big["calls"] - small["calls"]) / 2)
+                ops={n: v for n, v in ops.items() if v}, calls=(big["calls"] - small["calls"]) / 2,
+                py_calls=(big["py_calls"] - small["py_calls"]) / 2,
+                c_calls=(big["c_calls"] - small["c_calls"]) / 2)
 
 
 def main() -> None:
@@ -123,10 +145,14 @@ def main() -> None:
     print(f"host side of one decode step per decoder layer, {shape} shape, CUDA path with "
           f"stand-in kernels on the CPU ({args.steps} steps, median)")
     rows = {v: per_layer(v, args.layers, args.moe, args.steps) for v in args.variants.split(",")}
-    print(f"{'variant':<10} {'build us':>9} {'ops':>6} {'kernel calls':>13}  ops by name")
+    print(f"{'variant':<10} {'build us':>9} {'py calls':>9} {'C calls':>8} {'ops':>6} "
+          f"{'kernel calls':>13}  ops by name")
     for v, r in rows.items():
         names = ", ".join(f"{n} {c:g}" for n, c in sorted(r["ops"].items(), key=lambda kv: -kv[1]))
-        print(f"{v:<10} {r['us']:9.1f} {sum(r['ops'].values()):6g} {r['calls']:13g}  {names}")
+        print(f"{v:<10} {r['us']:9.1f} {r['py_calls']:9g} {r['c_calls']:8g} "
+              f"{sum(r['ops'].values()):6g} {r['calls']:13g}  {names}")
+    print("(py calls, C calls: Python functions and builtins called while building one step's "
+          "graph, per layer, the stand-ins' own excluded; exact, unlike the times)")
     flag = " --moe" if args.moe else ""
     print(f"reproduce: .venv/bin/python benchmarks/host_ops.py{flag} --variants {args.variants}")
 
