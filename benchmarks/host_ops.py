@@ -22,6 +22,7 @@ Reproduce:  .venv/bin/python benchmarks/host_ops.py [--moe]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -97,7 +98,7 @@ def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:
         if i == steps - 1:
             ops, calls = graph_ops([logits]), _StandInKernel.calls - before
         mx.eval(logits)
-    events = _call_events(lambda: model(token, cache=cache))
+    events = _call_events(functools.partial(model, token, cache=cache))
     del model, cache
     return dict(seconds=statistics.median(times), ops=ops, calls=calls, **events)
 
