@@ -7,6 +7,7 @@
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
 #   session9  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
+#   kv-table
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -102,6 +103,12 @@ for s in "$@"; do
     kv-affine)  # does mlx-lm's QuantizedKVCache run on MLX's CUDA build? (a process of its own)
       step kv-affine 200 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 affine4 --gpu-rounds 1 ;;
+    kv-table)  # session 13's first figures: the issue's four contexts, the unprotected and the
+      # default (protected) cache, 5 alternating generation rounds, graphs on then off
+      for g in 1 0; do
+        step "kv-table-g$g" 300 env MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/kv.py --gpu-decode \
+          --contexts 1024 4096 16384 32768 --gpu-configs fp16 K4V3 K4V3:p2 --gpu-rounds 5
+      done ;;
     ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
       step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
