@@ -89,7 +89,7 @@ class CacheSpec:
     comparison with the default), exact (the tensor-core kernel with hi + lo products,
     `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands), b8 (the partial kernels staging
     value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by default
-    only layers with 8-bit values do), eager (a decode step's compression through the
+    layers with 8-bit values or with keys and values of at most 4 bits do), eager (a decode step's compression through the
     plain kv_quantize, `kvcache.COMPILED_FLUSH` "0", instead of the compiled one on a GPU).
     """
 
@@ -434,8 +434,8 @@ def gpu_decode(
                 per_step = {True: [], False: []}  # ms, steps with a compression or without
                 t0 = time.perf_counter()
                 for _ in range(steps):
-                    t1 = time.perf_counter()
                     held = _compressed_tokens(cache)
+                    t1 = time.perf_counter()
                     y = model(y[None], cache=cache)[0, -1].argmax(keepdims=True)
                     build += time.perf_counter() - t1
                     mx.eval(y)
