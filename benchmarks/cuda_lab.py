@@ -11,6 +11,7 @@ its code can differ from nvcc's for the same source, NOTES.md) and with nvcc, an
 both. It needs only the CUDA toolkit on the GPU machine: no MLX install there.
 
     python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
+    python benchmarks/cuda_lab.py --emit DIR --only 'mma_waves.*32768'   # a subset
     bash DIR/run.sh                                # on the GPU machine: results to stdout
                                                    # (`lab/`, the usual DIR, is git-ignored:
                                                    #  the device call carries it)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,6 +312,19 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                 kernel, name + suffix, name, args, in_dtypes,
                 [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
                 cuda_kv.NT, partial_outputs(ncc + fpch)))
+        # the batched tensor-core kernel on other wave plans (`_w<n>`: n resident blocks an
+        # SM); each its own family, as its chunking differs: only times compare
+        for blocks in PLAN_CANDIDATES:
+            if blocks == b8_blocks:
+                continue
+            ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
+                                           blocks)
+            template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
+            name = f"kv_partial_mma_waves_fp{per_chunk}_{tag}_fp16x_b8_w{blocks}"
+            fp_chunked.append(variant(
+                "tq_kv_partial_mma_b8", name, name, args, in_dtypes, [mx.float32] * 2,
+                template + (("EXACT", False),), (ncc + fpch, lay.partial_grid[1], 1),
+                cuda_kv.NT, partial_outputs(ncc + fpch)))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -350,6 +365,10 @@ H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidat
 # `make_turboquant_cache` protects by default (session 11's ncu at 32K: 180.7 us against
 # 63.5 for K4/V3; nvcc gives that kernel 130 registers against 72)
 KV_EXTRA_BITS = ((8, 8), (8, 3))
+# other resident-block counts for the batched tensor-core kernel's wave plan, timed beside
+# the runtime's (`cuda_kv.mma_blocks_per_sm`; session 12: K4/V3 43.7 us on 9 against 51.0
+# on 6, K8/V8 101 on 6 against 119 on 8-9)
+PLAN_CANDIDATES = (4, 5, 6, 7, 9)
 
 
 def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
@@ -651,12 +670,24 @@ ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 """
 
 
+def select(variants: list[Variant], pattern: str | None) -> list[Variant]:
+    """The variants whose names match `pattern` (a regular expression; None: all)."""
+    if pattern is None:
+        return variants
+    wanted = re.compile(pattern)
+    return [v for v in variants if wanted.search(v.name)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emit", type=Path, required=True, help="folder for the lab's files")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="emit only the variants whose names match (a shorter build and run)")
     args = ap.parse_args()
     args.emit.mkdir(parents=True, exist_ok=True)
-    variants = build(kv_extra_bits=KV_EXTRA_BITS)
+    variants = select(build(kv_extra_bits=KV_EXTRA_BITS), args.only)
+    if not variants:
+        raise SystemExit(f"no variant matches --only {args.only!r}")
     (args.emit / "kernels.cu").write_text(kernels_file(variants))
     (args.emit / "main.cu").write_text(program(variants))
     (args.emit / "nvrtc_build.py").write_text(NVRTC_BUILD)

@@ -138,3 +138,24 @@ def test_program_compiles_with_nvcc(lab, tmp_path):
         res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *args], capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_other_wave_plans_time_the_batched_kernel_as_families_of_their_own(lab):
+    """PLAN_CANDIDATES: the batched tensor-core kernel on other resident-block counts, each
+    its own family (another chunking: a difference to the runtime's plan means nothing)."""
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(32768,), kv_extra_bits=((8, 8),))
+    by_name = {v.name: v for v in variants}
+    for tag, runtime_blocks in (("k4v3", 9), ("k8v8", 6)):
+        base = f"kv_partial_mma_waves_fp128_32768_t188_{tag}_fp16x_b8"
+        assert base in by_name
+        others = [by_name[f"{base}_w{n}"] for n in lab.PLAN_CANDIDATES if n != runtime_blocks]
+        assert f"{base}_w{runtime_blocks}" not in by_name  # that one is the runtime's
+        assert all(v.family == v.name for v in others)
+        assert len({v.grid for v in others} | {by_name[base].grid}) > 1  # plans differ
+
+
+def test_only_selects_variants_by_name(lab):
+    variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,), kv_extra_bits=((8, 8),))
+    picked = lab.select(variants, "k8v8_fp16x_b8")
+    assert picked and all("k8v8_fp16x_b8" in v.name for v in picked)
+    assert lab.select(variants, None) == variants and lab.select(variants, "^nothing$") == []
