@@ -32,7 +32,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv import graph_ops  # noqa: E402  (a sibling script)
+from kv import call_events, graph_ops  # noqa: E402  (a sibling script)
 
 _ZEROS: dict = {}
 
@@ -104,22 +104,8 @@ def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:
 
 
 def _call_events(step) -> dict:
-    """Python and C function calls made while building one step's graph (sys.setprofile),
-    the stand-ins' own excluded: an exact measure of the host's interpreter work, whatever
-    the machine's speed. (MLX's operations are nanobind functions: not among the C calls.)"""
-    counts = {"call": 0, "c_call": 0}
-    here = __file__
-
-    def count(frame, event, arg):
-        if event in counts and frame.f_code.co_filename != here:
-            counts[event] += 1
-
-    sys.setprofile(count)
-    try:
-        mx.eval(step())
-    finally:
-        sys.setprofile(None)
-    return dict(py_calls=counts["call"], c_calls=counts["c_call"])
+    """`kv.call_events` of a step, the stand-ins' own calls excluded."""
+    return call_events(step, skip=(__file__,))
 
 
 def per_layer(variant: str, layers: int, moe: bool, steps: int) -> dict:

@@ -672,6 +672,26 @@ def graph_ops(arrays) -> dict:
     return ops
 
 
+def call_events(step, skip: tuple[str, ...] = ()) -> dict:
+    """Python functions and builtins called while `step()` builds a graph (sys.setprofile;
+    calls made from the files in `skip`, such as stand-in kernels, left out): an exact
+    measure of the host's interpreter work, whatever the machine's speed. MLX's operations
+    are nanobind functions: not among the builtins."""
+    counts = {"call": 0, "c_call": 0}
+    own = call_events.__code__  # its own sys.setprofile(None) is not the step's
+
+    def count(frame, event, arg):
+        if event in counts and frame.f_code is not own and frame.f_code.co_filename not in skip:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        mx.eval(step())
+    finally:
+        sys.setprofile(None)
+    return dict(py_calls=counts["call"], c_calls=counts["c_call"])
+
+
 def _state_arrays(cache) -> list:
     """The arrays a cache holds (what a decode step writes)."""
     if hasattr(cache, "parts"):  # TurboQuant: its buffers (parts() would add slices)
@@ -729,6 +749,7 @@ def layer_step_cost(name: str, ctx: int, steps: int, b: int, h: int, kv: int, d:
                 continue
             update.append(t1 - t0)
             attend.append(t2 - t1)
+        events = _steady_step_calls(cache, q, k, v, d)
     total = [u + a for u, a in zip(update, attend)]
     kernels = ops.pop("Depends", 0) if fake is not None and counts["kernels"] else 0
     return dict(
@@ -736,7 +757,26 @@ def layer_step_cost(name: str, ctx: int, steps: int, b: int, h: int, kv: int, d:
         update_us=1e6 * sorted(update)[steps // 2], attention_us=1e6 * sorted(attend)[steps // 2],
         ops=sum(ops.values()), op_names=ops, kernels_per_step=kernels,
         template_args_per_step=counts["template_args"] / steps if counts["kernels"] else 0.0,
+        **events,
     )
+
+
+def _steady_step_calls(cache, q, k, v, d: int) -> dict:
+    """`call_events` of one decode step (cache update + attention) without a compression
+    in it, this script's fakes left out."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    def step():
+        keys, values = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=d ** -0.5,
+                                           mask=None)
+        return [out, *_state_arrays(cache)]
+
+    while True:
+        held = getattr(cache, "compressed_tokens", 0)
+        events = call_events(step, skip=(__file__,))
+        if getattr(cache, "compressed_tokens", 0) == held:
+            return events
 
 
 CUDA_KERNEL_BUILD_US = 2.5  # per mx.fast.cuda_kernel call, beyond Python (launch-cost-h200.txt)
@@ -753,7 +793,9 @@ def host_cost(contexts=(1024, 32768), configs=("fp16", "K4V3"), steps: int = 192
     attention call), MLX operations per step (a steady step's graph, kernels excluded),
     kernel calls and template arguments per step. Off the GPU the kernels are fakes, so
     the last column estimates the CUDA host cost: build + calls * CUDA_KERNEL_BUILD_US +
-    template args * TEMPLATE_ARG_US + (ops + calls) * LAUNCH_ENCODE_US (graphs off)."""
+    template args * TEMPLATE_ARG_US + (ops + calls) * LAUNCH_ENCODE_US (graphs off). py
+    and C: Python functions and builtins called in a steady step (`call_events`, exact;
+    on the H200's host a Python call costs ~0.8 us, NOTES.md)."""
     where = "fake kernels (CPU)" if mx.default_device() == mx.cpu else str(mx.default_device())
     log(f"host cost of one layer's decode step, B={b} H={h} KV={kv} D={d}, {steps} steps, {where}")
     rows = []
@@ -765,7 +807,8 @@ def host_cost(contexts=(1024, 32768), configs=("fp16", "K4V3"), steps: int = 192
         rows.append(row)
         log(f"\ncontext {ctx}")
         log(f"{'cache':<8} {'mean us':>8} {'median':>7} {'update':>7} {'attend':>7} {'ops':>4} "
-            f"{'kernels':>7} {'tmpl':>5} {'est. CUDA host us':>18}  ops by name")
+            f"{'kernels':>7} {'tmpl':>5} {'py':>4} {'C':>4} {'est. CUDA host us':>18}  "
+            "ops by name")
         base = None
         for name in configs:
             r = row[name]
@@ -778,7 +821,8 @@ def host_cost(contexts=(1024, 32768), configs=("fp16", "K4V3"), steps: int = 192
             names = ", ".join(f"{k} {v}" for k, v in sorted(r["op_names"].items()))
             log(f"{name:<8} {r['mean_us']:8.1f} {r['median_us']:7.1f} {r['update_us']:7.1f} "
                 f"{r['attention_us']:7.1f} {r['ops']:4d} {r['kernels_per_step']:7d} "
-                f"{r['template_args_per_step']:5.0f} {est:10.1f} {ratio:>7}  {names}")
+                f"{r['template_args_per_step']:5.0f} {r['py_calls']:4d} {r['c_calls']:4d} "
+                f"{est:10.1f} {ratio:>7}  {names}")
         for name in configs[1:]:
             log(f"{name} / fp16: build (median) {row[name]['median_us'] / row[configs[0]]['median_us']:.2f}x, "
                 f"ops {row[name]['ops']} vs {row[configs[0]]['ops']}, kernels "

@@ -1252,12 +1252,17 @@ class Launch:
 
 
 def _fp_dtype(parts: KVParts):
-    """The dtype of the fp16 parts (float16 if there are none)."""
-    fp = [x for x in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v) if x is not None]
-    dtype = fp[0].dtype if fp else mx.float16
-    if any(x.dtype != dtype for x in fp):
-        raise NotImplementedError("sink and tail of different dtypes")
-    return dtype
+    """The dtype of the fp16 parts (float16 if there are none). A plain loop: it runs every
+    decode step of every layer, and each comprehension is a Python call on the host."""
+    dtype = None
+    for x in (parts.sink_k, parts.sink_v, parts.tail_k, parts.tail_v):
+        if x is None:
+            continue
+        if dtype is None:
+            dtype = x.dtype
+        elif x.dtype != dtype:
+            raise NotImplementedError("sink and tail of different dtypes")
+    return mx.float16 if dtype is None else dtype
 
 
 def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launch:
@@ -1274,7 +1279,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     if pk.k_codes.shape[0] != b or d != pk.k_dim:
         raise NotImplementedError("queries and cache disagree on batch or head_dim")
     s_len, c_len, t_len = parts.lengths
-    bias, _ = mask_bias(mask, b, s_len + c_len + t_len)
+    bias = None if mask is None else mask_bias(mask, b, s_len + c_len + t_len)[0]
     sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
     f_len = s_len + t_len
     mma = use_mma(pk.k_dim, pk.v_dim, h // kv)

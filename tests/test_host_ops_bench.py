@@ -1,4 +1,5 @@
-"""benchmarks/host_ops.py's exact host measure: calls made while building a step's graph."""
+"""The benchmarks' exact host measure (kv.call_events, host_ops.py and kv.py --host-cost use
+it): calls made while building a step's graph."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def test_call_events_leave_out_the_stand_ins_own_calls():
     x = mx.zeros((2, 3))
     ev = host_ops._call_events(lambda: host_ops._stand_in([x], [(2, 3)], [mx.float32])[0])
     assert ev == dict(py_calls=1, c_calls=0)  # only the lambda: _stand_in is the script's
+
+
+def test_kv_host_cost_counts_a_steady_steps_calls():
+    """kv.py --host-cost: one layer's decode step, fake kernels on the CPU; the fp16 cache's
+    step is mlx-lm's update, fetch and attention (3 Python calls), TurboQuant's more."""
+    import kv
+
+    fp16 = kv.layer_step_cost("fp16", 300, 4, 1, 4, 2, 64, warm=2)
+    tq = kv.layer_step_cost("K4V3", 300, 4, 1, 4, 2, 64, warm=2)
+    assert fp16["py_calls"] == 3 and fp16["kernels_per_step"] == 1
+    assert tq["py_calls"] > 10 and tq["kernels_per_step"] == 2

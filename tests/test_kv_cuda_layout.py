@@ -1099,3 +1099,20 @@ def test_sources_compile_with_nvcc(tmp_path):
     launches.append(cuda_kv.prepare(q, parts, 0.1))
     src = cuda_kv.HEADER + "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
     compile_with_nvcc(src, tmp_path)
+
+
+def test_fp_parts_of_one_dtype_or_a_fallback():
+    """The fp16 parts' dtype is the kernel's template type: sink and tail must agree (else
+    the reference runs); with neither, float16."""
+    import dataclasses
+
+    q, parts, _ = make_case(s=4, t=40, fp=np.float16)
+    assert cuda_kv._fp_dtype(parts) == mx.float16
+    bf16 = dataclasses.replace(parts, tail_k=parts.tail_k.astype(mx.bfloat16),
+                               tail_v=parts.tail_v.astype(mx.bfloat16))
+    with pytest.raises(NotImplementedError, match="different dtypes"):
+        cuda_kv.prepare(q, bf16, 0.1)
+    none = dataclasses.replace(parts, sink_k=None, sink_v=None, tail_k=None, tail_v=None)
+    assert cuda_kv._fp_dtype(none) == mx.float16
+    all_bf16 = dataclasses.replace(bf16, sink_k=bf16.tail_k, sink_v=bf16.tail_v)
+    assert cuda_kv._fp_dtype(all_bf16) == mx.bfloat16
