@@ -915,18 +915,19 @@ def test_batched_value_staging_by_default_where_the_lab_measured_it_faster(switc
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
     monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 132)
+    # a GPU of 4 SMs: the 6- and 9-block plans differ at 2000 tokens already (132: ~30K)
+    monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
     auto = switch == "auto"
     for bits, batched, blocks in (((8, 8), auto, 6), ((4, 8), auto, 6), ((4, 3), auto, 9),
                                   ((2, 4), auto, 9), ((8, 3), False, 6), ((8, 4), False, 6)):
         blocks = blocks if batched else cuda_kv.MMA_BLOCKS_PER_SM
-        q, parts, _ = make_case(kv=8, r=4, kd=128, bits=bits, c=30000, s=4, t=140)
+        q, parts, _ = make_case(kv=2, r=4, kd=128, bits=bits, c=2000, s=4, t=140)
         lay = cuda_kv.prepare(q, parts, 0.1).layout
         assert lay.partial_kernel == "tq_kv_partial_mma" + ("_b8" if batched else ""), bits
         assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(
-            1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, blocks), bits
-    assert cuda_kv.plan_waves(1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, 9) != \
-        cuda_kv.plan_waves(1, 8, 30000, 144, 132, cuda_kv.FP_TOKENS_PER_CHUNK, 6)
+            1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, blocks), bits
+    assert cuda_kv.plan_waves(1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, 9) != \
+        cuda_kv.plan_waves(1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, 6)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
