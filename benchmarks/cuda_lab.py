@@ -293,37 +293,27 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         # tensor-core one with hi + lo products and with fp16 products (the runtime's
         # default; same family as the exact one, so the lab prints their difference), and
         # the plain and fp16-product ones staging value codes 8 loads at a time (`_b8`, the
-        # tensor-core one on the runtime's plan for it)
-        b8_blocks = (cuda_kv.MMA_B8_BLOCKS_PER_SM if max(bits_k, bits_v) <= 4
-                     else cuda_kv.MMA_BLOCKS_PER_SM)
-        for kernel, blocks, flag in (
-                ("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
-                ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, ()),
-                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),)),
-                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", False),)),
-                ("tq_kv_partial_mma_b8", b8_blocks, (("EXACT", False),))):
+        # tensor-core one on the runtime's plan for it); then that one on the other plans of
+        # PLAN_CANDIDATES (`_w<n>`: n resident blocks an SM), each its own family, as its
+        # chunking differs: only times compare
+        fp16x = (("EXACT", False),)
+        b8_blocks = cuda_kv.mma_blocks_per_sm(bits_k, bits_v, batched=True)
+        runs = [("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, (), ""),
+                ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, (), "_b8"),
+                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),), ""),
+                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, fp16x, "_fp16x"),
+                ("tq_kv_partial_mma_b8", b8_blocks, fp16x, "_fp16x_b8")]
+        runs += [("tq_kv_partial_mma_b8", n, fp16x, f"_fp16x_b8_w{n}")
+                 for n in PLAN_CANDIDATES if n != b8_blocks]
+        for kernel, blocks, flag, suffix in runs:
             ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
-            base = kernel.removesuffix("_b8")
-            name = f"{base[3:]}_waves_fp{per_chunk}_{tag}"
-            suffix = ("_fp16x" if flag == (("EXACT", False),) else "") + kernel[len(base):]
+            name = f"{kernel.removesuffix('_b8')[3:]}_waves_fp{per_chunk}_{tag}"
+            family = name + suffix if "_w" in suffix else name
             fp_chunked.append(variant(
-                kernel, name + suffix, name, args, in_dtypes,
+                kernel, name + suffix, family, args, in_dtypes,
                 [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
-                cuda_kv.NT, partial_outputs(ncc + fpch)))
-        # the batched tensor-core kernel on other wave plans (`_w<n>`: n resident blocks an
-        # SM); each its own family, as its chunking differs: only times compare
-        for blocks in PLAN_CANDIDATES:
-            if blocks == b8_blocks:
-                continue
-            ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
-                                           blocks)
-            template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
-            name = f"kv_partial_mma_waves_fp{per_chunk}_{tag}_fp16x_b8_w{blocks}"
-            fp_chunked.append(variant(
-                "tq_kv_partial_mma_b8", name, name, args, in_dtypes, [mx.float32] * 2,
-                template + (("EXACT", False),), (ncc + fpch, lay.partial_grid[1], 1),
                 cuda_kv.NT, partial_outputs(ncc + fpch)))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),

@@ -88,9 +88,10 @@ class CacheSpec:
     the default where it fits), plain (neither: the plain partial kernel, for a same-run
     comparison with the default), exact (the tensor-core kernel with hi + lo products,
     `cuda_kv.KV_MMA_EXACT`, instead of fp16 operands), b8 (the partial kernels staging
-    value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by default
-    layers with 8-bit values or with keys and values of at most 4 bits do), eager (a decode step's compression through the
-    plain kv_quantize, `kvcache.COMPILED_FLUSH` "0", instead of the compiled one on a GPU).
+    value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by
+    default layers with 8-bit values or with keys and values of at most 4 bits do), eager
+    (a decode step's compression through the plain kv_quantize, `kvcache.COMPILED_FLUSH`
+    "0", instead of the compiled one on a GPU).
     """
 
     name: str

@@ -804,7 +804,8 @@ _PARTIAL_MMA = _spliced(_PARTIAL, (
 # and 164 for K8/V8; unrolled by 8, 56 and about 40 (nvcc, sm_90, session 11). Fewer loads
 # are in flight a thread (8 instead of 12 for 3-bit values, 32 for 8-bit), more warps an SM.
 _STAGE_V_BATCHED = _STAGE_V.replace("      #pragma unroll\n", "      #pragma unroll 8\n", 1)
-assert _STAGE_V_BATCHED != _STAGE_V and _PARTIAL.count(_STAGE_V) == _PARTIAL_MMA.count(_STAGE_V) == 1
+assert _STAGE_V_BATCHED != _STAGE_V
+assert _PARTIAL.count(_STAGE_V) == _PARTIAL_MMA.count(_STAGE_V) == 1
 
 
 def mma_fits(k_dim: int, v_dim: int, r: int) -> bool:
@@ -1032,10 +1033,10 @@ def stage_batch(bits_k: int, bits_v: int) -> bool:
         KV_STAGE_BATCH == "auto" and (bits_v == 8 or max(bits_k, bits_v) <= 4))
 
 
-def mma_blocks_per_sm(bits_k: int, bits_v: int) -> int:
-    """Resident blocks an SM that the tensor-core kernel's wave plan counts on."""
-    batched = stage_batch(bits_k, bits_v) and max(bits_k, bits_v) <= 4
-    return MMA_B8_BLOCKS_PER_SM if batched else MMA_BLOCKS_PER_SM
+def mma_blocks_per_sm(bits_k: int, bits_v: int, batched: bool) -> int:
+    """Resident blocks an SM that the tensor-core kernel's wave plan counts on, for these
+    bits and that kernel with (`batched`) or without batched value staging."""
+    return MMA_B8_BLOCKS_PER_SM if batched and max(bits_k, bits_v) <= 4 else MMA_BLOCKS_PER_SM
 
 
 def use_mma(k_dim: int, v_dim: int, r: int) -> bool:
@@ -1283,14 +1284,14 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
     sms = cuda_memory.sm_count() if KV_PLAN_WAVES else None
     f_len = s_len + t_len
     mma = use_mma(pk.k_dim, pk.v_dim, h // kv)
-    blocks = mma_blocks_per_sm(pk.bits_k, pk.bits_v) if mma else PARTIAL_BLOCKS_PER_SM
+    partial = "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain"
+    batched = partial != "vec" and stage_batch(pk.bits_k, pk.bits_v)
+    blocks = mma_blocks_per_sm(pk.bits_k, pk.bits_v, batched) if mma else PARTIAL_BLOCKS_PER_SM
     ncc, fpch = (plan_waves(b, kv, c_len, f_len, sms, FP_TOKENS_PER_CHUNK, blocks) if sms
                  else plan(b, kv, c_len, f_len))
-    partial = "mma" if mma else "vec" if KV_PARTIAL_VEC else "plain"
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT,
-                  stage_batch(pk.bits_k, pk.bits_v) and partial != "vec")
+                  ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT, batched)
     fp = lay.dummy_fp
     return Launch(lay, [
         queries, lay.consts, pk.k_codes, pk.k_norms, pk.v_codes, pk.v_norms,
