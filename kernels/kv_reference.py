@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -186,6 +186,9 @@ class PackedKV:
     seed: int
     k_dim: int
     v_dim: int
+    # what a decode kernel derived from this span and the call's other settings (say, a
+    # launch layout), kept with the span: a cache reuses its view for `block` tokens
+    launches: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def length(self) -> int:

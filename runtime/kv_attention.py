@@ -102,8 +102,9 @@ def reference_only():
 
 def turboquant_attention(queries: mx.array, parts: KVParts, scale: float, mask=None) -> mx.array:
     """Attention over a TurboQuant cache view: a decode kernel if one fits, else the reference."""
-    if queries.shape[2] == 1:
-        fn = _decode_kernel()
+    if queries.shape[2] == 1 and not _OFF[0]:
+        backend = dispatch.backend()  # `kernel_for` inline: this runs every decode step
+        fn = _KERNELS.get(backend) if backend in _SETTLED else kernel_for(backend)
         if fn is not None:
             try:
                 return fn(queries, parts, scale, mask)

@@ -123,7 +123,7 @@ class TurboQuantKVCache(_BaseCache):
         seed: int = 0,
         norm_correction: bool = True,
     ):
-        self.bits_k = check_kv_bits(bits_k)
+        self.bits_k = self.bits = check_kv_bits(bits_k)
         self.bits_v = check_kv_bits(bits_v)
         for name, v, lo in (("sink", sink, 0), ("window", window, 0), ("block", block, 1),
                             ("phase", phase, 0), ("start_after", start_after, 0)):
@@ -148,16 +148,17 @@ class TurboQuantKVCache(_BaseCache):
         self._c_lo = 0
         self._n_comp = 0
         self._packed = None  # (lo, n, PackedKV of those rows): parts() reuses it while valid
-        self._dims = None  # (k_dim, v_dim)
+        self._set_dims(None)
 
-    # mlx-lm's attention sends caches with `bits` to its quantized path: kv_attention hooks it
-    @property
-    def bits(self) -> int:
-        return self.bits_k
+    # mlx-lm's attention sends caches with `bits` to its quantized path (kv_attention hooks
+    # it) and reads `bits` and `group_size` on every call: plain attributes, not properties
+    # (a property is a Python call on the host of every layer's decode step)
+    bits: int
+    group_size: int  # one scale (norm) per head vector: k_dim, 0 before the first update
 
-    @property
-    def group_size(self) -> int:  # one scale (norm) per head vector
-        return self._dims[0] if self._dims else 0
+    def _set_dims(self, dims: tuple[int, int] | None):
+        self._dims = dims  # (k_dim, v_dim)
+        self.group_size = dims[0] if dims else 0
 
     # ------------------------------------------------------------------ sizes
 
@@ -211,9 +212,10 @@ class TurboQuantKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self._dims is None:
-            self._dims = (keys.shape[-1], values.shape[-1])
+            self._set_dims((keys.shape[-1], values.shape[-1]))
         n = keys.shape[2]
-        self._drop_before_append(n)
+        if self._drops:
+            self._drop_before_append(n)
         self._flush()
         take = min(max(self.sink - self.offset, 0), n) if self._n_comp + self._n_tail == 0 else 0
         if take:  # copies: a slice would keep the whole step's K/V alive
@@ -233,29 +235,28 @@ class TurboQuantKVCache(_BaseCache):
 
     def _append_tail(self, k: mx.array, v: mx.array):
         m = k.shape[2]
-        self._tail_k = _grow(self._tail_k, self._n_tail, m, k)
-        self._tail_v = _grow(self._tail_v, self._n_tail, m, v)
+        if self._tail_k is None or self._n_tail + m > self._tail_k.shape[2]:  # (_grow's test)
+            self._tail_k = _grow(self._tail_k, self._n_tail, m, k)
+            self._tail_v = _grow(self._tail_v, self._n_tail, m, v)
         self._tail_k[:, :, self._n_tail : self._n_tail + m] = k
         self._tail_v[:, :, self._n_tail : self._n_tail + m] = v
         self._n_tail += m
 
+    _drops = False  # whether _drop_before_append does anything (the sliding-window variant)
+
     def _drop_before_append(self, n: int):
         """The sliding-window variant drops old tokens here."""
 
-    def _due(self) -> int:
-        """Tail tokens to compress now: those before the last position sink + phase +
-        k * block that has left the hot window (0 if none has since the last time)."""
-        first = self.offset - self._n_tail  # position of the tail's first token
-        anchor = self.sink + self.phase
-        if self.offset - self.window < anchor:
-            return 0
-        end = anchor + (self.offset - self.window - anchor) // self.block * self.block
-        return max(0, end - first)
-
     def _flush(self):
-        """Compress the tail tokens that have left the hot window, up to a block boundary."""
-        over = self._due()
-        if over <= 0 or self.offset < self.start_after:
+        """Compress the tail tokens that have left the hot window, up to a block boundary:
+        those before the last position sink + phase + k * block that has left it (none if
+        none has since the last time). The test is inline: it runs every decode step."""
+        anchor = self.sink + self.phase
+        if self.offset - self.window < anchor or self.offset < self.start_after:
+            return
+        end = anchor + (self.offset - self.window - anchor) // self.block * self.block
+        over = end - (self.offset - self._n_tail)  # the tail's first token's position
+        if over <= 0:
             return
         kd, vd = self._dims
         b, h = self._tail_k.shape[:2]
@@ -303,7 +304,11 @@ class TurboQuantKVCache(_BaseCache):
 
     def parts(self) -> KVParts:
         """The current sink | compressed | tail view (what attention reads)."""
-        packed = self._packed_view()
+        held = self._packed  # (_packed_view's test inline: a decode step reuses the view)
+        if held is not None and held[0] == self._c_lo and held[1] == self._n_comp:
+            packed = held[2]
+        else:
+            packed = self._packed_view()
         tail_k = tail_v = None
         if self._n_tail:
             tail_k = self._tail_k[:, :, : self._n_tail]
@@ -355,6 +360,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def _set_meta(self, meta: dict):
         self.bits_k, self.bits_v = int(meta["bits_k"]), int(meta["bits_v"])
+        self.bits = self.bits_k
         self.sink, self.window = int(meta["sink"]), int(meta["window"])
         self.block, self.start_after = int(meta["block"]), int(meta["start_after"])
         self.phase = int(meta.get("phase", 0))  # caches saved before session 11 have none
@@ -390,7 +396,7 @@ class TurboQuantKVCache(_BaseCache):
         self._set_meta(v["meta"])
         self._reset()
         dims = v["meta"]["dims"]
-        self._dims = tuple(int(x) for x in dims.split(",")) if dims else None
+        self._set_dims(tuple(int(x) for x in dims.split(",")) if dims else None)
         self._sink_k, self._sink_v = v["sink_k"], v["sink_v"]
         if v["k_codes"] is not None:
             self._comp = [v["k_codes"], v["k_norms"], v["v_codes"], v["v_norms"]]
@@ -439,6 +445,8 @@ class TurboQuantRotatingKVCache(TurboQuantKVCache):
         if max_size < 1 or keep >= max_size:
             raise ValueError(f"need 0 <= keep < max_size, got keep={keep}, max_size={max_size}")
         self.max_size, self.keep = int(max_size), int(keep)
+
+    _drops = True
 
     def _room(self) -> int:
         """Earlier non-sink tokens a step may still see."""

@@ -34,10 +34,11 @@ def test_call_events_leave_out_the_stand_ins_own_calls():
 
 def test_kv_host_cost_counts_a_steady_steps_calls():
     """kv.py --host-cost: one layer's decode step, fake kernels on the CPU; the fp16 cache's
-    step is mlx-lm's update, fetch and attention (3 Python calls), TurboQuant's more."""
+    step is mlx-lm's update, fetch and attention (3 Python calls), TurboQuant's 11 (30
+    before session 13: the cache's helpers, properties and `prepare` on every step)."""
     import kv
 
     fp16 = kv.layer_step_cost("fp16", 300, 4, 1, 4, 2, 64, warm=2)
     tq = kv.layer_step_cost("K4V3", 300, 4, 1, 4, 2, 64, warm=2)
     assert fp16["py_calls"] == 3 and fp16["kernels_per_step"] == 1
-    assert tq["py_calls"] > 10 and tq["kernels_per_step"] == 2
+    assert 8 <= tq["py_calls"] <= 11 and tq["kernels_per_step"] == 2

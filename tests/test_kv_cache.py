@@ -205,6 +205,8 @@ def test_save_and_load_with_mlx_lm(tmp_path):
         assert b.offset == a.offset and b.seed == a.seed and b.norm_correction == a.norm_correction
         for name in ("bits_k", "bits_v", "sink", "window", "block"):
             assert getattr(b, name) == getattr(a, name)
+        # what mlx-lm's attention reads to route to the hook (plain attributes now)
+        assert (b.bits, b.group_size) == (a.bits, a.group_size) == (a.bits_k, D)
         assert b.nbytes == a.nbytes
         # continuing from the loaded cache is continuing from the original
         k, v = _kv(3, 99)
@@ -220,6 +222,8 @@ def test_meta_state_round_trip():
     _feed(a, [20, 1, 1])
     b = TurboQuantRotatingKVCache.from_state(a.state, a.meta_state)
     assert (b.max_size, b.keep, b.bits_k, b.bits_v, b.seed, b.offset) == (32, 1, 3, 2, 77, 22)
+    assert (b.bits, b.group_size) == (3, D)
+    assert (TurboQuantKVCache(8, 3).bits, TurboQuantKVCache(8, 3).group_size) == (8, 0)
 
 
 @pytest.mark.parametrize("steps", [[1] * 70, [10, 1, 25, 1, 1, 30, 1, 1]])

@@ -814,6 +814,55 @@ def test_layout_is_built_once_per_shape():
     assert launches[0].inputs[2] is launches[1].inputs[2]  # the compressed view did not
 
 
+def test_decode_steps_take_their_layout_from_the_packed_span(monkeypatch):
+    # the host's work per layer per step: after the first step over a compressed span,
+    # decode_attention launches with the span's kept Layout and does not call prepare,
+    # until the fp16 part reaches another chunk count, a switch changes or a flush
+    # replaces the span; the launches equal prepare's in every case
+    from turboquant.runtime.kvcache import TurboQuantKVCache
+
+    launched, prepared = [], []
+    real_prepare = cuda_kv.prepare
+
+    def fake(name):
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launched.append((name, list(inputs), template, grid))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    def counted(*args, **kwargs):
+        prepared.append(args)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_kv, "_kernel", fake)
+    monkeypatch.setattr(cuda_kv, "prepare", counted)
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 16)
+    cache = TurboQuantKVCache(bits_k=4, bits_v=3, sink=4, window=8, block=16, seed=3)
+    k, v = (mx.random.normal((1, 2, 200, 64), key=mx.random.key(i)).astype(mx.float16)
+            for i in (1, 2))
+    cache.update_and_fetch(k[:, :, :100], v[:, :, :100])
+    q = mx.random.normal((1, 4, 1, 64)).astype(mx.float16)
+    spans, fp_counts = [], []
+    for i in range(100, 140):
+        parts, _ = cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        before = len(launched)
+        cuda_kv.decode_attention(q, parts, 0.125)
+        want = real_prepare(q, parts, 0.125)
+        name, inputs, template, grid = launched[before]
+        assert name == want.layout.partial_kernel and template == want.layout.partial_template
+        assert grid == want.layout.partial_grid
+        assert all(a is b for a, b in zip(inputs, want.inputs))
+        spans.append(parts.packed)
+        fp_counts.append(-(-(parts.lengths[0] + parts.lengths[2]) // 16))
+    keys = set(zip(map(id, spans), fp_counts))
+    assert len(keys) < len(spans) // 3  # most steps reused a layout
+    assert len(prepared) == len(keys)  # prepare ran once per span and fp16 chunk count
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 32)  # a switch: laid out anew
+    cuda_kv.decode_attention(q, parts, 0.125)
+    assert len(prepared) == len(keys) + 1
+    assert launched[-2][3] == real_prepare(q, parts, 0.125).layout.partial_grid
+
+
 def test_two_launches_with_only_the_constants_they_need(monkeypatch):
     # host cost per call: two kernel calls, template arguments only for what the source
     # cannot derive, the output shaped (B, H, 1, Dv) by the merge itself
