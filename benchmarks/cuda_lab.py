@@ -328,7 +328,12 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
-    return [partial, candidate, mma, waves, mma_waves, merge, merge_split, *fp_chunked]
+    merge_wide = [variant(  # the candidate (KV_MERGE_WIDE): same family
+        "tq_kv_merge_wide", f"kv_merge_wide_{tag}", merge.family, margs, [mx.float32] * 3,
+        [lay.out_dtype], lay.merge_template, merge.grid, cuda_kv.MERGE_WIDE_THREADS,
+        merge.outputs)] if cuda_kv.merge_wide_fits(head_dim) else []
+    return [partial, candidate, mma, waves, mma_waves, merge, merge_split, *merge_wide,
+            *fp_chunked]
 
 
 # (kind, out, in, bits, options): what `--emit` writes by default (rows per warp of the

@@ -71,7 +71,7 @@ DEFAULT_CONFIGS = ("fp16", "affine8", "affine4", *MAIN_CONFIGS, "K4V3:raw", "K4V
 _SPEC_FLAGS = {"raw": ("norm_correction", False), "ref": ("reference", True),
                "vec": ("vec", True), "mma": ("mma", True), "plain": ("plain", True),
                "exact": ("exact", True), "b8": ("stage_batch", True),
-               "eager": ("eager_flush", True)}
+               "eager": ("eager_flush", True), "wide": ("merge_wide", True)}
 _SPEC_NUMBERS = {"p": "protect", "w": "window", "f": "fp_tokens"}
 
 
@@ -91,7 +91,8 @@ class CacheSpec:
     value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by
     default layers with 8-bit values or with keys and values of at most 4 bits do), eager
     (a decode step's compression through the plain kv_quantize, `kvcache.COMPILED_FLUSH`
-    "0", instead of the compiled one on a GPU).
+    "0", instead of the compiled one on a GPU), wide (the candidate merge kernel,
+    `cuda_kv.KV_MERGE_WIDE`).
     """
 
     name: str
@@ -109,6 +110,7 @@ class CacheSpec:
     exact: bool = False
     stage_batch: bool = False
     eager_flush: bool = False
+    merge_wide: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "CacheSpec":
@@ -122,7 +124,7 @@ class CacheSpec:
             raise ValueError(
                 f"cache spec {name!r}: use fp16, affine8, affine4 or "
                 "K<b>V<b>[:raw][:p<n>][:w<n>][:ref][:f<n>][:vec][:mma][:plain][:exact][:b8]"
-                "[:eager]"
+                "[:eager][:wide]"
             )
         bk, bv = head[1:].split("V")
         kw = {}
@@ -351,13 +353,14 @@ def _attention_path(spec: CacheSpec):
     kvcache.COMPILED_FLUSH = "0" if spec.eager_flush else flush
     saved = {name: getattr(cuda_kv, name) for name in (
         "FP_TOKENS_PER_CHUNK", "KV_PARTIAL_VEC", "KV_PARTIAL_MMA", "KV_MMA_EXACT",
-        "KV_STAGE_BATCH")}
+        "KV_STAGE_BATCH", "KV_MERGE_WIDE")}
     for name, value in dict(
             FP_TOKENS_PER_CHUNK=spec.fp_tokens or saved["FP_TOKENS_PER_CHUNK"],
             KV_PARTIAL_VEC=spec.vec or (saved["KV_PARTIAL_VEC"] and not spec.plain),
             KV_PARTIAL_MMA=spec.mma or (saved["KV_PARTIAL_MMA"] and not spec.plain),
             KV_MMA_EXACT=spec.exact or saved["KV_MMA_EXACT"],
-            KV_STAGE_BATCH="1" if spec.stage_batch else saved["KV_STAGE_BATCH"]).items():
+            KV_STAGE_BATCH="1" if spec.stage_batch else saved["KV_STAGE_BATCH"],
+            KV_MERGE_WIDE=spec.merge_wide or saved["KV_MERGE_WIDE"]).items():
         setattr(cuda_kv, name, value)
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():

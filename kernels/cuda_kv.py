@@ -919,6 +919,133 @@ _MERGE_SPLIT = _spliced(_MERGE, (
     ("  for (int d = tid; d < DV; d += NT) {\n    float a", None, _SPLIT_SUMS),
 ))
 
+# The wide merge (KV_MERGE_WIDE, a candidate: off until its GPU tests pass). Session 13's
+# ncu at 32K put the split merge at 18.5 us a layer beside the partial kernel's 57.7 (and
+# the fp16 cache's whole attention at ~50): its phases are L2 round trips and block-wide
+# reductions on 32 blocks. This one does fewer of each in a block of 1024 threads:
+# (max, sum) of the chunks in one pass with an online combine (the split merge: two
+# passes and two 32-step serial loops), the chunk sums as float4 loads of G = DV / 4
+# threads a chunk row (Q = 1024 / G rows at a time: ~5 loads a thread at 32K, one round
+# trip, against ~17 scalar ones), the fp16 chunks by threads q < FPCH in the same pass, and
+# the un-rotation as float4 rows of unrot; the Q partial sums of a dim are reduced in two
+# levels (DV / G, then 1024 / DV values) instead of one thread summing Q. Takes DV a
+# multiple of 4 with 1024 % (DV / 4) == 0 and DV <= 256 (`merge_wide_fits`).
+_MERGE_WIDE = r"""
+  constexpr int MAXCH = TQ_MAXCH, NT = 1024, NWARPS = NT / 32, G = DV / 4, Q = NT / G;
+  constexpr int P = NT / DV;  // partitions of the first reduction level
+  __shared__ float w[MAXCH];
+  __shared__ float red_m[NWARPS], red_s[NWARPS];
+  __shared__ float4 part[NT];         // thread (d4, q)'s partial sums: float q * DV + 4 * d4
+  __shared__ float4 part_fp[8 * G];   // fp16 chunk q's terms (q < FPCH <= 8)
+  __shared__ float red2[NT];
+  __shared__ float rot[DV];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;
+  const int R = part_ml_shape[2];
+  const int bk = row / R, r = row % R;
+  const int nch = part_ml_shape[1];
+  const int ncc = nch - FPCH;
+  const int d4 = tid % G, q = tid / G;
+
+  // 1. (max, sum) of the chunks, thread c holding chunk c (nch <= MAXCH <= NT)
+  float mc = TQ_NEG, m = TQ_NEG, s = 0.f;
+  if (tid < nch) {
+    const size_t i = (((size_t)bk * nch + tid) * R + r) * 2;
+    mc = m = part_ml[i];
+    s = part_ml[i + 1];
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+    const float mn = fmaxf(m, mo);
+    s = s * expf(m - mn) + so * expf(mo - mn);
+    m = mn;
+  }
+  if (lane == 0) { red_m[warp] = m; red_s[warp] = s; }
+  __syncthreads();
+  m = red_m[lane];  // NWARPS == 32: every warp combines the 32 warps' pairs itself
+  s = red_s[lane];
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+    const float mn = fmaxf(m, mo);
+    s = s * expf(m - mn) + so * expf(mo - mn);
+    m = mn;
+  }
+  const float inv = 1.f / s;
+  if (tid < nch) w[tid] = expf(mc - m);
+  __syncthreads();
+
+  // 2. chunk sums: thread (d4, q) takes chunk rows q, q + Q, ... of the compressed chunks
+  // and fp16 chunk ncc + q
+  const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  #pragma unroll 8
+  for (int c = q; c < ncc; c += Q) {
+    const float4 x = acc4[(((size_t)bk * nch + c) * R + r) * G + d4];
+    const float wc = w[c];
+    a.x += x.x * wc; a.y += x.y * wc; a.z += x.z * wc; a.w += x.w * wc;
+  }
+  part[tid] = a;
+  if (q < FPCH) {
+    const float4 x = acc4[(((size_t)bk * nch + ncc + q) * R + r) * G + d4];
+    const float wc = w[ncc + q];
+    part_fp[q * G + d4] = make_float4(x.x * wc, x.y * wc, x.z * wc, x.w * wc);
+  }
+  __syncthreads();
+  const float* part_f = reinterpret_cast<const float*>(part);
+  const int e = tid % DV, p = tid / DV;  // dim e, rows [p * Q / P, (p + 1) * Q / P)
+  float t = 0.f;
+  #pragma unroll
+  for (int k = p * (Q / P); k < (p + 1) * (Q / P); ++k) t += part_f[k * DV + e];
+  red2[tid] = t;
+  __syncthreads();
+  float fp = 0.f;
+  if (tid < DV) {
+    float u = 0.f;
+    #pragma unroll
+    for (int k = 0; k < P; ++k) u += red2[k * DV + tid];
+    rot[tid] = u * inv;
+    const float* fp_f = reinterpret_cast<const float*>(part_fp);
+    #pragma unroll
+    for (int k = 0; k < FPCH; ++k) fp += fp_f[k * DV + tid];
+    fp *= inv;
+  }
+  __syncthreads();
+
+  // 3. the un-rotation: thread (d4, q) takes rows q, q + Q, ... of unrot
+  const float4* unrot4 = reinterpret_cast<const float4*>(unrot);
+  float4 o4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  #pragma unroll
+  for (int i = q; i < DV; i += Q) {
+    const float4 x = unrot4[i * G + d4];
+    const float ri = rot[i];
+    o4.x += x.x * ri; o4.y += x.y * ri; o4.z += x.z * ri; o4.w += x.w * ri;
+  }
+  part[tid] = o4;
+  __syncthreads();
+  t = 0.f;
+  #pragma unroll
+  for (int k = p * (Q / P); k < (p + 1) * (Q / P); ++k) t += part_f[k * DV + e];
+  red2[tid] = t;
+  __syncthreads();
+  if (tid < DV) {
+    float u = fp;
+    #pragma unroll
+    for (int k = 0; k < P; ++k) u += red2[k * DV + tid];
+    tq_store(out + (size_t)row * DV + tid, u);
+  }
+"""
+MERGE_WIDE_THREADS = 1024
+
+
+def merge_wide_fits(v_dim: int) -> bool:
+    """Whether `_MERGE_WIDE` takes heads of v_dim values (float4 rows that tile its block,
+    its shared memory, and at least MAX_FP_CHUNKS chunk rows at a time)."""
+    return (v_dim % 4 == 0 and MERGE_WIDE_THREADS % (v_dim // 4) == 0 and v_dim <= 256
+            and MERGE_WIDE_THREADS // (v_dim // 4) >= MAX_FP_CHUNKS)
+
+
 PARTIAL_INPUTS = ["queries", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "sink_k",
                   "sink_v", "tail_k", "tail_v", "mask"]
 MERGE_INPUTS = ["part_ml", "part_acc", "unrot"]
@@ -927,6 +1054,7 @@ SOURCES = {  # name -> (inputs, outputs, source): also what the nvcc compile che
     "tq_kv_merge": (MERGE_INPUTS, ["out"], _MERGE),
     "tq_kv_partial_vec": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_VEC),  # KV_PARTIAL_VEC
     "tq_kv_merge_split": (MERGE_INPUTS, ["out"], _MERGE_SPLIT),  # KV_MERGE_SPLIT
+    "tq_kv_merge_wide": (MERGE_INPUTS, ["out"], _MERGE_WIDE),  # KV_MERGE_WIDE
     "tq_kv_partial_mma": (PARTIAL_INPUTS, ["part_ml", "part_acc"], _PARTIAL_MMA),  # KV_PARTIAL_MMA
     # KV_STAGE_BATCH: the same kernels staging value codes 8 loads at a time
     "tq_kv_partial_b8": (PARTIAL_INPUTS, ["part_ml", "part_acc"],
@@ -989,6 +1117,9 @@ KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
 def split_per_dim(v_dim: int) -> int:
     """Threads per value dim of `_MERGE_SPLIT` (at most 8, a block of at most 1024)."""
     return min(8, 1024 // v_dim)
+
+# `_MERGE_WIDE` as the merge where it fits (a candidate until the KV GPU tests pass with it)
+KV_MERGE_WIDE = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_WIDE", "0") == "1"
 
 # the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
 KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
@@ -1205,9 +1336,11 @@ class Layout:
 def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v: int,
             seed: int, scale: float, fp_dtype, out_dtype, has_sink: bool, has_tail: bool,
             has_mask: bool, ncc: int, fpch: int, merge_split: bool = False,
-            partial: str = "plain", exact: bool = False, stage_batch: bool = False) -> Layout:
+            partial: str = "plain", exact: bool = False, stage_batch: bool = False,
+            merge_wide: bool = False) -> Layout:
     """The Layout of a call (NotImplementedError where the kernels do not fit it);
     `merge_split`: the merge with up to 8 threads a value dim (`_MERGE_SPLIT`);
+    `merge_wide`: `_MERGE_WIDE` where `merge_wide_fits` (before `merge_split`);
     `partial`: the partial kernel, "plain" (`_PARTIAL`), "vec" (key rows in 16-byte loads,
     `_PARTIAL_VEC`) or "mma" (the tensor-core `_PARTIAL_MMA`, where `mma_fits`; `exact`:
     its hi + lo products, float32's accuracy, else fp16 operands); `stage_batch`: plain or
@@ -1227,8 +1360,11 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         ("FPCH", fpch), ("HAS_SINK", has_sink), ("HAS_TAIL", has_tail), ("HAS_MASK", has_mask),
     ) + ((("EXACT", exact),) if partial == "mma" else ())
     nch, bkv = ncc + fpch, b * kv
-    split = split_per_dim(v_dim) if merge_split else 1
-    merge_threads = split * v_dim if split > 1 else NT
+    wide = merge_wide and merge_wide_fits(v_dim)
+    split = split_per_dim(v_dim) if merge_split and not wide else 1
+    merge_threads = MERGE_WIDE_THREADS if wide else split * v_dim if split > 1 else NT
+    merge_kernel = ("tq_kv_merge_wide" if wide else "tq_kv_merge_split" if split > 1
+                    else "tq_kv_merge")
     return Layout(
         b=b, h=h, kv=kv, r=r, k_dim=k_dim, v_dim=v_dim, ncc=ncc, fpch=fpch, out_dtype=out_dtype,
         consts=consts, unrot=_unrotation(seed, v_dim), dummy_fp=_dummy(fp_dtype),
@@ -1236,8 +1372,7 @@ def _layout(b: int, h: int, kv: int, k_dim: int, v_dim: int, bits_k: int, bits_v
         merge_template=(("DV", v_dim), ("FPCH", fpch)),
         partial_grid=(nch * NT, bkv, 1), partial_shapes=[(bkv, nch, r, 2), (bkv, nch, r, v_dim)],
         merge_grid=(b * h * merge_threads, 1, 1), out_shape=(b, h, 1, v_dim),
-        merge_kernel="tq_kv_merge_split" if split > 1 else "tq_kv_merge",
-        merge_threads=merge_threads,
+        merge_kernel=merge_kernel, merge_threads=merge_threads,
         partial_kernel=("tq_kv_partial" + ("" if partial == "plain" else "_" + partial)
                         + ("_b8" if stage_batch else "")),  # a SOURCES name
     )
@@ -1291,7 +1426,7 @@ def prepare(queries: mx.array, parts: KVParts, scale: float, mask=None) -> Launc
                  else plan(b, kv, c_len, f_len))
     lay = _layout(b, h, kv, pk.k_dim, pk.v_dim, pk.bits_k, pk.bits_v, pk.seed, float(scale),
                   _fp_dtype(parts), queries.dtype, s_len > 0, t_len > 0, bias is not None,
-                  ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT, batched)
+                  ncc, fpch, KV_MERGE_SPLIT, partial, KV_MMA_EXACT, batched, KV_MERGE_WIDE)
     return Launch(lay, _inputs(lay, queries, parts, bias))
 
 
@@ -1344,7 +1479,7 @@ def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None)
            (s_len + t_len + FP_TOKENS_PER_CHUNK - 1) // FP_TOKENS_PER_CHUNK,
            None if sink is None else sink.dtype, None if tail is None else tail.dtype,
            FP_TOKENS_PER_CHUNK, KV_PLAN_WAVES, KV_PARTIAL_MMA, KV_PARTIAL_VEC, KV_STAGE_BATCH,
-           KV_MERGE_SPLIT, KV_MMA_EXACT, TARGET_BLOCKS)
+           KV_MERGE_SPLIT, KV_MMA_EXACT, TARGET_BLOCKS, KV_MERGE_WIDE)
     lay = pk.launches.get(key)
     if lay is None:
         launch = prepare(queries, parts, scale)

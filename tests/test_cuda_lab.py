@@ -59,12 +59,13 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 
 
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
-    partial, candidate, mma, waves, mma_waves, merge, merge_split = lab.build(
+    partial, candidate, mma, waves, mma_waves, merge, merge_split, merge_wide = lab.build(
         [], kv_contexts=(4096,), kv_tail_contexts=())
     from turboquant.kernels import cuda_kv
 
-    assert merge_split.family == merge.family
+    assert merge_split.family == merge.family == merge_wide.family
     assert merge_split.block == cuda_kv.split_per_dim(128) * 128 == 8 * 128
+    assert merge_wide.block == 1024 and merge_wide.grid == merge.grid
     # the candidate partial kernels run the same launch and are checked against it
     for other in (candidate, mma):
         assert other.family == partial.family and other.func != partial.func

@@ -242,10 +242,37 @@ def check_decode_steps() -> list[str]:
         v = mx.random.normal((1, case.kv, 1, case.dim), key=k2).astype(mx.bfloat16)
         parts, _ = cache.update_and_fetch(k, v)
         layouts.add(id(cuda_kv.prepare(q, parts, 0.09).layout))
+        # decode_attention's launch, from the layout kept with the packed span after the
+        # first step over it, is prepare's launch: the same bits
+        got = cuda_kv.decode_attention(q, parts, 0.09)
+        want = cuda_kv.run(cuda_kv.prepare(q, parts, 0.09))
+        assert mx.array_equal(got, want), f"decode step {i}: decode_attention != prepare + run"
         if i % 10 == 0 or i == 69:
             out.append(compare(q, parts, 0.09, None, f"decode step {i}"))
     assert len(layouts) <= 3, f"{len(layouts)} layouts for 70 steps: the Layout is not reused"
     return out
+
+
+def check_wide_merge() -> list[str]:
+    """The candidate merge (`cuda_kv._MERGE_WIDE`, KV_MERGE_WIDE): head dims 64/128/256,
+    many chunks, two fp16 chunks, float32 parts, a mask."""
+    saved = cuda_kv.KV_MERGE_WIDE
+    cuda_kv.KV_MERGE_WIDE = True
+    try:
+        out = []
+        for case in (Case(), Case(dim=64, kv=4, r=2), Case(kv=1, r=2, dim=256, bits=(4, 4),
+                     ctx=700), Case(kv=8, r=4, ctx=40000), Case(kv=2, r=4, ctx=3000, window=400),
+                     Case(kv=2, r=4, ctx=900, dtype="float32"), Case(b=2, bits=(8, 8))):
+            q, parts, _ = cache_parts(case, seed=13)
+            lay = cuda_kv.prepare(q, parts, case.dim ** -0.5).layout
+            assert lay.merge_kernel == "tq_kv_merge_wide", f"{case.name}: {lay.merge_kernel}"
+            out.append(compare(q, parts, case.dim ** -0.5, None, case.name + " (wide merge)"))
+        q, parts, _ = cache_parts(Case(b=2, kv=2, r=4, ctx=900), seed=7)
+        keep = np.random.default_rng(1).random(parts.length) > 0.3
+        out.append(compare(q, parts, 0.09, mx.array(keep), "bool mask (T,) (wide merge)"))
+        return out
+    finally:
+        cuda_kv.KV_MERGE_WIDE = saved
 
 
 def check_compiled_compression() -> list[str]:
@@ -391,6 +418,7 @@ CHECKS = [("masks", check_masks), ("exact_products", check_exact_products),
           ("fp_chunks_of_a_tile", check_fp_chunks_of_a_tile),
           ("decode_steps", check_decode_steps), ("declined_cases_fall_back", check_fallbacks),
           ("compiled_compression", check_compiled_compression),
+          ("wide_merge", check_wide_merge),
           ("hook_loads_the_kernel", check_hook_loads_kernel),
           ("model_decode_matches_reference", check_model_decode)]
 

@@ -31,6 +31,7 @@ def test_options_parse():
     ("K4V3:vec:f256", True, True, 256, False),
     ("K4V3:exact", True, False, cuda_kv.TILE, True),
     ("K4V3:b8", True, False, cuda_kv.TILE, False),
+    ("K4V3:wide", True, False, cuda_kv.TILE, False),
 ])
 def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, vec, fp, exact,
                                                                    monkeypatch):
@@ -39,10 +40,13 @@ def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, ve
     monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", False)
     monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "auto")
     monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", cuda_kv.TILE)
+    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", False)
     with kv._attention_path(kv.CacheSpec.parse(name)):
         assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC) == (mma, vec)
         assert cuda_kv.FP_TOKENS_PER_CHUNK == fp and cuda_kv.KV_MMA_EXACT == exact
         assert (cuda_kv.KV_STAGE_BATCH == "1") == name.endswith(":b8")
+        assert cuda_kv.KV_MERGE_WIDE == name.endswith(":wide")
+    assert not cuda_kv.KV_MERGE_WIDE
     assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK,
             cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) == (True, False, cuda_kv.TILE, False,
                                                               "auto")

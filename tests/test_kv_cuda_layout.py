@@ -333,6 +333,8 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
                   split: int | None = None) -> np.ndarray:
     """`_MERGE`, or with `split` Q > 1 `_MERGE_SPLIT` (Q threads a dim); by default what
     the call's layout launches (its merge kernel and threads a block)."""
+    if L.layout.merge_kernel == "tq_kv_merge_wide" and split is None:
+        return emulate_merge_wide(L, part_ml, part_acc)
     if split is None:
         split = (L.layout.merge_threads // L.layout.v_dim
                  if L.layout.merge_kernel == "tq_kv_merge_split" else 1)
@@ -382,6 +384,82 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
         for i in range(DV):
             o += rot[i] * unrot[i * DV + d]
         out.write(row * DV + d, o)
+    return out.done().reshape(L.layout.out_shape)
+
+
+def _combine(m, s, mo, so):
+    """The wide merge's online (max, sum) combine of two chunks' or lanes' pairs."""
+    mn = np.maximum(m, mo)
+    return mn, (s * np.exp(m - mn) + so * np.exp(mo - mn)).astype(F32)
+
+
+def emulate_merge_wide(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray
+                       ) -> np.ndarray:
+    """`_MERGE_WIDE`: a block of 1024 threads per query row; thread (d4, q) = tid as
+    q * G + d4 with G = DV / 4 threads per chunk row; its flat reads of part_ml, part_acc
+    (float4 rows) and unrot, its shared arrays and its two-level reductions."""
+    NT = cuda_kv.MERGE_WIDE_THREADS
+    assert L.layout.merge_threads == NT
+    T = dict(L.layout.merge_template)
+    DV, FPCH = T["DV"], T["FPCH"]
+    G, R, nch = DV // 4, part_ml.shape[2], part_ml.shape[1]
+    Q, P = NT // G, NT // DV
+    ncc = nch - FPCH
+    assert nch <= cuda_kv.MAX_CHUNKS <= NT and FPCH <= 8 <= Q and NT % G == 0
+    ml, acc = part_ml.reshape(-1), part_acc.reshape(-1)
+    acc4 = acc.reshape(-1, 4)  # float4 view: the kernel's loads must be whole, aligned rows
+    unrot4 = np.asarray(L.layout.unrot).reshape(-1, 4)
+    rows = L.layout.merge_grid[0] // NT
+    assert rows == int(np.prod(L.layout.out_shape[:3]))
+    out = Out((rows, DV))
+    tid = np.arange(NT)
+    d4, q = tid % G, tid // G
+    e, p = tid % DV, tid // DV
+    for row in range(rows):  # blockIdx.x
+        bk, r = divmod(row, R)
+        live = tid < nch
+        c = np.where(live, tid, 0)
+        mc = np.where(live, ml[((bk * nch + c) * R + r) * 2], F32(NEG)).astype(F32)
+        sc = np.where(live, ml[((bk * nch + c) * R + r) * 2 + 1], F32(0)).astype(F32)
+        m, s_ = mc.reshape(32, 32), sc.reshape(32, 32)  # (warp, lane)
+        for o in (16, 8, 4, 2, 1):  # __shfl_xor within each warp
+            m, s_ = _combine(m, s_, m[:, np.arange(32) ^ o], s_[:, np.arange(32) ^ o])
+        m, s_ = m[:, 0], s_[:, 0]  # red_m, red_s: lane 0 of every warp
+        for o in (16, 8, 4, 2, 1):  # every warp combines them
+            m, s_ = _combine(m, s_, m[np.arange(32) ^ o], s_[np.arange(32) ^ o])
+        assert (m == m[0]).all() and (s_ == s_[0]).all()
+        M, inv = m[0], F32(1) / s_[0]
+        w = np.exp(mc[:nch] - M).astype(F32)  # shared w[c] for c < nch
+        part = np.zeros((NT, 4), F32)
+        for k in range(-(-ncc // Q)):  # chunk rows q, q + Q, ...
+            ci = q + k * Q
+            ok = ci < ncc
+            cc = np.where(ok, ci, 0)
+            idx = ((bk * nch + cc) * R + r) * G + d4
+            assert (idx[ok] < acc4.shape[0]).all()
+            part += np.where(ok[:, None], acc4[idx] * w[cc][:, None], 0)
+        part_fp = np.zeros((8 * G, 4), F32)
+        fq = q < FPCH
+        ci = ncc + np.where(fq, q, 0)
+        part_fp[(q * G + d4)[fq]] = (acc4[((bk * nch + ci) * R + r) * G + d4] * w[ci][:, None])[fq]
+
+        def reduce_q(part4):  # red2[tid] = sum over rows [p Q/P, (p+1) Q/P) of dim e
+            flat = part4.reshape(-1)
+            return sum(flat[(p * (Q // P) + j) * DV + e] for j in range(Q // P))
+
+        red2 = reduce_q(part)
+        rot = sum(red2[k * DV + np.arange(DV)] for k in range(P)) * inv
+        fp = sum((part_fp.reshape(-1)[k * DV + np.arange(DV)] for k in range(FPCH)),
+                 np.zeros(DV, F32)) * inv
+        o4 = np.zeros((NT, 4), F32)
+        for i0 in range(0, DV, Q):  # unrot rows q, q + Q, ...
+            i = i0 + q
+            ok = i < DV
+            ii = np.where(ok, i, 0)
+            o4 += np.where(ok[:, None], unrot4[ii * G + d4] * rot[ii][:, None], 0)
+        red2 = reduce_q(o4)
+        out.write(row * DV + np.arange(DV),
+                  fp + sum(red2[k * DV + np.arange(DV)] for k in range(P)))
     return out.done().reshape(L.layout.out_shape)
 
 
@@ -719,6 +797,34 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_runtime_wide_merge_launches_and_matches_reference(name, monkeypatch):
+    """KV_MERGE_WIDE: the layout launches `_MERGE_WIDE` (1024 threads a row) where it fits,
+    the split merge elsewhere, replayed as launched."""
+    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", True)
+    lay = check(*make_case(**CASES[name], seed=len(name))).layout
+    if cuda_kv.merge_wide_fits(lay.v_dim):
+        assert lay.merge_kernel == "tq_kv_merge_wide" and lay.merge_threads == 1024
+        assert lay.merge_grid == (lay.b * lay.h * 1024, 1, 1)
+    else:
+        assert lay.merge_kernel == "tq_kv_merge_split"
+
+
+def test_wide_merge_fits_the_head_dims_it_tiles():
+    assert [d for d in (32, 64, 80, 96, 128, 256, 512) if cuda_kv.merge_wide_fits(d)] == [
+        32, 64, 128, 256]
+
+
+def test_wide_merge_of_many_chunks_and_fp16_chunks(monkeypatch):
+    # every compressed chunk a tile and the most fp16 chunks: the float4 rows, the chunk
+    # rows past Q and the fp16 terms of threads q < FPCH all in play
+    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", True)
+    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 16)
+    q, parts, args = make_case(kv=2, r=4, kd=128, bits=(4, 3), c=128 * 40, s=4, t=120)
+    launch = check(q, parts, args)
+    assert launch.layout.ncc > 1024 // 32 and launch.layout.fpch == cuda_kv.MAX_FP_CHUNKS
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_runtime_vector_key_loads_launch_and_match_reference(name, monkeypatch):
     """TURBOQUANT_CUDA_KV_PARTIAL_VEC=1: the layout launches `_PARTIAL_VEC` (same grid and
     inputs), replayed as launched."""
@@ -996,6 +1102,16 @@ def test_batched_value_staging_takes_fewer_registers(tmp_path):
     assert regs["tq_kv_partial_mma_b8"] <= 64 < regs["tq_kv_partial_mma"], regs
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("v_dim", [64, 128, 256])
+def test_wide_merge_fits_a_block_of_1024_threads(tmp_path, v_dim):
+    """`_MERGE_WIDE` launches 1024 threads a block: at most 64 registers each on sm_90."""
+    src = cuda_kv.HEADER + mlx_kernel_source(
+        "tq_kv_merge_wide", "tq_kv_merge_wide", [mx.float32] * 3, [mx.bfloat16],
+        (("DV", v_dim), ("FPCH", cuda_kv.MAX_FP_CHUNKS)))
+    assert nvcc_registers(src, tmp_path, "tq_kv_merge_wide") <= 64
+
+
 def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
     """KV_PARTIAL_MMA: `_PARTIAL_MMA` for heads of 128/256 dims and up to 8 query rows a KV
     head on an sm_80+ GPU, on its own wave plan (fewer resident blocks); the plain kernel
@@ -1123,6 +1239,9 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"merge_split_{tag}", "tq_kv_merge_split", [mx.float32] * 3,
                           [lay.out_dtype], lay.merge_template),
+        mlx_kernel_source(f"merge_wide_{tag}", "tq_kv_merge_wide", [mx.float32] * 3,
+                          [lay.out_dtype], lay.merge_template)
+        if cuda_kv.merge_wide_fits(lay.v_dim) else "",
         *(mlx_kernel_source(f"partial_mma_{tag}_{exact}", "tq_kv_partial_mma",
                             [x.dtype for x in L.inputs], [mx.float32, mx.float32],
                             lay.partial_template + (("EXACT", exact),))
