@@ -653,15 +653,22 @@ def _fake_gpu(counts: dict):
     """Off the GPU: TurboQuant attention takes the CUDA path with fake kernels, and
     mx.fast.scaled_dot_product_attention is a fake kernel too (one call, like on the GPU)."""
     from turboquant.kernels import cuda_kv, dispatch
+    from turboquant.runtime import kv_attention
 
     fake = _FakeKernel(counts)
     saved = cuda_kv._kernel, dispatch.backend, mx.fast.scaled_dot_product_attention
+    kernels, settled = dict(kv_attention._KERNELS), set(kv_attention._SETTLED)
     cuda_kv._kernel, dispatch.backend = fake.cuda_kernel, lambda: "cuda"
     mx.fast.scaled_dot_product_attention = fake.sdpa
+    kv_attention.register_kernel("cuda", cuda_kv.decode_attention)  # whatever ran before
     try:
         yield
     finally:
         cuda_kv._kernel, dispatch.backend, mx.fast.scaled_dot_product_attention = saved
+        kv_attention._KERNELS.clear()
+        kv_attention._KERNELS.update(kernels)
+        kv_attention._SETTLED.clear()
+        kv_attention._SETTLED.update(settled)
 
 
 def graph_ops(arrays) -> dict:
