@@ -65,17 +65,20 @@ def unregister(backend: str, op: str) -> None:
     _changed()
 
 
-_GENERATION = [0]
+# `generation()`'s number, in a list that a decode step's hot path reads without a call
+GENERATION = [0]
 
 
 def _changed() -> None:
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def generation() -> int:
     """A number that changes whenever a kernel is registered or unregistered: callers that
-    keep what `get` chose (say, a bound decode call) key it on this and `backend()`."""
-    return _GENERATION[0]
+    keep what `get` chose (say, a bound decode call) key it on this and on the device's
+    type, `mx.default_device().type` (`backend()` is a function of it; a fake backend, as
+    the benchmarks patch in, must be in place before anything is bound)."""
+    return GENERATION[0]
 
 
 def registered(backend: str, op: str) -> Callable | None:

@@ -24,21 +24,23 @@ from turboquant.stages import rotate
 from . import dispatch
 
 
-@dataclass(frozen=True, eq=False)
 class Extras:
     """What a group call does around its product. The input is x, or rms_norm(x, norm,
     eps) with `norm`, or silu(x) * up with `up` (x is then the gate); `residual` (the
-    output's shape) is added to the output of a single-member group."""
+    output's shape) is added to the output of a single-member group. Not to be changed
+    once made.
 
-    norm: mx.array | None = None
-    eps: float = 0.0
-    up: mx.array | None = None
-    residual: mx.array | None = None
+    `mode` is (norm, gate, residual): which of them a call does, the key of its kernel.
+    A field, not a property, and a plain class, not a dataclass (whose `__post_init__`
+    would be one more call): a decoder layer makes a few of these and reads their mode on
+    every decode step, where each Python call costs the GPU's host time."""
 
-    @property
-    def mode(self) -> tuple[bool, bool, bool]:
-        """(norm, gate, residual): which of them a call does, the key of its kernel."""
-        return self.norm is not None, self.up is not None, self.residual is not None
+    __slots__ = ("norm", "eps", "up", "residual", "mode")
+
+    def __init__(self, norm: mx.array | None = None, eps: float = 0.0,
+                 up: mx.array | None = None, residual: mx.array | None = None):
+        self.norm, self.eps, self.up, self.residual = norm, eps, up, residual
+        self.mode = (norm is not None, up is not None, residual is not None)
 
 
 NO_EXTRAS = Extras()

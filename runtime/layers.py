@@ -186,7 +186,10 @@ class LinearGroup:
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
             return kernels.tq_linear_group(x, self.members, self.prepared, extras)
-        key = (shape, x.dtype, extras.mode, dispatch.backend(), dispatch.generation())
+        # what `bind_linear_group` chose depends on the device and the registered kernels
+        # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
+        on_gpu = mx.default_device().type == mx.gpu
+        key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0])
         run = self.bound.get(key)
         if run is None:
             run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
