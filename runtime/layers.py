@@ -82,6 +82,16 @@ class _TQBase(nn.Module):
         )
 
 
+# Changes whenever a TQLinear's arrays are set or removed: a LinearGroup compares its
+# members with their layers' arrays only after it changed, not on every decode call.
+_arrays_version = 0
+
+
+def _arrays_changed() -> None:
+    global _arrays_version
+    _arrays_version += 1
+
+
 class TQLinear(_TQBase):
     """y = x W^T + b with W stored as TurboQuant codes: codes (out, words), scales (out, groups)."""
 
@@ -115,6 +125,22 @@ class TQLinear(_TQBase):
         if bias is not None:
             layer.bias = bias
         return layer
+
+    # A Module keeps its arrays as dict items, and MLX sets and removes them through these
+    # (`layer.codes = ...`, `update`, `load_weights`, `layer.bias = None`, `del layer.bias`):
+    # each tells the linear groups to look at their members again.
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _arrays_changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _arrays_changed()
+
+    def pop(self, key, *default):
+        if key in self:  # Module.__setattr__ pops every plain attribute's name
+            _arrays_changed()
+        return super().pop(key, *default)
 
     @property
     def weight(self) -> mx.array:
@@ -158,6 +184,7 @@ class LinearGroup:
         self.members: tuple[kernels.Member, ...] = ()
         self.prepared: dict = {}
         self.bound: dict = {}  # (x's shape and dtype, extras' mode, kernel choice) -> f(x, extras)
+        self.checked = -1  # the `_arrays_version` at which the members were last checked
         self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
         self.extras = kernels.NO_EXTRAS
 
@@ -180,9 +207,8 @@ class LinearGroup:
         A decode step (a few tokens) runs the group call bound for x's shape and dtype
         (`kernels.bind_linear_group`): the host builds each token's graph with only the
         launch left to do. Prefill, whose shapes vary, calls `tq_linear_group`."""
-        if not self._current():  # new or replaced weights: describe them anew
-            self.members = tuple(layer.member() for layer in self.layers)
-            self.prepared, self.bound = {}, {}
+        if self.checked != _arrays_version:  # some TQLinear's arrays changed: ours?
+            self._check_members()
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
             return kernels.tq_linear_group(x, self.members, self.prepared, extras)
@@ -195,6 +221,14 @@ class LinearGroup:
             run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
                                                               extras)
         return run(x, extras)
+
+    def _check_members(self) -> None:
+        """New or replaced weights: describe them anew, and let go of what was derived
+        from the old ones."""
+        if not self._current():
+            self.members = tuple(layer.member() for layer in self.layers)
+            self.prepared, self.bound = {}, {}
+        self.checked = _arrays_version
 
     def _current(self) -> bool:
         if len(self.members) != len(self.layers):

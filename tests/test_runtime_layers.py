@@ -54,6 +54,67 @@ def test_a_decode_call_follows_replaced_weights():
     _close(layer(x), x @ decode(second).T)
 
 
+def _replace(layer, how: str, qt) -> None:
+    """Put qt's codes and scales in place of the layer's, the way `how` names."""
+    if how == "setattr":
+        layer.codes, layer.scales = qt.codes, qt.scales
+    elif how == "item":
+        layer["codes"], layer["scales"] = qt.codes, qt.scales
+    elif how == "update":
+        layer.update({"codes": qt.codes, "scales": qt.scales})
+    else:  # a model's load_weights, by parameter name
+        model = nn.Sequential(layer)
+        model.load_weights([("layers.0.codes", qt.codes), ("layers.0.scales", qt.scales)],
+                           strict=False)
+
+
+@pytest.mark.parametrize("how", ["setattr", "item", "update", "load_weights"])
+def test_a_group_follows_a_members_weights_however_replaced(how):
+    """A LinearGroup checks its members again only after some TQLinear's arrays were set
+    (`TQLinear.__setitem__`): every way of setting them must tell it."""
+    from turboquant.runtime.layers import LinearGroup
+
+    q, k, new_k = (encode(mx.random.normal((40, 90), key=mx.random.key(s)), 3, 32, seed=11)
+                   for s in (1, 2, 3))
+    layers = [TQLinear.from_quantized(q), TQLinear.from_quantized(k)]
+    shared = LinearGroup(layers)
+    x = mx.random.normal((1, 1, 90))
+    _close(shared.outputs(x)[1], x @ decode(k).T)
+    _replace(layers[1], how, new_k)
+    ys = shared.outputs(x)
+    _close(ys[0], x @ decode(q).T)
+    _close(ys[1], x @ decode(new_k).T)
+
+
+@pytest.mark.parametrize("how", ["none", "del"])
+def test_a_decode_call_follows_a_removed_bias(how):
+    qt = encode(mx.random.normal((40, 90)), 3, 32, seed=11)
+    layer = TQLinear.from_quantized(qt, bias=mx.ones((40,)))
+    x = mx.random.normal((1, 1, 90))
+    _close(layer(x), x @ decode(qt).T + 1)
+    if how == "none":
+        layer.bias = None  # Module.__setattr__ pops it from the layer's arrays
+    else:
+        del layer.bias
+    assert "bias" not in layer
+    _close(layer(x), x @ decode(qt).T)
+
+
+def test_other_layers_replaced_weights_keep_a_groups_prepared_kernels():
+    """A replacement anywhere makes every group compare its members once; a group whose
+    members are unchanged keeps what its backend prepared."""
+    first, second = (encode(mx.random.normal((40, 90), key=mx.random.key(k)), 3, 32, seed=11)
+                     for k in (1, 2))
+    layer, other = TQLinear.from_quantized(first), TQLinear.from_quantized(first)
+    x = mx.random.normal((1, 1, 90))
+    layer(x)
+    shared = layer.group()
+    prepared, bound = shared.prepared, shared.bound
+    other.codes, other.scales = second.codes, second.scales
+    _close(layer(x), x @ decode(first).T)
+    assert shared.prepared is prepared and shared.bound is bound
+
+
 def test_tq_layers_hold_codes_and_scales_only_and_are_frozen():
     layer = TQLinear(100, 30, bias=True, bits=3, group_size=64, seed=9)
     params = dict(tree_flatten(layer.parameters()))
