@@ -40,6 +40,10 @@ from . import cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group,
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
 
+# Extras modes (norm, gate, residual) that `_Plan.bind` launches without a helper call
+_PLAIN, _NORM = (False, False, False), (True, False, False)
+_RESIDUAL, _GATE_RESIDUAL = (False, False, True), (False, True, True)
+
 # id(sources) -> (weak refs to the arrays it was built from, prepared value); an entry
 # goes when any of its sources is freed, so a dropped model takes its layouts with it
 _PREPARED: dict[tuple, tuple] = {}
@@ -178,14 +182,37 @@ class _Plan:
 
     def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
         """f(x, extras) for inputs of leading shape `lead` and `dtype`, extras of `mode`:
-        the fused launch with the weights bound (the two-launch path: this plan's call)."""
+        the fused launch with the weights bound (the two-launch path: this plan's call).
+        For the modes a fused decoder block uses, f reads the extras' arrays itself and
+        launches: one Python call a token, where each costs the GPU's host time. Inputs
+        in `cuda_linear.inputs(mode)`'s order: x, up, norm weight + eps, residual, weights."""
         if not self.fused:
             return self.__call__
-        run = self._launch(lead, dtype, mode).with_weights(self._weights())
-        if mode == (False, False, False):
-            return lambda x, extras: run(x)
+        launch, weights = self._launch(lead, dtype, mode).bound(), self._weights()
+        if mode == _PLAIN:
+            return lambda x, extras: launch(inputs=[x, *weights])
+        if mode == _NORM:  # q/k/v, gate/up
+            return self._bind_norm(launch, weights)
+        if mode == _RESIDUAL:  # o_proj
+            return lambda x, extras: launch(inputs=[x, extras.residual, *weights])
+        if mode == _GATE_RESIDUAL:  # down_proj
+            return lambda x, extras: launch(inputs=[x, extras.up, extras.residual, *weights])
         extra_inputs = self._extra_inputs
-        return lambda x, extras: run(x, *extra_inputs(extras))
+        return lambda x, extras: launch(inputs=[x, *extra_inputs(extras), *weights])
+
+    def _bind_norm(self, launch, weights: list[mx.array]):
+        """The normed launch, its norm operand looked up again only when the extras bring
+        another norm weight or eps than the last call's (a block brings the same one every
+        token)."""
+        seen = (None, None, None)  # the last call's norm weight, eps and operand
+
+        def run(x: mx.array, extras: group.Extras) -> list[mx.array]:
+            nonlocal seen
+            if extras.norm is not seen[0] or extras.eps != seen[1]:
+                seen = (extras.norm, extras.eps, self._norm_operand(extras.norm, extras.eps))
+            return launch(inputs=[x, seen[2], *weights])
+
+        return run
 
     def __call__(self, x: mx.array, extras: group.Extras = group.NO_EXTRAS) -> list[mx.array]:
         if not self.fused:  # the two-launch path does the extras with MLX's ops

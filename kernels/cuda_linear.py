@@ -227,17 +227,11 @@ class Launch:
             output_shapes=self.shapes, output_dtypes=self.dtypes,
         )
 
-    def with_weights(self, weights: list[mx.array]):
-        """f(*row_inputs): this launch with `weights` (its last inputs, `WEIGHTS`) bound,
-        for a caller that launches it every token."""
-        kernel, grid, shapes, dtypes = self.kernel, self.grid, self.shapes, self.dtypes
-        threads = (THREADS, 1, 1)
-
-        def run(*rows: mx.array) -> list[mx.array]:
-            return kernel(inputs=[*rows, *weights], grid=grid, threadgroup=threads,
-                          output_shapes=shapes, output_dtypes=dtypes)
-
-        return run
+    def bound(self):
+        """f(inputs=[...]): the kernel with this launch's grid, block and outputs bound, for
+        a caller that launches it every token (a partial: no Python frame of its own)."""
+        return functools.partial(self.kernel, grid=self.grid, threadgroup=(THREADS, 1, 1),
+                                 output_shapes=self.shapes, output_dtypes=self.dtypes)
 
 
 def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],

@@ -153,26 +153,61 @@ def test_extras_are_inputs_of_the_same_launch(kernels):
     assert cuda_linear.inputs((False, True, True)) == ["x", "up", "res", *cuda_linear.WEIGHTS]
 
 
+def _same_launch(rec, ys) -> None:
+    """The recorder's last two calls (an unbound call, then a bound one) launch alike."""
+    plain, bound = rec.calls[-2:]
+    assert [y.shape for y in ys] == plain["shapes"]
+    assert {k: v for k, v in plain.items() if k != "inputs"} == {
+        k: v for k, v in bound.items() if k != "inputs"}
+    assert len(plain["inputs"]) == len(bound["inputs"])
+    assert all(a is b for a, b in zip(plain["inputs"], bound["inputs"]))
+
+
 def test_a_bound_call_launches_what_the_call_launches(kernels):
     """`bind_linear_group` (what a decode step runs every token): the same kernel, grid,
-    shapes and inputs as `linear_group`, for each extras mode, the weights bound once."""
+    shapes and inputs as `linear_group`, for each extras mode (those of a fused block read
+    by a closure of their own, the rest through `_extra_inputs`), the weights bound once."""
     qkv, down = _members(256, (128, 64, 64), bias=True), _members(512, (256,))
+    o = _members(256, (256,))
     x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
-    norm = group.Extras(norm=mx.arange(256).astype(mx.bfloat16), eps=1e-5)
+    weight = mx.arange(256).astype(mx.bfloat16)
+    norm = group.Extras(norm=weight, eps=1e-5)
+    res = mx.ones((1, 1, 256), dtype=mx.bfloat16)
     gate, up = mx.ones((1, 1, 512), mx.bfloat16), mx.full((1, 1, 512), 2.0, mx.bfloat16)
-    gated = group.Extras(up=up, residual=mx.ones((1, 1, 256), dtype=mx.bfloat16))
-    for members, row, extras in ((qkv, x, group.NO_EXTRAS), (qkv, x, norm), (down, gate, gated)):
+    cases = [(qkv, x, group.NO_EXTRAS), (qkv, x, norm), (o, x, group.Extras(residual=res)),
+             (down, gate, group.Extras(up=up, residual=res)),
+             (o, x, group.Extras(norm=weight, eps=1e-5, residual=res)),
+             (down, gate, group.Extras(up=up))]
+    for members, row, extras in cases:
         prepared = {}
         cuda.linear_group(row, members, prepared, extras)
         run = cuda.bind_linear_group(row, members, prepared, extras)
         ys = run(row, extras)
         (rec,) = [r for k, r in kernels.items() if k[3] == extras.mode and k[1] == len(members)]
-        plain, bound = rec.calls[-2:]
-        assert [y.shape for y in ys] == plain["shapes"]
-        assert {k: v for k, v in plain.items() if k != "inputs"} == {
-            k: v for k, v in bound.items() if k != "inputs"}
-        assert len(plain["inputs"]) == len(bound["inputs"])
-        assert all(a is b for a, b in zip(plain["inputs"], bound["inputs"]))
+        _same_launch(rec, ys)
+    assert len(kernels) == len(cases)
+
+
+def test_a_bound_normed_call_follows_the_norm_weight_and_eps(kernels):
+    """The bound norm launch keeps the last norm's packed operand: the same weight and eps
+    reuse it, another weight or eps is packed (and launched) anew."""
+    qkv = _members(256, (128, 64, 64))
+    x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    first, second = mx.arange(256).astype(mx.bfloat16), mx.ones((256,), mx.bfloat16)
+    prepared = {}
+    run = cuda.bind_linear_group(x, qkv, prepared, group.Extras(norm=first, eps=1e-5))
+    for weight, eps in ((first, 1e-5), (first, 1e-5), (second, 1e-5), (second, 1e-6)):
+        extras = group.Extras(norm=weight, eps=eps)
+        run(x, extras)
+        cuda.linear_group(x, qkv, prepared, extras)
+        (rec,) = kernels.values()
+        bound, plain = rec.calls[-2:]
+        assert bound["inputs"][1] is plain["inputs"][1]
+        assert mx.array_equal(bound["inputs"][1][:256], weight.astype(mx.float32)).item()
+        assert abs(bound["inputs"][1][256].item() - eps) < 1e-12
+    operands = [c["inputs"][1] for c in rec.calls[::2]]
+    assert operands[0] is operands[1] and operands[1] is not operands[2]
+    assert operands[2] is not operands[3]
 
 
 def test_binding_prefill_or_an_unfusable_group_is_left_to_the_reference(kernels):
