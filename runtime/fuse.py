@@ -41,9 +41,11 @@ class TQGroupedLinear(TQLinear):
         self._group, self._index = shared, index
 
     def __call__(self, x: mx.array) -> mx.array:
-        tokens = x.size // max(1, x.shape[-1])
-        shared = getattr(self, "_group", None)
-        if shared is None or tokens > dispatch.MATVEC_MAX_TOKENS:
+        shared = self._group
+        ready = shared.ready
+        if ready is not None and ready[0] is x:  # a fused block computed the group's outputs
+            return ready[1][self._index]
+        if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
             return super().__call__(x)
         return shared.output(x, self._index)
 
@@ -102,16 +104,21 @@ class FusedDecoderBlock:
     linears' kernels (norms, SwiGLU and residuals in `kernels.Extras`)."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
+        if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
             return super().__call__(x, mask, cache)
-        attn = self.self_attn
-        qkv, out = attn.q_proj._group, attn.o_proj.group()
-        qkv.extras = _norm_extras(self.input_layernorm)
+        # children as items, not attributes: Module.__getattr__ would be a Python call each
+        attn, norm = self["self_attn"], self["input_layernorm"]
+        qkv, out = attn["q_proj"]._group, attn["o_proj"]._alone
+        qkv.extras = Extras(norm=norm["weight"], eps=norm.eps)
         out.extras = Extras(residual=x)
         try:
+            # q/k/v in one call, taken by the attention's calls on x (any other would still
+            # be normalised: the extras stay set while it runs)
+            qkv.ready = (x, qkv.outputs(x, qkv.extras))
             h = attn(x, mask, cache)  # x + o_proj(attention(rms_norm(x)))
         finally:
             qkv.extras = out.extras = NO_EXTRAS
+            qkv.ready = None
         if COMPILE_MLP and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
             return self._compiled_mlp_half()(h)
         return _mlp_half(self, h)
@@ -133,13 +140,9 @@ class FusedDecoderBlock:
 def _mlp_half(block, h: mx.array) -> mx.array:
     """h + down(silu(gate(n)) * up(n)), n = rms_norm(h): the gate/up and down group calls
     with the norm, the SwiGLU and the residual as their extras."""
-    mlp = block.mlp
-    gate, up = mlp.gate_proj._group.outputs(h, _norm_extras(block.post_attention_layernorm))
-    return mlp.down_proj.group().outputs(gate, Extras(up=up, residual=h))[0]
-
-
-def _norm_extras(norm: nn.RMSNorm) -> Extras:
-    return Extras(norm=norm["weight"], eps=norm.eps)
+    mlp, norm = block["mlp"], block["post_attention_layernorm"]
+    gate, up = mlp["gate_proj"]._group.outputs(h, Extras(norm=norm["weight"], eps=norm.eps))
+    return mlp["down_proj"]._alone.outputs(gate, Extras(up=up, residual=h))[0]
 
 
 @functools.cache

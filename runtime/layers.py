@@ -113,6 +113,7 @@ class TQLinear(_TQBase):
         if bias:
             self.bias = mx.zeros((output_dims,))
         self.freeze()
+        self._alone = LinearGroup([self])  # a plain attribute: read on every call
 
     @classmethod
     def from_quantized(cls, qt, bias: mx.array | None = None) -> "TQLinear":
@@ -155,15 +156,14 @@ class TQLinear(_TQBase):
         )
 
     def __call__(self, x: mx.array) -> mx.array:
-        self.check_input(x)
-        return self.group().output(x, 0)
+        if x.shape[-1] != self.input_dims:
+            self.check_input(x)  # raises, naming the shapes
+        alone = self._alone
+        return alone.outputs(x, alone.extras)[0]
 
     def group(self) -> "LinearGroup":
         """The LinearGroup of this layer alone (a grouped layer's is its siblings')."""
-        alone = self.__dict__.get("_alone")
-        if alone is None:
-            alone = self._alone = LinearGroup([self])
-        return alone
+        return self._alone
 
 
 class LinearGroup:
@@ -177,6 +177,7 @@ class LinearGroup:
 
     `extras` (`kernels.Extras`) is what the members' calls do around the product while a
     fused decoder block (`runtime.fuse`) has it set: the norm before, the residual after.
+    `ready` holds the outputs such a block computed before its attention calls the members.
     """
 
     def __init__(self, layers: list[TQLinear]):
@@ -187,15 +188,16 @@ class LinearGroup:
         self.checked = -1  # the `_arrays_version` at which the members were last checked
         self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
         self.extras = kernels.NO_EXTRAS
+        # (x, outputs) that a fused decoder block computed for its attention's calls on x
+        self.ready: tuple[mx.array, list[mx.array]] | None = None
 
     def output(self, x: mx.array, index: int) -> mx.array:
         """Member `index`'s output for x."""
-        if len(self.layers) == 1:
-            return self.outputs(x, self.extras)[0]
-        if self.pending is None or self.pending[0] is not x:
+        pending = self.pending
+        if pending is None or pending[0] is not x:
             ys = self.outputs(x, self.extras)
-            self.pending = (x, ys, set(range(len(ys))))
-        _, ys, waiting = self.pending
+            pending = self.pending = (x, ys, set(range(len(ys))))
+        _, ys, waiting = pending
         waiting.discard(index)
         if not waiting:
             self.pending = None
@@ -216,8 +218,9 @@ class LinearGroup:
         # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
         on_gpu = mx.default_device().type == mx.gpu
         key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0])
-        run = self.bound.get(key)
-        if run is None:
+        try:  # not `.get`: a method call on every token, where a miss is once per shape
+            run = self.bound[key]
+        except KeyError:
             run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
                                                               extras)
         return run(x, extras)

@@ -222,6 +222,7 @@ def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):
     assert modes == [norm, residual, norm, gate_residual] * 2 + [plain]
     groups = [m.__dict__.get(k) for _, m in model.named_modules() for k in ("_alone", "_group")]
     assert all(g.extras is kernels.NO_EXTRAS for g in groups if g is not None)  # reset
+    assert all(g.ready is None and g.pending is None for g in groups if g is not None)
 
 
 def test_blocks_with_ungrouped_linears_are_not_fused(tmp_path):
