@@ -63,18 +63,24 @@ class _StandInKernel:
         return _stand_in(inputs, output_shapes, output_dtypes)
 
 
-def _on_fake_cuda() -> None:
-    """Make TurboQuant's CUDA path run here with stand-in kernels (before anything builds
-    a kernel: the kernel builders cache what they make), and MLX's fused ops one node each
-    as on the GPU (on the CPU rope, rms_norm and attention fall back to several ops)."""
-    from turboquant.kernels import dispatch
+def _on_fake_cuda(patch=setattr) -> None:
+    """Make TurboQuant's CUDA path run here with stand-in kernels, and MLX's fused ops one
+    node each as on the GPU (on the CPU rope, rms_norm and attention fall back to several
+    ops). Before anything binds a decode call: bound calls are kept per device type, not
+    per `dispatch.backend()`. `patch(obj, name, value)`: setattr, or a test's
+    `monkeypatch.setattr`, which undoes it all afterwards."""
+    from turboquant.kernels import cuda_gemv, cuda_linear, cuda_rotate, dispatch
 
-    mx.fast.cuda_kernel = lambda **kw: _StandInKernel(**kw)
-    dispatch.backend = lambda: "cuda"
-    mx.fast.rope = lambda x, *a, **k: _stand_in([x], [x.shape], [x.dtype])[0]
-    mx.fast.rms_norm = lambda x, w, eps: _stand_in([x, w], [x.shape], [x.dtype])[0]
-    mx.fast.scaled_dot_product_attention = lambda q, k, v, **kw: _stand_in(
-        [q, k, v], [(*q.shape[:-1], v.shape[-1])], [q.dtype])[0]
+    patch(mx.fast, "cuda_kernel", lambda **kw: _StandInKernel(**kw))
+    for module in (cuda_gemv, cuda_linear, cuda_rotate):
+        # the kernel builders' caches of their own while faked: no real kernel is reused
+        # here, no stand-in outlives the fake
+        patch(module, "_kernel", functools.lru_cache(maxsize=None)(module._kernel.__wrapped__))
+    patch(dispatch, "backend", lambda: "cuda")
+    patch(mx.fast, "rope", lambda x, *a, **k: _stand_in([x], [x.shape], [x.dtype])[0])
+    patch(mx.fast, "rms_norm", lambda x, w, eps: _stand_in([x, w], [x.shape], [x.dtype])[0])
+    patch(mx.fast, "scaled_dot_product_attention", lambda q, k, v, **kw: _stand_in(
+        [q, k, v], [(*q.shape[:-1], v.shape[-1])], [q.dtype])[0])
 
 
 def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:

@@ -42,3 +42,24 @@ def test_kv_host_cost_counts_a_steady_steps_calls():
     tq = kv.layer_step_cost("K4V3", 300, 4, 1, 4, 2, 64, warm=2)
     assert fp16["py_calls"] == 3 and fp16["kernels_per_step"] == 1
     assert 8 <= tq["py_calls"] <= 11 and tq["kernels_per_step"] == 2
+
+
+def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatch):
+    """host_ops.py on a small Llama, CUDA path faked: a fused TQ3 decoder layer's step is
+    its 4 kernel calls and at most affine-4's 30 Python calls (70 before session 13: the
+    member checks, `dispatch.backend()`, the extras' helpers, Module.__getattr__ on every
+    linear call), 7 builtins (58), all of them mlx-lm's attention's."""
+    import decode
+
+    small = dict(decode.LLAMA3_8B, hidden_size=256, intermediate_size=512,
+                 num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(decode, "LLAMA3_8B", small)  # host_ops sets its layers and vocab
+    host_ops._on_fake_cuda(monkeypatch.setattr)
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        tq3 = host_ops.per_layer("tq3", layers=1, moe=False, steps=2)
+    finally:
+        mx.set_default_device(device)
+    assert tq3["calls"] == 4  # q/k/v, o_proj, gate/up, down_proj: the CUDA path ran
+    assert tq3["py_calls"] <= 30 and tq3["c_calls"] <= 7
