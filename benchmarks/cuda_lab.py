@@ -211,15 +211,15 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     # the plain layout (`plan`'s grid, the one-thread-a-dim merge): what the variants below
     # are timed against
     switches = (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
-                cuda_kv.KV_PARTIAL_MMA)
+                cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_MERGE_WIDE)
     cuda_kv.KV_MERGE_SPLIT = cuda_kv.KV_PLAN_WAVES = cuda_kv.KV_PARTIAL_VEC = False
-    cuda_kv.KV_PARTIAL_MMA = False
+    cuda_kv.KV_PARTIAL_MMA = cuda_kv.KV_MERGE_WIDE = False
     try:
         launch = cuda_kv.prepare(zeros(1, kv * r, 1, head_dim, dtype=mx.bfloat16), parts,
                                  head_dim ** -0.5)
     finally:
         (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
-         cuda_kv.KV_PARTIAL_MMA) = switches
+         cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_MERGE_WIDE) = switches
     lay = launch.layout
     fills = {"queries": "x", "consts": _values(lay.consts.tolist()).fill, "k_codes": "bits",
              "v_codes": "bits", "k_norms": "norm", "v_norms": "norm", "mask": "zero"}

@@ -919,7 +919,7 @@ _MERGE_SPLIT = _spliced(_MERGE, (
     ("  for (int d = tid; d < DV; d += NT) {\n    float a", None, _SPLIT_SUMS),
 ))
 
-# The wide merge (KV_MERGE_WIDE, a candidate: off until its GPU tests pass). Session 13's
+# The wide merge (KV_MERGE_WIDE, the runtime's where it fits since session 13). Session 13's
 # ncu at 32K put the split merge at 18.5 us a layer beside the partial kernel's 57.7 (and
 # the fp16 cache's whole attention at ~50): its phases are L2 round trips and block-wide
 # reductions on 32 blocks. This one does fewer of each in a block of 1024 threads:
@@ -1099,10 +1099,11 @@ def plan(b: int, kv: int, c_len: int, f_len: int, fp_tokens: int | None = None
 
 PARTIAL_BLOCKS_PER_SM = 6  # the partial kernel's resident blocks on an sm_90 SM (76-79 registers)
 MMA_BLOCKS_PER_SM = 6  # `_PARTIAL_MMA`'s (72 registers with nvcc for sm_90)
-# the batched-staging tensor-core kernel's for keys and values of at most 4 bits (56
-# registers: 9 blocks fit). Lab, H200, K4/V3, 32K, runtime grid: 43.7 us on this plan
-# against 51.0 on the 6-block one (and 50.9 for full staging on a 7-block one); the same
-# at 1K. K8/V8 stays on the 6-block plan: 101 us there against 119 on an 8- or 9-block one.
+# the batched-staging tensor-core kernel's for values of at most 4 bits (56 registers for
+# every mix of bits: 9 blocks fit). Lab, H200, 32K, runtime grid: K4/V3 43.7 us on this
+# plan against 51.0 on the 6-block one (and 50.9 for full staging on a 7-block one), the
+# same at 1K; K8/V3 57.3 against 67.4 (session 13). 8-bit values stay on the 6-block plan:
+# K8/V8 101 us there against 119 on a 9-block one.
 MMA_B8_BLOCKS_PER_SM = 9
 
 # Two of the lab's candidates (session 8), on since their GPU tests passed with them
@@ -1118,8 +1119,9 @@ def split_per_dim(v_dim: int) -> int:
     """Threads per value dim of `_MERGE_SPLIT` (at most 8, a block of at most 1024)."""
     return min(8, 1024 // v_dim)
 
-# `_MERGE_WIDE` as the merge where it fits (a candidate until the KV GPU tests pass with it)
-KV_MERGE_WIDE = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_WIDE", "0") == "1"
+# `_MERGE_WIDE` as the merge where it fits, "0" turns it off (the split merge then): lab,
+# H200, 32K: 5.7 us against the split merge's 10.2, 1K: 5.0 against 7.6 (session 13)
+KV_MERGE_WIDE = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_WIDE", "1") == "1"
 
 # the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
 KV_PLAN_WAVES = os.environ.get("TURBOQUANT_CUDA_KV_PLAN_WAVES", "1") == "1"
@@ -1139,13 +1141,14 @@ KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
 # under the 4-bit codes' own error (sqrt(kv_mse(4)) = 9.7%). The fp16 sink and tail enter
 # the products as fp16 too: exact for bf16 and fp16 parts within fp16's range.
 KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
-# Where the partial kernels (plain and tensor-core) take `_STAGE_V_BATCHED`: "auto" (the
-# default) for 8-bit values and for keys and values of at most 4 bits (the latter on a
-# plan of MMA_B8_BLOCKS_PER_SM), "1" always, "0" never. Lab, H200, 32K tokens, the
-# runtime's grid and 188-token tail, fp16 operands (session 12): K8/V8 99.3-101.6 us
-# batched against 150.7-155.3 (130 registers -> 56; the layers the cache protects by
-# default); K4/V3 43.7 against 50.9 (with the 9-block plan); K8/V3 66.6 against 65.7, so
-# it keeps full staging. The KV GPU tests pass with "1".
+# Whether the partial kernels (plain and tensor-core) take `_STAGE_V_BATCHED`: "auto" (the
+# default) and "1" for every layer, "0" never. Lab, H200, 32K tokens, the runtime's grid
+# and 188-token tail, fp16 operands: K8/V8 99.3-101.6 us batched against 150.7-155.3 (130
+# registers -> 56; the layers the cache protects by default); K4/V3 43.7 against 50.9 and
+# K8/V3 57.3 against ~66 (110 registers -> 56), both on the 9-block plan of values of at
+# most 4 bits (sessions 12, 13); the plain kernel the same within 2% either way. Until
+# session 13 "auto" left K8/V3 and K8/V4 on full staging (on a 6-block plan where 4 fit).
+# The KV GPU tests pass with "1".
 KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "auto")
 # What fp16 operands may move an output, relative to the largest |output|: a score's
 # error (2^-10 of sum |q_i k_i| at most) reaches the weights through exp, so scores of up
@@ -1160,14 +1163,13 @@ def fp16_operands(layout: "Layout") -> bool:
 
 def stage_batch(bits_k: int, bits_v: int) -> bool:
     """Whether a call of these bits stages its value codes 8 loads at a time."""
-    return KV_STAGE_BATCH == "1" or (
-        KV_STAGE_BATCH == "auto" and (bits_v == 8 or max(bits_k, bits_v) <= 4))
+    return KV_STAGE_BATCH != "0"
 
 
 def mma_blocks_per_sm(bits_k: int, bits_v: int, batched: bool) -> int:
     """Resident blocks an SM that the tensor-core kernel's wave plan counts on, for these
     bits and that kernel with (`batched`) or without batched value staging."""
-    return MMA_B8_BLOCKS_PER_SM if batched and max(bits_k, bits_v) <= 4 else MMA_BLOCKS_PER_SM
+    return MMA_B8_BLOCKS_PER_SM if batched and bits_v <= 4 else MMA_BLOCKS_PER_SM
 
 
 def use_mma(k_dim: int, v_dim: int, r: int) -> bool:

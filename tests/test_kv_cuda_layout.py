@@ -790,6 +790,7 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
     """KV_MERGE_SPLIT (for every chunk count): the layout launches `_MERGE_SPLIT` with
     Q x DV threads a block, replayed as launched."""
     monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
+    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", False)  # the default where it fits
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
     q = min(8, 1024 // lay.v_dim)  # lab, 32K: 10.2 us, 14.5 with 4
     assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
@@ -984,7 +985,8 @@ def test_two_launches_with_only_the_constants_they_need(monkeypatch):
     q, parts, _ = make_case(b=2, kv=2, r=2, kd=64)
     out = cuda_kv.decode_attention(q.astype(mx.bfloat16), parts, 0.125)
     assert out.shape == (2, 4, 1, 64) and out.dtype == mx.bfloat16
-    merge = "tq_kv_merge_split" if cuda_kv.KV_MERGE_SPLIT else "tq_kv_merge"  # every call
+    merge = ("tq_kv_merge_wide" if cuda_kv.KV_MERGE_WIDE else  # where it fits (d64 does)
+             "tq_kv_merge_split" if cuda_kv.KV_MERGE_SPLIT else "tq_kv_merge")
     assert [(n.removesuffix("_b8"), k) for n, k, _ in calls] == [
         ("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)), (merge, len(cuda_kv.MERGE_INPUTS))]
     assert set(calls[0][2]) == {"KD", "DV", "BK", "BV", "R", "P", "FPCH", "HAS_SINK",
@@ -1062,10 +1064,10 @@ def test_batched_value_staging_launches_and_matches_reference(name, mma, monkeyp
 
 @pytest.mark.parametrize("switch", ["auto", "0"])
 def test_batched_value_staging_by_default_where_the_lab_measured_it_faster(switch, monkeypatch):
-    """KV_STAGE_BATCH "auto" (the default): the batched kernels for 8-bit values (the
-    protected layers; lab, 32K: 99 us against 151) and for keys and values of at most 4 bits
-    on a wave plan of 9 resident blocks (K4/V3: 43.7 us against 50.9); K8/V3 keeps full
-    staging (the same within 2%). "0" turns it off, on the 6-block plan."""
+    """KV_STAGE_BATCH "auto" (the default): the batched kernels for every layer, on a wave
+    plan of 9 resident blocks for values of at most 4 bits (K4/V3: 43.7 us against 50.9,
+    K8/V3 57.3 against 67.4) and of 6 for 8-bit values (K8/V8 101 against 119). "0" turns
+    it off, on the 6-block plan."""
     monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", switch)
     monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
     monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
@@ -1074,7 +1076,7 @@ def test_batched_value_staging_by_default_where_the_lab_measured_it_faster(switc
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
     auto = switch == "auto"
     for bits, batched, blocks in (((8, 8), auto, 6), ((4, 8), auto, 6), ((4, 3), auto, 9),
-                                  ((2, 4), auto, 9), ((8, 3), False, 6), ((8, 4), False, 6)):
+                                  ((2, 4), auto, 9), ((8, 3), auto, 9), ((8, 4), auto, 9)):
         blocks = blocks if batched else cuda_kv.MMA_BLOCKS_PER_SM
         q, parts, _ = make_case(kv=2, r=4, kd=128, bits=bits, c=2000, s=4, t=140)
         lay = cuda_kv.prepare(q, parts, 0.1).layout
