@@ -353,3 +353,22 @@ def test_compiled_compression_is_on_for_gpu_backends_only(monkeypatch):
     monkeypatch.setattr(kvcache.dispatch, "backend", lambda: "cuda")
     assert kvcache._quantizer(4, 0, True, True) is kvcache._compiled_kv_quantize(4, 0, True)
     assert kvcache._quantizer(4, 0, True, False).func is kv_quantize  # a prefill's piece
+
+
+@pytest.mark.parametrize("preset", [None, "7"])
+def test_importing_the_runtime_raises_mlx_cuda_graph_cache_unless_set(preset):
+    """The staggered compressions thrash MLX's 100 cached CUDA graphs (session 13, H200):
+    importing turboquant.runtime sets MLX_CUDA_GRAPH_CACHE_SIZE before any model runs,
+    and a value the user set wins. A fresh process: MLX reads the variable once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_GRAPH_CACHE_SIZE"}
+    if preset:
+        env["MLX_CUDA_GRAPH_CACHE_SIZE"] = preset
+    code = ("import os, turboquant.runtime.kvcache; "
+            "print(os.environ['MLX_CUDA_GRAPH_CACHE_SIZE'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [preset or "2000"]
