@@ -91,8 +91,9 @@ class CacheSpec:
     value codes 8 loads at a time for every layer, `cuda_kv.KV_STAGE_BATCH` "1"; by
     default layers with 8-bit values or with keys and values of at most 4 bits do), eager
     (a decode step's compression through the plain kv_quantize, `kvcache.COMPILED_FLUSH`
-    "0", instead of the compiled one on a GPU), wide (the candidate merge kernel,
-    `cuda_kv.KV_MERGE_WIDE`).
+    "0", instead of the compiled one on a GPU), wide (the wide merge kernel,
+    `cuda_kv.KV_MERGE_WIDE`: the default since session 13; run with
+    TURBOQUANT_CUDA_KV_MERGE_WIDE=0 to compare it with the split merge in one process).
     """
 
     name: str

@@ -816,19 +816,22 @@ def mma_fits(k_dim: int, v_dim: int, r: int) -> bool:
 
 # One block per (b * KV + kv head) * R + r. part_ml (BKV, NCH, R, 2), part_acc
 # (BKV, NCH, R, DV), unrot (DV, DV) f32 -> out (B, H, 1, DV) in the queries' dtype.
+# A merge block's query row (block row = (b * KV + kv head) * R + r) and chunk counts.
+_MERGE_ROW = r"""  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;
+  const int R = part_ml_shape[2];
+  const int bk = row / R, r = row % R;
+  const int nch = part_ml_shape[1];
+  const int ncc = nch - FPCH;
+"""
+
 _MERGE = r"""
   constexpr int NT = TQ_NT, MAXCH = TQ_MAXCH;
   constexpr int NWARPS = NT / 32;
   __shared__ float w[MAXCH];
   __shared__ float rot[DV];
   __shared__ float red[NWARPS];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int row = blockIdx.x;
-  const int R = part_ml_shape[2];
-  const int bk = row / R, r = row % R;
-  const int nch = part_ml_shape[1];
-  const int ncc = nch - FPCH;
-
+""" + _MERGE_ROW + r"""
   float mx = TQ_NEG;
   for (int c = tid; c < nch; c += NT) mx = fmaxf(mx, part_ml[(((size_t)bk * nch + c) * R + r) * 2]);
   mx = tq_warp_max(mx);
@@ -939,13 +942,7 @@ _MERGE_WIDE = r"""
   __shared__ float4 part_fp[8 * G];   // fp16 chunk q's terms (q < FPCH <= 8)
   __shared__ float red2[NT];
   __shared__ float rot[DV];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int row = blockIdx.x;
-  const int R = part_ml_shape[2];
-  const int bk = row / R, r = row % R;
-  const int nch = part_ml_shape[1];
-  const int ncc = nch - FPCH;
-  const int d4 = tid % G, q = tid / G;
+""" + _MERGE_ROW + r"""  const int d4 = tid % G, q = tid / G;
 
   // 1. (max, sum) of the chunks, thread c holding chunk c (nch <= MAXCH <= NT)
   float mc = TQ_NEG, m = TQ_NEG, s = 0.f;
