@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from turboquant.stages import rotate
+from turboquant.stages.rotate import single_transform
 
 from . import dispatch
 
@@ -100,6 +101,25 @@ def rotate_padded(x: mx.array, seed: int, padded_in: int) -> mx.array:
     if pad:
         xr = mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
     return xr
+
+
+def bind_rotate_padded(n: int, seed: int, padded_in: int):
+    """`rotate_padded(x, seed, padded_in)` for inputs of last axis n, as f(x) with the same
+    ops: where the rotation is one Hadamard transform (`single_transform`), its plan
+    is looked up here, once, not on every decode step of a switch layer."""
+    single = single_transform(seed, n)
+    if single is None:
+        return lambda x: rotate_padded(x, seed, padded_in)
+    signs, scale = single
+    pad = padded_in - n
+    if not pad:
+        return lambda x: mx.hadamard_transform(x.astype(mx.float32) * signs, scale=scale)
+
+    def padded(x: mx.array) -> mx.array:
+        xr = mx.hadamard_transform(x.astype(mx.float32) * signs, scale=scale)
+        return mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
+
+    return padded
 
 
 def rotated_input(x: mx.array, m: Member) -> mx.array:

@@ -343,6 +343,17 @@ def rotate(x: mx.array, seed: int) -> mx.array:
     return (dense.astype(x.dtype) @ y).reshape(*lead, n)
 
 
+def single_transform(seed: int, n: int) -> tuple[mx.array, float] | None:
+    """(signs, scale) where rotate(x, seed) of a float32 x of last axis n is
+    mx.hadamard_transform(x * signs, scale=scale), its ops exactly; None where it takes
+    more (a dense factor, a split Hadamard). For callers that rotate the same shapes
+    every decode step and would rather not look the plan up each time."""
+    signs, dense, m, p = _plan(seed, n)
+    if dense is not None or n == 1 or p > _MLX_MAX_POW2 or m not in _MLX_M or p & (p - 1):
+        return None
+    return signs, 1.0 / math.sqrt(n)  # _hadamard's forward transform: one MLX call
+
+
 def unrotate(y: mx.array, seed: int) -> mx.array:
     """x = s * T^T(y) along the last axis: the inverse of rotate."""
     y = _as_float(y)

@@ -187,3 +187,21 @@ def test_group_major_rotation_is_bit_identical(n, group_size, rows):
     want[:, :n] = np.array(rotate(mx.array(x), 99))
     want = want.reshape(rows, a, b, group_size).transpose(3, 1, 2, 0)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n, pad", [(2048, 0), (768, 0), (1000, 24), (96, 32), (17, 47),
+                                    (16384, 0), (1, 63)])
+def test_a_bound_padded_rotation_is_rotate_padded_bit_for_bit(n, pad):
+    """`group.bind_rotate_padded` (a switch layer's decode steps): one Hadamard transform
+    where `single_transform` says the rotation is one, else `rotate_padded` itself; the
+    same values and dtype either way."""
+    from turboquant.kernels.group import bind_rotate_padded, rotate_padded
+    from turboquant.stages.rotate import single_transform
+
+    simple = single_transform(1234, n)
+    assert (simple is not None) == (n in (2048, 768, 96))  # 768 = 12 * 64, 96 = 12 * 8
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        x = mx.random.normal((1, 2, 1, 1, n), key=mx.random.key(n)).astype(dtype)
+        want, got = rotate_padded(x, 1234, n + pad), bind_rotate_padded(n, 1234, n + pad)(x)
+        assert got.dtype == want.dtype == mx.float32 and got.shape == want.shape
+        assert mx.array_equal(got, want).item()
