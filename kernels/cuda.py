@@ -368,6 +368,62 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     return y.reshape(*batch, m, out_features).astype(out_dtype)
 
 
+def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
+                out_dtype=None, **_):
+    """`gather` for arguments of these shapes and dtypes, as f(x_rot, codes, scales,
+    indices): the pair arrays, the launch and every branch on shapes are settled here,
+    once, and the experts' layout looked up again only for other codes than the last
+    call's (a switch layer brings its own every token). The same ops and launch as
+    `gather`; NotImplementedError where it raises it."""
+    batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
+                                             GATHER_MAX_PAIR_ROWS)
+    out_dtype = out_dtype or x_rot.dtype
+
+    def unbound(x_rot, codes, scales, indices):
+        return gather(x_rot, codes, scales, indices, bits, group_size, out_features,
+                      padded_in, out_dtype=out_dtype)
+
+    if not COMPACT_GATHER:  # the broadcast path, kept for comparison: called as is
+        return unbound
+    seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
+    pair_row = _pair_rows(tuple(x_rot.shape[:-2]), batch, m)
+    padded64 = _padded64(padded_in)
+    pad = [(0, 0), (0, padded64 - padded_in)] if padded64 > padded_in else None
+    broadcast = tuple(indices.shape) != batch
+    cast = indices.dtype not in (mx.int32, mx.uint32)
+    launch = cuda_gemv.launch(
+        bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
+        padded=padded64, nscales=seen[1][2].shape[-1], pairs=pairs * m, out_dtype=out_dtype,
+    ).bound()
+    constants = (_levels(bits), pair_row, cuda_gemv._no_bias())
+    shape = (*batch, m, out_features)
+
+    def run(x_rot, codes, scales, indices):
+        nonlocal seen
+        if not COMPACT_GATHER:
+            return unbound(x_rot, codes, scales, indices)
+        if codes is not seen[0]:
+            seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
+        x = x_rot.reshape(-1, padded_in).astype(mx.float16)  # `_gemv_rows`, inline
+        if pad is not None:
+            x = mx.pad(x, pad)
+        experts = mx.broadcast_to(indices, batch) if broadcast else indices
+        if cast:
+            experts = experts.astype(mx.int32)
+        pair_expert = experts.reshape(-1)
+        if m > 1:  # each row of a pair reads the pair's expert
+            pair_expert = mx.repeat(pair_expert, m)
+        low, high, scales64 = seen[1]
+        levels, rows, no_bias = constants
+        y = launch(inputs=[x, low, high, scales64, levels, pair_expert, rows, no_bias])[0]
+        return y.reshape(shape)  # in out_dtype already, as the kernel wrote it
+
+    return run
+
+
+gather.bind = bind_gather
+
+
 @functools.lru_cache(maxsize=256)
 def _pair_rows(x_batch: tuple, batch: tuple, m: int) -> mx.array:
     """x's row for each (pair, row of the pair), pairs in `batch` order: the pair's token

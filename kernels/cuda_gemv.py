@@ -364,6 +364,14 @@ class Launch:
         )
         return outs[0] if self.single else outs
 
+    def bound(self):
+        """f(inputs=[...]) -> the list of outputs: the kernel with this launch's template,
+        grid, block and outputs bound, for a caller that launches it every token (a
+        partial: no Python frame of its own)."""
+        return functools.partial(self.kernel, template=self.template, grid=self.grid,
+                                 threadgroup=self.threads, output_shapes=self.shapes,
+                                 output_dtypes=self.dtypes)
+
 
 def launch(
     *,

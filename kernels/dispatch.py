@@ -169,6 +169,31 @@ def tq_gather(x_rot, codes, scales, indices, bits, group_size, out_features, pad
     return y if out_dtype is None else y.astype(out_dtype)  # no op where already so
 
 
+def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
+                **kw) -> Callable:
+    """`tq_gather` for arguments of these shapes and dtypes and these keywords, as
+    f(x_rot, codes, scales, indices): the kernel is chosen here, once, so a decode step's
+    switch layers pay little more than the launch every token. A backend's kernel may
+    offer a `bind` of its own (CUDA's: the launch and pair arrays settled per shape);
+    otherwise f calls the kernel as `tq_gather` would. Callers key what they keep on the
+    arguments' shapes and dtypes, the device's type and `GENERATION`."""
+    fn = get("gather_matmul")
+    binder = getattr(getattr(fn, "__wrapped__", fn), "bind", None)
+    if binder is not None:
+        try:
+            return binder(x_rot, codes, scales, indices, bits, group_size, out_features,
+                          padded_in, **kw)
+        except NotImplementedError:  # the kernel does not cover these: it falls back per call
+            pass
+    out_dtype = kw.get("out_dtype")
+
+    def run(x_rot, codes, scales, indices):
+        y = fn(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw)
+        return y if out_dtype is None else y.astype(out_dtype)
+
+    return run
+
+
 def tq_embed(ids, codes, scales, bits, group_size, padded_in):
     """Decoded rotated rows for token ids, (..., padded_in) float32."""
     return get("embedding")(ids, codes, scales, bits, group_size, padded_in)

@@ -348,10 +348,10 @@ _NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype, extras mode)
 ]
 
 
-def _experts(n_experts, out_f, in_f, bits=3):
+def _experts(n_experts, out_f, in_f, bits=3, group_size=64):
     """A switch layer's codes (E, out, words) and scales (E, out, groups), and padded_in."""
     qt = encode(mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(3)) * 0.02,
-                bits, 64, seed=5)
+                bits, group_size, seed=5)
     codes = qt.codes.reshape(n_experts, out_f, -1)
     return codes, qt.scales.reshape(n_experts, out_f, -1), qt.spec.padded_in
 
@@ -499,3 +499,76 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
                              cuda_rotate.kernel_source(dynamic),
                              [mx.bfloat16, mx.float32, mx.float32], [mx.float16], t)
     compile_with_nvcc(src, tmp_path, "tq_linear")
+
+
+def _same_gather_launch(plain: dict, bound: dict) -> None:
+    """An unbound gather's launch and a bound one's: the same kernel arguments, the same
+    layout and constant arrays, rows and routing of the same values and dtypes."""
+    assert {k: v for k, v in plain.items() if k != "inputs"} == {
+        k: v for k, v in bound.items() if k != "inputs"}
+    for i, (a, b) in enumerate(zip(plain["inputs"], bound["inputs"], strict=True)):
+        if i in (0, 5):  # x's rows and the pairs' experts: built per call
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item(), i
+        else:
+            assert a is b, i
+
+
+@pytest.mark.parametrize("x_shape, indices, m", [
+    ((1, 1, 1, 1, 256), [[[3, 0, 2]]], 1),  # SwitchGLU's gate/up: x broadcast to the pairs
+    ((1, 2, 1, 1, 256), [[[3, 0, 2], [1, 1, 0]]], 1),
+    ((1, 1, 3, 1, 256), [[[1, 2, 3]]], 1),  # down_proj: a row per pair already
+    ((2, 1, 2, 256), [[2], [0]], 2),  # two rows a pair
+])
+@pytest.mark.parametrize("dtype", [mx.uint32, mx.int32, mx.int64])
+def test_a_bound_gather_launches_what_gather_launches(kernels, compact, x_shape, indices, m,
+                                                     dtype):
+    """`bind_gather` (what a switch layer runs every decode step): the same launch as
+    `gather` for each routing dtype and pair shape, its result in the caller's dtype."""
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.random.normal(x_shape, key=mx.random.key(9))
+    idx = mx.array(indices, dtype=dtype)
+    want = cuda.gather(x, codes, scales, idx, 3, 64, 64, padded, out_dtype=mx.bfloat16)
+    run = cuda.bind_gather(x, codes, scales, idx, 3, 64, 64, padded, out_dtype=mx.bfloat16)
+    got = run(x, codes, scales, idx)
+    assert got.shape == want.shape and got.dtype == want.dtype == mx.bfloat16
+    plain, bound = _only(kernels, "cuda_gemv").calls
+    _same_gather_launch(plain, bound)
+    assert bound["inputs"][5].shape == (len(plain["inputs"][6].tolist()),)
+
+
+def test_a_bound_gather_pads_rows_and_follows_other_codes(kernels, compact):
+    """Rows padded to whole 64-code groups as `gather` pads them; other codes than the last
+    call's bring their own layout (expert streaming's slot pools), the same codes again
+    the one already built."""
+    codes, scales, padded = _experts(4, 64, 280, bits=4, group_size=32)  # 288: 320 here
+    others = codes + 1
+    x, idx = mx.ones((1, 1, 1, 1, padded)), mx.array([[[0, 3]]], dtype=mx.uint32)
+    run = cuda.bind_gather(x, codes, scales, idx, 4, 32, 64, padded)
+    for c in (codes, codes, others, codes):
+        cuda.gather(x, c, scales, idx, 4, 32, 64, padded)
+        run(x, c, scales, idx)
+        plain, bound = _only(kernels, "cuda_gemv").calls[-2:]
+        _same_gather_launch(plain, bound)
+        assert padded == 288 and bound["inputs"][0].shape == (1, 320)
+        assert bound["inputs"][1] is cuda.prepared_experts(c, scales, 4, 32, padded)[0]
+
+
+def test_binding_a_gather_for_prefill_is_left_to_the_reference(kernels, compact):
+    codes, scales, padded = _experts(2, 32, 256)
+    many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, padded))
+    with pytest.raises(NotImplementedError):
+        cuda.bind_gather(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32), 3, 64,
+                         32, padded)
+    assert not kernels
+
+
+def test_a_bound_broadcast_gather_is_the_broadcast_gather(kernels, broadcast):
+    codes, scales, padded = _experts(4, 64, 256)
+    x, idx = mx.ones((1, 1, 1, 1, padded)), mx.array([[[1, 2]]])
+    cuda.gather(x, codes, scales, idx, 3, 64, 64, padded, out_dtype=mx.bfloat16)
+    y = cuda.bind_gather(x, codes, scales, idx, 3, 64, 64, padded, out_dtype=mx.bfloat16)(
+        x, codes, scales, idx)
+    assert y.dtype == mx.bfloat16
+    plain, bound = _only(kernels, "cuda_gemv").calls
+    _same_gather_launch(plain, bound)
+    assert bound["dtypes"] == [mx.float32]  # then cast, as the broadcast path does
