@@ -49,7 +49,7 @@ from .experts_cache import (
     read_pins,
     segments_of,
 )
-from .layers import TQSwitchLinear, _TQBase
+from .layers import _SwitchBase
 from .repo import Repo, RepoError, Row
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,12 @@ class StreamingOptions:
 # ---------------------------------------------------------------------------- modules
 
 
-class StreamedSwitchLinear(_TQBase):
+class StreamedSwitchLinear(_SwitchBase):
     """A TQSwitchLinear whose experts live in the ExpertCache: spec and bias only.
 
-    Its StreamedExperts calls `apply_experts` with the cache's slot pool per forward.
+    Its StreamedExperts calls `apply_experts` (TQSwitchLinear's) with the cache's slot
+    pool per forward.
     """
-
-    apply_experts = TQSwitchLinear.apply_experts
 
     def __init__(self, input_dims, output_dims, num_experts, bias=False, *, bits=4,
                  group_size=64, seed=0, padded_in=None):

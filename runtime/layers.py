@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from turboquant import kernels
 from turboquant.kernels import dispatch
-from turboquant.kernels.group import rotate_padded
+from turboquant.kernels.group import bind_rotate_padded, rotate_padded
 from turboquant.kernels.reference import check_bits, words_per_row
 from turboquant.stages import unrotate
 
@@ -243,7 +243,89 @@ class LinearGroup:
         return True
 
 
-class TQSwitchLinear(_TQBase):
+# At or below this many (token, expert) pairs a switch layer's call is bound per shape
+# (a decode step's; the shapes are few): prefill's vary with the prompt, each seen once.
+BIND_MAX_PAIRS = 64
+
+
+class _SwitchBase(_TQBase):
+    """The expert product TQSwitchLinear and expert streaming's StreamedSwitchLinear share.
+
+    A decode step calls it per projection with the same shapes every token: the call is
+    bound once per shape (`kernels.dispatch.bind_gather`, the rotation's plan with it), so
+    a token pays little more than the launch, where each Python call costs the GPU's host
+    time."""
+
+    def __init__(self):
+        super().__init__()
+        # (shapes, dtypes, device, kernel choice) -> (rotate, product); set past Module's
+        # __setattr__, which would make a dict a Module item, listed with the parameters
+        object.__setattr__(self, "_bound", {})
+
+    # Bound calls keep the last codes they ran and those codes' kernel layout: let them go
+    # with the arrays (`layer.codes = ...`, `update`, `load_weights`; see TQLinear).
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._bound.clear()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._bound.clear()
+
+    def pop(self, key, *default):
+        if key in self:  # Module.__setattr__ pops every plain attribute's name
+            self._bound.clear()
+        return super().pop(key, *default)
+
+    def apply_experts(
+        self, x, indices, codes, scales, *, sorted_indices: bool = False, bias=None
+    ) -> mx.array:
+        """The expert product on given stacks: `codes[indices[p]]` serves pair p.
+
+        The resident call and expert streaming (`runtime.experts`, which passes its slot
+        pool and slot numbers) share it, so both run the same kernel on the same values.
+        `bias` holds the bias rows already picked per pair (indices.shape + (out,)).
+        """
+        if x.shape[-1] != self.input_dims:
+            self.check_input(x)  # raises, naming the shapes
+        if indices.size > BIND_MAX_PAIRS:
+            y = self._experts(x, indices, codes, scales, sorted_indices)
+        else:
+            # what `bind_gather` chose depends on the device and the registered kernels
+            # (the type's enum hashes in Python); attributes only, no calls
+            on_gpu = mx.default_device().type == mx.gpu
+            key = (x.shape, x.dtype, indices.shape, indices.dtype, codes.shape, scales.shape,
+                   sorted_indices, on_gpu, dispatch.GENERATION[0])
+            try:  # not `.get`: a method call on every token, where a miss is once per shape
+                rotate, product = self._bound[key]
+            except KeyError:
+                rotate, product = self._bound[key] = self._bind_product(x, indices, codes, scales,
+                                                                sorted_indices)
+            y = product(rotate(x), codes, scales, indices)
+        if bias is not None:
+            y = y + mx.expand_dims(bias, -2)
+        return y
+
+    def _experts(self, x, indices, codes, scales, sorted_indices: bool) -> mx.array:
+        """The product unbound (prefill): the rotated x through `kernels.tq_gather`."""
+        return kernels.tq_gather(
+            self.rotate_input(x), codes, scales, indices, self.bits, self.group_size,
+            self.output_dims, self.padded_in, sorted_indices=sorted_indices,
+            out_dtype=x.dtype,
+        )
+
+    def _bind_product(self, x, indices, codes, scales, sorted_indices: bool):
+        """(rotate, product) for arguments of these shapes: what `_experts` does, as
+        product(rotate(x), codes, scales, indices)."""
+        rotate = bind_rotate_padded(self.input_dims, self.seed, self.padded_in)
+        product = dispatch.bind_gather(
+            rotate(x), codes, scales, indices, self.bits, self.group_size, self.output_dims,
+            self.padded_in, sorted_indices=sorted_indices, out_dtype=x.dtype,
+        )
+        return rotate, product
+
+
+class TQSwitchLinear(_SwitchBase):
     """mlx-lm's SwitchLinear with TurboQuant experts.
 
     codes (E, out, words) uint32, scales (E, out, groups) float16, bias (E, out).
@@ -300,31 +382,6 @@ class TQSwitchLinear(_TQBase):
         return self.apply_experts(
             x, indices, self["codes"], self["scales"], sorted_indices=sorted_indices, bias=bias
         )
-
-    def apply_experts(
-        self, x, indices, codes, scales, *, sorted_indices: bool = False, bias=None
-    ) -> mx.array:
-        """The expert product on given stacks: `codes[indices[p]]` serves pair p.
-
-        The resident call and expert streaming (`runtime.experts`, which passes its slot
-        pool and slot numbers) share it, so both run the same kernel on the same values.
-        `bias` holds the bias rows already picked per pair (indices.shape + (out,)).
-        """
-        y = kernels.tq_gather(
-            self.rotate_input(x),
-            codes,
-            scales,
-            indices,
-            self.bits,
-            self.group_size,
-            self.output_dims,
-            self.padded_in,
-            sorted_indices=sorted_indices,
-            out_dtype=x.dtype,
-        )
-        if bias is not None:
-            y = y + mx.expand_dims(bias, -2)
-        return y
 
 
 class TQEmbedding(_TQBase):

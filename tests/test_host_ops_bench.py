@@ -63,3 +63,26 @@ def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatc
         mx.set_default_device(device)
     assert tq3["calls"] == 4  # q/k/v, o_proj, gate/up, down_proj: the CUDA path ran
     assert tq3["py_calls"] <= 30 and tq3["c_calls"] <= 7
+
+
+def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):
+    """host_ops.py --moe on a small Qwen3-MoE, CUDA path faked: a TQ3 decoder layer's step
+    is its 6 kernel calls (q/k/v, o_proj, the router, the experts' gate, up and down) in at
+    most 58 Python and 23 builtin calls (142 and 65 before: each switch call rotated
+    through the plan lookup, chose its kernel through `dispatch.get` and `backend()`, and
+    worked out its pair arrays and launch every token)."""
+    import decode
+
+    small = dict(decode.QWEN3_30B_A3B, hidden_size=256, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64)
+    monkeypatch.setattr(decode, "QWEN3_30B_A3B", small)  # host_ops sets its layers and vocab
+    host_ops._on_fake_cuda(monkeypatch.setattr)
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        tq3 = host_ops.per_layer("tq3", layers=1, moe=True, steps=2)
+    finally:
+        mx.set_default_device(device)
+    assert tq3["calls"] == 6  # the CUDA path ran, one launch a projection
+    assert tq3["py_calls"] <= 58 and tq3["c_calls"] <= 23

@@ -161,6 +161,46 @@ def test_tq_switch_linear_bias_and_shapes():
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("d", [64, 90, 96])  # one transform, a dense factor, padded rows
+def test_a_switch_layers_bound_decode_call_is_its_unbound_call(bits, d):
+    """A decode step's switch call is bound per shape (the rotation's plan, the kernel's
+    choice); it returns what the unbound call, prefill's, returns, bit for bit."""
+    qts = [encode(mx.random.normal((40, d), key=mx.random.key(i)), bits, 32, seed=21)
+           for i in range(4)]
+    layer = TQSwitchLinear.from_quantized(qts)
+    codes, scales = layer["codes"], layer["scales"]
+    for shape, idx in [((1, 1, 1, 1, d), [[[3, 0]]]), ((1, 2, 1, 1, d), [[[3, 0], [1, 1]]]),
+                       ((1, 1, 2, 1, d), [[[2, 1]]])]:
+        x = mx.random.normal(shape).astype(mx.bfloat16)
+        for dtype in (mx.uint32, mx.int32):
+            i = mx.array(idx, dtype=dtype)
+            for _ in range(2):  # binds, then runs what it bound
+                y = layer(x, i)
+                want = layer._experts(x, i, codes, scales, False)
+                assert y.dtype == want.dtype == mx.bfloat16
+                assert mx.array_equal(y, want).item()
+    assert len(layer._bound) == 6
+
+
+@pytest.mark.parametrize("how", ["setattr", "item", "update", "load_weights"])
+def test_a_switch_layer_follows_its_weights_however_replaced(how):
+    """New codes reach the bound call (it takes them per call), and the layer lets go of
+    what it bound for the old ones (their kernel layout)."""
+    first, second = ([encode(mx.random.normal((24, 64), key=mx.random.key(k + i)), 3, 32,
+                             seed=2) for i in range(3)] for k in (1, 10))
+    layer = TQSwitchLinear.from_quantized(first)
+    x, idx = mx.random.normal((1, 1, 1, 1, 64)), mx.array([[[2, 0]]])
+    w = mx.stack([decode(q) for q in second])
+    layer(x, idx)
+    assert layer._bound
+    new = TQSwitchLinear.from_quantized(second)
+    _replace(layer, how, new)
+    assert not layer._bound
+    _close(layer(x, idx), mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx))
+    assert set(dict(tree_flatten(layer.parameters()))) == {"codes", "scales"}
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
 def test_tq_embedding_lookup_and_tied_head(bits):
     mx.random.seed(5)
     qt = encode(mx.random.normal((50, 96)), bits, 64, seed=8)
