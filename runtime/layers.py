@@ -186,7 +186,10 @@ class LinearGroup:
         self.prepared: dict = {}
         self.bound: dict = {}  # (x's shape and dtype, extras' mode, kernel choice) -> f(x, extras)
         self.checked = -1  # the `_arrays_version` at which the members were last checked
-        self.pending: tuple[mx.array, list[mx.array], set[int]] | None = None
+        # [x, outputs, bit mask of the members yet to take theirs]: ints, not a set, whose
+        # methods would be builtin calls every token
+        self.pending: list | None = None
+        self.everyone = (1 << len(layers)) - 1
         self.extras = kernels.NO_EXTRAS
         # (x, outputs) that a fused decoder block computed for its attention's calls on x
         self.ready: tuple[mx.array, list[mx.array]] | None = None
@@ -195,13 +198,11 @@ class LinearGroup:
         """Member `index`'s output for x."""
         pending = self.pending
         if pending is None or pending[0] is not x:
-            ys = self.outputs(x, self.extras)
-            pending = self.pending = (x, ys, set(range(len(ys))))
-        _, ys, waiting = pending
-        waiting.discard(index)
-        if not waiting:
+            pending = self.pending = [x, self.outputs(x, self.extras), self.everyone]
+        pending[2] &= ~(1 << index)
+        if not pending[2]:
             self.pending = None
-        return ys[index]
+        return pending[1][index]
 
     def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS) -> list[mx.array]:
         """Every member's output for x, with `extras` around the product.
