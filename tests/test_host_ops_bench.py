@@ -44,23 +44,29 @@ def test_kv_host_cost_counts_a_steady_steps_calls():
     assert 8 <= tq["py_calls"] <= 11 and tq["kernels_per_step"] == 2
 
 
+def _fake_cuda_layer(monkeypatch, shape: str, moe: bool, **small) -> dict:
+    """host_ops.per_layer for one small TQ3 decoder layer of decode.py's `shape` (its
+    fields overridden by `small`), the CUDA path faked on the CPU."""
+    import decode
+
+    # host_ops sets the layers and the vocabulary itself
+    monkeypatch.setattr(decode, shape, dict(getattr(decode, shape), **small))
+    host_ops._on_fake_cuda(monkeypatch.setattr)
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        return host_ops.per_layer("tq3", layers=1, moe=moe, steps=2)
+    finally:
+        mx.set_default_device(device)
+
+
 def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatch):
     """host_ops.py on a small Llama, CUDA path faked: a fused TQ3 decoder layer's step is
     its 4 kernel calls and at most affine-4's 30 Python calls (70 before session 13: the
     member checks, `dispatch.backend()`, the extras' helpers, Module.__getattr__ on every
     linear call), 7 builtins (58), all of them mlx-lm's attention's."""
-    import decode
-
-    small = dict(decode.LLAMA3_8B, hidden_size=256, intermediate_size=512,
-                 num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setattr(decode, "LLAMA3_8B", small)  # host_ops sets its layers and vocab
-    host_ops._on_fake_cuda(monkeypatch.setattr)
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        tq3 = host_ops.per_layer("tq3", layers=1, moe=False, steps=2)
-    finally:
-        mx.set_default_device(device)
+    tq3 = _fake_cuda_layer(monkeypatch, "LLAMA3_8B", moe=False, hidden_size=256,
+                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     assert tq3["calls"] == 4  # q/k/v, o_proj, gate/up, down_proj: the CUDA path ran
     assert tq3["py_calls"] <= 30 and tq3["c_calls"] <= 7
 
@@ -72,18 +78,8 @@ def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):
     through the plan lookup, chose its kernel through `dispatch.get` and `backend()`, and
     worked out its pair arrays and launch every token; a linear group's outputs waited
     for their members in a set, two builtin calls and one more a member)."""
-    import decode
-
-    small = dict(decode.QWEN3_30B_A3B, hidden_size=256, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=64)
-    monkeypatch.setattr(decode, "QWEN3_30B_A3B", small)  # host_ops sets its layers and vocab
-    host_ops._on_fake_cuda(monkeypatch.setattr)
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        tq3 = host_ops.per_layer("tq3", layers=1, moe=True, steps=2)
-    finally:
-        mx.set_default_device(device)
+    tq3 = _fake_cuda_layer(monkeypatch, "QWEN3_30B_A3B", moe=True, hidden_size=256,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     assert tq3["calls"] == 6  # the CUDA path ran, one launch a projection
     assert tq3["py_calls"] <= 58 and tq3["c_calls"] <= 19
