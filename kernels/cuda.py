@@ -339,33 +339,23 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     """Experts chosen per token (the reference's signature), for a decode step's few pairs:
     one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout
     (ternary experts as 2-bit codes)."""
+    if COMPACT_GATHER:  # the launch `bind_gather` settles, made for this one call
+        return bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features,
+                           padded_in, out_dtype=out_dtype)(x_rot, codes, scales, indices)
     batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
                                              GATHER_MAX_PAIR_ROWS)
     low, high, scales64 = prepared_experts(codes, scales, bits, group_size, padded_in)
-    out_dtype = out_dtype or x_rot.dtype
-    if COMPACT_GATHER:
-        x = _gemv_rows(x_rot.reshape(-1, padded_in), padded_in)
-        pair_row = _pair_rows(tuple(x_rot.shape[:-2]), batch, m)
-        experts = indices if tuple(indices.shape) == batch else mx.broadcast_to(indices, batch)
-        if experts.dtype not in (mx.int32, mx.uint32):
-            experts = experts.astype(mx.int32)
-        pair_expert = experts.reshape(-1)
-        if m > 1:  # each row of a pair reads the pair's expert
-            pair_expert = mx.repeat(pair_expert, m)
-        kernel_dtype = out_dtype
-    else:
-        x = _gemv_rows(mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in),
-                       padded_in)
-        experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
-        pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)
-        pair_row = _pair_rows(batch, batch, m)  # x broadcast to every pair: the identity
-        kernel_dtype = mx.float32
+    x = _gemv_rows(mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs * m, padded_in),
+                   padded_in)
+    experts = mx.broadcast_to(indices, batch).reshape(pairs, 1).astype(mx.int32)
+    pair_expert = mx.broadcast_to(experts, (pairs, m)).reshape(-1)
+    pair_row = _pair_rows(batch, batch, m)  # x broadcast to every pair: the identity
     y = cuda_gemv.gemv(
         x, low, high, scales64, _levels(bits), pair_expert, pair_row,
         bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
-        out_dtype=kernel_dtype,
+        out_dtype=mx.float32,
     )
-    return y.reshape(*batch, m, out_features).astype(out_dtype)
+    return y.reshape(*batch, m, out_features).astype(out_dtype or x_rot.dtype)
 
 
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
@@ -373,8 +363,10 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
     """`gather` for arguments of these shapes and dtypes, as f(x_rot, codes, scales,
     indices): the pair arrays, the launch and every branch on shapes are settled here,
     once, and the experts' layout looked up again only for other codes than the last
-    call's (a switch layer brings its own every token). The same ops and launch as
-    `gather`; NotImplementedError where it raises it."""
+    call's (a switch layer brings its own every token). The compact path itself: `gather`
+    runs it through here; NotImplementedError where the kernel does not cover a call.
+    x's rows (no copy per pair; each pair reads its token's row through pair_row), the
+    routing's indices as they come (uint32 or int32), the output in the caller's dtype."""
     batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
                                              GATHER_MAX_PAIR_ROWS)
     out_dtype = out_dtype or x_rot.dtype

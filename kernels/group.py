@@ -112,14 +112,12 @@ def bind_rotate_padded(n: int, seed: int, padded_in: int):
         return lambda x: rotate_padded(x, seed, padded_in)
     signs, scale = single
     pad = padded_in - n
-    if not pad:
-        return lambda x: mx.hadamard_transform(x.astype(mx.float32) * signs, scale=scale)
 
-    def padded(x: mx.array) -> mx.array:
+    def rotated(x: mx.array) -> mx.array:
         xr = mx.hadamard_transform(x.astype(mx.float32) * signs, scale=scale)
-        return mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)])
+        return mx.pad(xr, [(0, 0)] * (xr.ndim - 1) + [(0, pad)]) if pad else xr
 
-    return padded
+    return rotated
 
 
 def rotated_input(x: mx.array, m: Member) -> mx.array:

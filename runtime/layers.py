@@ -28,6 +28,25 @@ def padded(in_features: int, group_size: int) -> int:
 class _TQBase(nn.Module):
     """Spec and shared helpers; subclasses set codes, scales and (optionally) bias."""
 
+    # A Module keeps its arrays as dict items, and MLX sets and removes them through these
+    # (`layer.codes = ...`, `update`, `load_weights`, `layer.bias = None`, `del layer.bias`):
+    # each tells the layer (`_arrays_changed`) that what it derived from them is stale.
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._arrays_changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._arrays_changed()
+
+    def pop(self, key, *default):
+        if key in self:  # Module.__setattr__ pops every plain attribute's name
+            self._arrays_changed()
+        return super().pop(key, *default)
+
+    def _arrays_changed(self) -> None:
+        """Drop what was derived from the arrays (nothing, unless a subclass keeps some)."""
+
     def _set_spec(self, input_dims, output_dims, bits, group_size, seed, padded_in):
         check_bits(bits)
         padded_in = padded_in or padded(input_dims, group_size)
@@ -87,7 +106,7 @@ class _TQBase(nn.Module):
 _arrays_version = 0
 
 
-def _arrays_changed() -> None:
+def _bump_arrays_version() -> None:
     global _arrays_version
     _arrays_version += 1
 
@@ -127,21 +146,9 @@ class TQLinear(_TQBase):
             layer.bias = bias
         return layer
 
-    # A Module keeps its arrays as dict items, and MLX sets and removes them through these
-    # (`layer.codes = ...`, `update`, `load_weights`, `layer.bias = None`, `del layer.bias`):
-    # each tells the linear groups to look at their members again.
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        _arrays_changed()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        _arrays_changed()
-
-    def pop(self, key, *default):
-        if key in self:  # Module.__setattr__ pops every plain attribute's name
-            _arrays_changed()
-        return super().pop(key, *default)
+    def _arrays_changed(self) -> None:
+        """The linear groups look at their members again (all of them: a version number)."""
+        _bump_arrays_version()
 
     @property
     def weight(self) -> mx.array:
@@ -263,20 +270,10 @@ class _SwitchBase(_TQBase):
         # __setattr__, which would make a dict a Module item, listed with the parameters
         object.__setattr__(self, "_bound", {})
 
-    # Bound calls keep the last codes they ran and those codes' kernel layout: let them go
-    # with the arrays (`layer.codes = ...`, `update`, `load_weights`; see TQLinear).
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
+    def _arrays_changed(self) -> None:
+        """Bound calls keep the last codes they ran and those codes' kernel layout: they go
+        with the arrays."""
         self._bound.clear()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        self._bound.clear()
-
-    def pop(self, key, *default):
-        if key in self:  # Module.__setattr__ pops every plain attribute's name
-            self._bound.clear()
-        return super().pop(key, *default)
 
     def apply_experts(
         self, x, indices, codes, scales, *, sorted_indices: bool = False, bias=None
