@@ -150,9 +150,9 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = 
             ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits)),
             ("pair_expert", Buffer(mx.int32, 1, "zero")), ("pair_row", Buffer(mx.int32, 1, "zero")),
             ("bias", Buffer(mx.float32, 1, "zero"))]
-    body = _spliced_loop(cuda_gemv.kernel_source(1), loop)
+    body = _spliced_loop(launch.body, loop)
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
-                        [b.dtype for _, b in args], [mx.float16], launch.template)
+                        [b.dtype for _, b in args], [mx.float16], [])
     return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
                    (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0],
                    cuda_gemv.shared_bytes(1, in_f),

@@ -53,19 +53,22 @@ def tq_operands(out_f: int, in_f: int, bits: int, group: int = 64, seed: int = 0
 
 def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=None, pooled=False):
     """One GEMV call as a runtime layer makes it: the launch, codebook and index arrays
-    are built once (`tq_launch`), so a call is one custom-kernel op. `pooled`: the small
-    operands as plain MLX arrays (in pages the host writes too), as before session 8."""
+    are built once (`tq_launch`) and the kernel is called with its launch bound, so a call
+    is one custom-kernel op. `pooled`: the small operands as plain MLX arrays (in pages the
+    host writes too), as before session 8."""
     run, operands = tq_launch(out_f, x.shape[-1], bits, scales.shape[-1], group, rows_per_warp)
-    return run(x, low, high, scales, *(_plain_operands(bits) if pooled else operands))
+    return run(inputs=[x, low, high, scales,
+                       *(_plain_operands(bits) if pooled else operands)])[0]
 
 
 @functools.lru_cache(maxsize=None)
 def tq_launch(out_f, padded, bits, nscales, group=64, rows_per_warp=None):
-    """(launch, (levels, pair_expert, pair_row, bias)) of a one-token GEMV, built once."""
+    """(bound launch, (levels, pair_expert, pair_row, bias)) of a one-token GEMV, built
+    once (`cuda_gemv.Launch.bound`: what the runtime's layers call every token)."""
     run = cuda_gemv.launch(
         bits=bits, group_size=group, out_features=out_f, padded=padded, nscales=nscales,
         pairs=1, rows_per_warp=rows_per_warp)
-    return run, tuple(cuda_memory.device_constant(a) for a in _plain_operands(bits))
+    return run.bound(), tuple(cuda_memory.device_constant(a) for a in _plain_operands(bits))
 
 
 @functools.lru_cache(maxsize=None)

@@ -263,19 +263,38 @@ INPUTS = ["x", "codes", "hplane", "scales", "levels", "pair_expert", "pair_row",
 
 
 def kernel_source(segments: int) -> str:
-    """The kernel's body for a group of `segments` members."""
+    """The kernel's body for a group of `segments` members, its constants not yet defined
+    (`launch` writes them in front)."""
     return _SOURCE.replace("TQ_STORE", STORES[segments])
 
 
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+
+
+def constants_source(constants: list[tuple[str, object]]) -> str:
+    """C++ for a launch's constants: what MLX would write for template arguments. They go
+    into the source instead: MLX spends host time on every template argument of every call
+    (`benchmarks/launch_cost.py`)."""
+    lines = []
+    for name, value in constants:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:
+            lines.append(f"  using {name} = {_CUDA_TYPES[value]};")
+    return "\n".join(lines) + "\n"
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(segments: int = 1, shared: int = 0):
-    # the source's hash in the name: MLX caches built kernels on disk by name and template
-    tag = hashlib.sha256((HEADER + kernel_source(segments)).encode()).hexdigest()[:10]
+def _kernel(segments: int, shared: int, body: str):
+    # the source's hash in the name: MLX caches built kernels on disk by name
+    tag = hashlib.sha256((HEADER + body).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
         name=f"tq_gemv{segments}_{tag}",
         input_names=INPUTS,
         output_names=[f"out{s}" for s in range(segments)],
-        source=kernel_source(segments),
+        source=body,
         header=HEADER,
         shared_memory=shared,
     )
@@ -346,10 +365,12 @@ def repack(codes_u8: mx.array, bits: int, padded: int) -> tuple[mx.array, mx.arr
 
 @dataclass(frozen=True)
 class Launch:
-    """Everything of one GEMV launch but its arrays: built once, called per token."""
+    """Everything of one GEMV launch but its arrays: built once, called per token. `body`
+    is its kernel's source, specialised with the values in `constants`."""
 
     kernel: object
-    template: tuple
+    body: str
+    constants: list
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     shapes: tuple[tuple[int, int], ...]
@@ -359,18 +380,17 @@ class Launch:
     def __call__(self, x_perm, codes, hplane, scales, levels, pair_expert, pair_row, bias):
         outs = self.kernel(
             inputs=[x_perm, codes, hplane, scales, levels, pair_expert, pair_row, bias],
-            template=self.template, grid=self.grid, threadgroup=self.threads,
+            grid=self.grid, threadgroup=self.threads,
             output_shapes=self.shapes, output_dtypes=self.dtypes,
         )
         return outs[0] if self.single else outs
 
     def bound(self):
-        """f(inputs=[...]) -> the list of outputs: the kernel with this launch's template,
-        grid, block and outputs bound, for a caller that launches it every token (a
-        partial: no Python frame of its own)."""
-        return functools.partial(self.kernel, template=self.template, grid=self.grid,
-                                 threadgroup=self.threads, output_shapes=self.shapes,
-                                 output_dtypes=self.dtypes)
+        """f(inputs=[...]) -> the list of outputs: the kernel with this launch's grid, block
+        and outputs bound, for a caller that launches it every token (a partial: no Python
+        frame of its own)."""
+        return functools.partial(self.kernel, grid=self.grid, threadgroup=self.threads,
+                                 output_shapes=self.shapes, output_dtypes=self.dtypes)
 
 
 def launch(
@@ -400,7 +420,7 @@ def launch(
     warps = -(-out_features // rows_per_warp)
     threads = 32 * WARPS_PER_BLOCK
     grid_x = -(-warps * 32 // threads) * threads
-    template = (
+    constants = [
         ("BITS", bits),
         ("GS", group_size),
         ("OUT", out_features),
@@ -413,10 +433,11 @@ def launch(
         ("XROWS", x_rows),
         ("HAS_BIAS", bool(add_bias)),
         ("OutT", out_dtype),
-    )
-    shared = shared_bytes(segments, padded)
-    return Launch(_kernel(segments, shared), list(template), (grid_x, pairs, 1), (threads, 1, 1),
-                  [(pairs, w) for w in widths], [out_dtype] * segments, not ends)
+    ]
+    body = constants_source(constants) + kernel_source(segments)
+    return Launch(_kernel(segments, shared_bytes(segments, padded), body), body, constants,
+                  (grid_x, pairs, 1), (threads, 1, 1), [(pairs, w) for w in widths],
+                  [out_dtype] * segments, not ends)
 
 
 def gemv(

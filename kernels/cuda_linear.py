@@ -148,22 +148,6 @@ def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False)
                      .replace("TQ_STORE", store))
 
 
-_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
-
-
-def constants_source(constants: list[tuple[str, object]]) -> str:
-    """C++ for the launch's constants: what MLX would write for template arguments."""
-    lines = []
-    for name, value in constants:
-        if isinstance(value, bool):
-            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            lines.append(f"  constexpr int {name} = {value};")
-        else:
-            lines.append(f"  using {name} = {_CUDA_TYPES[value]};")
-    return "\n".join(lines) + "\n"
-
-
 @functools.lru_cache(maxsize=None)
 def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool], body: str):
     # the source's hash in the name: MLX caches built kernels on disk by name
@@ -263,7 +247,7 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
         ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
     ]
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
-    body = constants_source(constants) + source(len(ends), mode)[1]
+    body = cuda_gemv.constants_source(constants) + source(len(ends), mode)[1]
     return Launch(
         kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body),
         body=body,

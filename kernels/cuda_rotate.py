@@ -32,7 +32,7 @@ import numpy as np
 
 from turboquant.stages.rotate import _MLX_MAX_POW2, _hadamard_signs, _plan
 
-from . import cuda_memory
+from . import cuda_gemv, cuda_memory
 
 THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
@@ -144,17 +144,16 @@ def kernel_source(dynamic: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(dynamic_bytes: int):
-    """The kernel with its row buffer static (`dynamic_bytes` 0: rows up to 12288 values)
-    or dynamic shared memory of that many bytes (bigger rows)."""
-    source = kernel_source(dynamic_bytes > 0)
-    # the source's hash in the name: MLX caches built kernels on disk by name and template
-    tag = hashlib.sha256(source.encode()).hexdigest()[:10]
+def _kernel(dynamic_bytes: int, body: str):
+    """The kernel of `body` (`kernel_source` with its constants in front), its row buffer
+    in dynamic shared memory of `dynamic_bytes` (0: static)."""
+    # the source's hash in the name: MLX caches built kernels on disk by name
+    tag = hashlib.sha256(body.encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
         name=f"tq_rotate_{tag}",
         input_names=["x", "signs", "mix"],
         output_names=["out"],
-        source=source,
+        source=body,
         header=HEADER,
         shared_memory=dynamic_bytes,
     )
@@ -230,16 +229,18 @@ def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
     shape with `rows` rows in all; `squeeze` drops the seed axis of a single seed."""
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
-    kernel = _kernel(4 * n if 4 * n > STATIC_SHARED_BYTES else 0)
-    template = [("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
-                ("THREADS", THREADS)]
+    dynamic = 4 * n if 4 * n > STATIC_SHARED_BYTES else 0
+    constants = [("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
+                 ("THREADS", THREADS)]
+    # the constants go into the source: MLX spends host time on every template argument
+    kernel = _kernel(dynamic, cuda_gemv.constants_source(constants) + kernel_source(dynamic > 0))
     grid, threads = (rows * THREADS, seeds, 1), (THREADS, 1, 1)
     shapes = [(rows, width)] if squeeze and seeds == 1 else [(seeds, rows, width)]
     dtypes = [mx.float16]
 
     def run(x: mx.array, signs: mx.array, mix: mx.array) -> mx.array:
-        return kernel(inputs=[x, signs, mix], template=template, grid=grid,
-                      threadgroup=threads, output_shapes=shapes, output_dtypes=dtypes)[0]
+        return kernel(inputs=[x, signs, mix], grid=grid, threadgroup=threads,
+                      output_shapes=shapes, output_dtypes=dtypes)[0]
 
     return run
 

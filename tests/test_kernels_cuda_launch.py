@@ -12,6 +12,7 @@ for every configuration the tests launch. The kernels' results are checked on th
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import mlx.core as mx
@@ -22,12 +23,30 @@ from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, group
 from turboquant.stages import encode
 
 
+_DTYPES = {"float": mx.float32, "__half": mx.float16, "__nv_bfloat16": mx.bfloat16}
+
+
+def source_constants(body: str) -> dict:
+    """The constants a kernel's source defines in front (`cuda_gemv.constants_source`)."""
+    found = {}
+    constexpr = r"^  constexpr (int|bool) (\w+) = (-?\d+|true|false);$"
+    for kind, name, value in re.findall(constexpr, body, re.M):
+        found[name] = value == "true" if kind == "bool" else int(value)
+    for name, ctype in re.findall(r"^  using (\w+) = (\w+);$", body, re.M):
+        found[name] = _DTYPES[ctype]
+    return found
+
+
 class Recorder:
     def __init__(self, name):
         self.name, self.calls = name, []
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
+        """Records the call; `constants`: its template arguments, or the constants its
+        kernel's source defines (the kernel's last argument when that is its source)."""
+        body = self.name[-1] if isinstance(self.name[-1], str) else ""
         self.calls.append(dict(inputs=inputs, template=dict(template), grid=grid,
+                               constants=dict(template) or source_constants(body),
                                threadgroup=threadgroup, shapes=[tuple(s) for s in output_shapes],
                                dtypes=list(output_dtypes)))
         return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
@@ -268,10 +287,11 @@ def test_unfused_a_group_is_one_rotation_and_one_gemv(kernels, unfused):
     (rot,), (gemv,) = ([r for k, r in kernels.items() if k[0] == n] for n in ("cuda_rotate", "cuda_gemv"))
     r, g = rot.calls[0], gemv.calls[0]
     assert r["inputs"][0] is x  # no reshape or copy before the kernel
-    assert r["template"] == dict(InT=mx.bfloat16, N=256, P=256, A=1, OUTW=256,
+    assert r["template"] == g["template"] == {}  # the constants are in the sources
+    assert r["constants"] == dict(InT=mx.bfloat16, N=256, P=256, A=1, OUTW=256,
                                  THREADS=cuda_rotate.THREADS)
     assert r["grid"] == (cuda_rotate.THREADS, 3, 1) and r["shapes"] == [(3, 1, 256)]
-    t = g["template"]
+    t = g["constants"]
     assert (t["SEGS"], t["END0"], t["END1"], t["OUT"], t["XROWS"]) == (3, 128, 192, 256, 1)
     assert t["HAS_BIAS"] is True and t["BITS"] == 3 and t["OutT"] == mx.bfloat16
     assert g["grid"][1] == 1 and g["shapes"] == [(1, 1, 128), (1, 1, 64), (1, 1, 64)]
@@ -289,9 +309,9 @@ def test_unfused_a_single_linear_skips_the_seed_axis(kernels, unfused):
     assert y.shape == (3, 40)
     rot = next(r for k, r in kernels.items() if k[0] == "cuda_rotate").calls[0]
     gemv = next(r for k, r in kernels.items() if k[0] == "cuda_gemv").calls[0]
-    assert rot["shapes"] == [(3, 1024)] and rot["template"]["OUTW"] == 1024
-    assert (rot["template"]["A"], rot["template"]["P"]) == (31, 32)
-    t = gemv["template"]
+    assert rot["shapes"] == [(3, 1024)] and rot["constants"]["OUTW"] == 1024
+    assert (rot["constants"]["A"], rot["constants"]["P"]) == (31, 32)
+    t = gemv["constants"]
     assert (t["SEGS"], t["OUT"], t["XROWS"], t["HAS_BIAS"], t["PADDED"]) == (1, 40, 0, False, 1024)
     assert gemv["grid"][1] == 3 and gemv["shapes"] == [(3, 40)]
     assert gemv["inputs"][5].tolist() == [0, 0, 0] and gemv["inputs"][6].tolist() == [0, 1, 2]
@@ -374,7 +394,7 @@ def test_gathered_experts_are_one_gemv_over_the_pairs(kernels, broadcast):
     assert pair_expert.tolist() == [3, 0, 2, 1, 1, 0] and pair_row.tolist() == list(range(6))
     assert call["inputs"][0].shape == (6, padded) and call["inputs"][0].dtype == mx.float16
     assert call["inputs"][1].shape[0] == 4 * 64  # every expert's rows, stacked
-    assert call["template"]["OUT"] == 64 and call["grid"][1] == 6
+    assert call["constants"]["OUT"] == 64 and call["grid"][1] == 6
     # two rows per pair: each row of a pair reads the pair's expert
     cuda.gather(mx.zeros((2, 1, 2, padded)), codes, scales, mx.array([[2], [0]]), 3, 64, 64,
                 padded)
@@ -453,11 +473,11 @@ def test_ternary_runs_as_two_bit_codes(kernels):
     x = mx.zeros((1, 1, 1, padded))
     cuda.gather(x, codes, scales, mx.array([[1]]), "ternary", 64, 32, padded)
     call = _only(kernels, "cuda_gemv").calls[0]
-    assert call["template"]["BITS"] == 2
+    assert call["constants"]["BITS"] == 2
     levels = call["inputs"][4]
     assert levels.shape == (4,) and levels[3].item() == 0.0  # [-c, 0, c] and a spare
     assert cuda.matvec(x[0, 0], codes[0], scales[0], "ternary", 64, 32, padded).shape == (1, 32)
-    assert _only(kernels, "cuda_gemv").calls[-1]["template"]["BITS"] == 2
+    assert _only(kernels, "cuda_gemv").calls[-1]["constants"]["BITS"] == 2
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -485,13 +505,13 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
     gemv_in = [mx.float16, mx.uint32, mx.uint32, mx.float16, mx.float32, mx.int32, mx.int32,
                mx.float32]
     for segs in (1, 2, 3):
-        t = cuda_gemv.launch(bits=3, group_size=64, out_features=6144, padded=4096,
-                             nscales=64, pairs=1, out_dtype=mx.bfloat16, rows_per_warp=2,
-                             ends=(4096, 5120, 6144)[3 - segs:] if segs > 1 else (),
-                             x_rows=1 if segs > 1 else 0).template
+        body = cuda_gemv.launch(bits=3, group_size=64, out_features=6144, padded=4096,
+                                nscales=64, pairs=1, out_dtype=mx.bfloat16, rows_per_warp=2,
+                                ends=(4096, 5120, 6144)[3 - segs:] if segs > 1 else (),
+                                x_rows=1 if segs > 1 else 0).body
         src += kernel_source(f"tq_gemv_{segs}", cuda_gemv.INPUTS,
-                             [f"out{j}" for j in range(segs)], cuda_gemv.kernel_source(segs),
-                             gemv_in, [mx.bfloat16] * segs, t)
+                             [f"out{j}" for j in range(segs)], body,
+                             gemv_in, [mx.bfloat16] * segs, [])
     for dynamic, n, a in ((False, 4096, 1), (True, 14336, 28)):
         t = [("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
              ("THREADS", cuda_rotate.THREADS)]
