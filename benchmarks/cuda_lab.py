@@ -130,6 +130,39 @@ GEMV_LOOPS = {
 }
 
 
+# Candidate decode helpers for the GEMV's header (`gemv_variant(header=...)`): "mulhi"
+# makes the right shifts of the code words multiplications (mul.hi by a power of two),
+# which run on the FMA pipe: PRMT, LOP3 and SHF share the integer ALU pipe, issued at half
+# rate, and a 3-bit decode step is mostly those (session 14's SASS: 518 PRMT, 167 LOP3,
+# 121 SHF against 256 HFMA2 and 74 IMAD).
+_MULHI = """
+__device__ __forceinline__ uint32_t tq_shr(uint32_t x, uint32_t pow2) {
+  uint32_t d;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(x), "r"(pow2));
+  return d;
+}
+"""
+_SHR_HELPER = ("// The PRMT instruction itself", _MULHI + "// The PRMT instruction itself")
+_SHR_SELECTOR = ("tq_lookup4<BITS>(t, sel >> 16, a, b);",
+                 "tq_lookup4<BITS>(t, tq_shr(sel, 0x10000u), a, b);")
+HEADER_VARIANTS = {
+    "mulhi": [_SHR_HELPER, _SHR_SELECTOR,
+              ("(l4[b] >> 2) & 0x33333333u", "tq_shr(l4[b], 0x40000000u) & 0x33333333u"),
+              ("(h >> 1);", "tq_shr(h, 0x80000000u);")],
+    "mulhi16": [_SHR_HELPER, _SHR_SELECTOR],  # only the selector's upper half
+}
+
+
+def _header(name: str | None) -> str:
+    from turboquant.kernels import cuda_gemv
+
+    text = cuda_gemv.HEADER
+    for before, after in HEADER_VARIANTS.get(name, []):
+        assert before in text, f"the GEMV's header changed: update HEADER_VARIANTS[{name!r}]"
+        text = text.replace(before, after)
+    return text
+
+
 def _spliced_loop(body: str, loop: str | None) -> str:
     if not loop:
         return body
@@ -138,13 +171,15 @@ def _spliced_loop(body: str, loop: str | None) -> str:
     return body.replace(before, after)
 
 
-def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = None) -> Variant:
+def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = None,
+                 header: str | None = None) -> Variant:
     from turboquant.kernels import cuda_gemv
 
     launch = cuda_gemv.launch(bits=bits, group_size=64, out_features=out_f, padded=in_f,
                               nscales=in_f // 64, pairs=1, out_dtype=mx.float16,
                               rows_per_warp=rpw)
-    func = f"gemv_{out_f}x{in_f}_b{bits}_r{rpw}" + (f"_{loop}" if loop else "")
+    func = (f"gemv_{out_f}x{in_f}_b{bits}_r{rpw}" + (f"_{loop}" if loop else "")
+            + (f"_{header}" if header else ""))
     w = dict(_weights(out_f, in_f, bits))
     args = [("x", Buffer(mx.float16, in_f, "x")), ("codes", w["codes"]),
             ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits)),
@@ -153,7 +188,10 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = 
     body = _spliced_loop(launch.body, loop)
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.float16], [])
-    return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, cuda_gemv.HEADER + src,
+    text = _header(header) + src
+    if header:  # its own names for its helpers: kernels.cu holds every variant's header
+        text = text.replace("tq_", f"tq{header}_")
+    return Variant(func, f"gemv_{out_f}x{in_f}_b{bits}", func, text,
                    (launch.grid[0] // launch.threads[0], 1, 1), launch.threads[0],
                    cuda_gemv.shared_bytes(1, in_f),
                    args, [("out0", mx.float16, out_f)])
@@ -344,6 +382,9 @@ VARIANTS = [
         (8192, 8192, 3), (4096, 4096, 3))],
     *[("gemv", o, i, b, {"rpw": 4, "loop": "syncwarp"}) for o, i, b in (
         (28672, 8192, 3), (28672, 8192, 4), (8192, 28672, 3))],
+    *[("gemv", o, i, b, {"rpw": 4, "header": h}) for o, i, b in (
+        (28672, 8192, 3), (28672, 8192, 2), (28672, 8192, 4), (8192, 28672, 3), (4096, 4096, 3))
+      for h in HEADER_VARIANTS],
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
     ("linear", 28672, 8192, 3, {"loop": "syncwarp"}),
     # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj

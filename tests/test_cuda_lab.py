@@ -123,6 +123,24 @@ def test_extra_kv_bits_add_the_8_bit_layers_kernels(lab):
     assert lab.KV_EXTRA_BITS[0] == (8, 8)
 
 
+def test_gemv_header_candidates_get_helpers_of_their_own(lab, tmp_path):
+    """A candidate decode header (`HEADER_VARIANTS`) replaces the GEMV's helpers under its
+    own names, so kernels.cu holds it beside the runtime's header and still compiles."""
+    plain, candidate = lab.build([("gemv", 1024, 4096, 3, {"rpw": 4}),
+                                  ("gemv", 1024, 4096, 3, {"rpw": 4, "header": "mulhi"})],
+                                 kv_contexts=(), kv_tail_contexts=())
+    assert candidate.family == plain.family and candidate.func == plain.func + "_mulhi"
+    assert "mul.hi.u32" in candidate.source and "mul.hi.u32" not in plain.source
+    assert "tqmulhi_block16" in candidate.source and "tq_block16" not in candidate.source
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    (tmp_path / "kernels.cu").write_text(lab.kernels_file([plain, candidate]))
+    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o",
+                          str(tmp_path / "k.cubin"), str(tmp_path / "kernels.cu")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_program_compiles_with_nvcc(lab, tmp_path):
     """kernels.cu builds as a CUBIN (the device also builds it with NVRTC, as MLX does) and
     main.cu, which launches them through the driver API, compiles."""
