@@ -416,6 +416,67 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
 gather.bind = bind_gather
 
 
+# A switch layer's decode step as one launch per projection: the fused kernel rotates each
+# (pair, row)'s x in its blocks and runs the pair's expert's rows against it
+# (`cuda_linear`, gather), instead of the rotation's MLX ops, a cast and the gathered GEMV.
+# TURBOQUANT_CUDA_FUSED_GATHER=1 turns it on.
+FUSED_GATHER = os.environ.get("TURBOQUANT_CUDA_FUSED_GATHER", "0") == "1"
+
+
+def bind_gather_linear(x, codes, scales, indices, bits, group_size, out_features, padded_in,
+                       *, seed: int, out_dtype=None, **_):
+    """f(x, codes, scales, indices) for arguments of these shapes and dtypes: `gather` on
+    the *unrotated* x (last axis n), rotated with `seed` inside the launch. The pair
+    arrays, operands and launch are settled here, once; the experts' layout is looked up
+    again only for other codes than the last call's. NotImplementedError where the fused
+    kernel does not cover the call (then rotate and `bind_gather`)."""
+    if not FUSED_GATHER or codes.ndim != 3 or x.ndim < 2 or codes.shape[1] != out_features:
+        raise NotImplementedError
+    n = x.shape[-1]
+    batch = mx.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape))
+    m, pairs = x.shape[-2], math.prod(batch)
+    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
+        raise NotImplementedError
+    signs, mix, a, _ = cuda_rotate._cached_operands((seed,), n)
+    width = _padded64(padded_in)
+    if not cuda_linear.fits(n, width, a):
+        raise NotImplementedError
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        raise NotImplementedError
+    seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
+    launch = cuda_linear.launch(
+        n=n, a=a, padded=width, bits=kernel_bits(bits), group_size=group_size,
+        ends=(out_features,), lead=(pairs * m,), in_dtype=x.dtype, out_dtype=out_dtype,
+        add_bias=False, gather=True).bound()
+    pair_row = _pair_rows(tuple(x.shape[:-2]), batch, m)
+    constants = (signs, mix, _levels(bits), cuda_gemv._no_bias())
+    broadcast = tuple(indices.shape) != batch
+    cast = indices.dtype not in (mx.int32, mx.uint32)
+    shape = (*batch, m, out_features)
+
+    def run(x, codes, scales, indices):
+        nonlocal seen
+        if codes is not seen[0]:
+            seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
+        experts = mx.broadcast_to(indices, batch) if broadcast else indices
+        if cast:
+            experts = experts.astype(mx.int32)
+        pair_expert = experts.reshape(-1)
+        if m > 1:  # each row of a pair reads the pair's expert
+            pair_expert = mx.repeat(pair_expert, m)
+        low, high, scales64 = seen[1]
+        signs_, mix_, levels, no_bias = constants
+        y = launch(inputs=[x, signs_, mix_, low, high, scales64, levels, no_bias,
+                           pair_expert, pair_row])[0]
+        return y.reshape(shape)  # in out_dtype already, as the kernel wrote it
+
+    return run
+
+
+gather.bind_unrotated = bind_gather_linear
+
+
 @functools.lru_cache(maxsize=256)
 def _pair_rows(x_batch: tuple, batch: tuple, m: int) -> mx.array:
     """x's row for each (pair, row of the pair), pairs in `batch` order: the pair's token

@@ -83,7 +83,7 @@ _SOURCE = r"""
   const int block_row0 = blockIdx.x * TILES * WARPS * ROWS_PER_WARP;
   if (block_row0 >= OUT) return;
   const int pair = blockIdx.y;
-  const int expert = 0;
+  const int expert = TQ_EXPERT;
   // member seg owns rows [END_{seg-1}, END_seg): its seed rotates the row, its output stores
   int seg = 0;
   if (SEGS > 1) seg += block_row0 >= END0;
@@ -97,7 +97,7 @@ _SOURCE = r"""
   {  // the weights of the first group are on their way while the block rotates its row
     float* buf = tq_shared;
     const int t = threadIdx.x;
-    const InT* xr = x + (size_t)pair * N;
+    const InT* xr = x + (size_t)TQ_XROW * N;
     const float* sg = signs + (size_t)seg * N;
     const float* mix_s = mix + (size_t)seg * A * A;
     TQ_LOAD_ROW
@@ -128,33 +128,43 @@ def shared_bytes(n: int, padded: int) -> int:
 WEIGHTS = ["signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
 
 
-def inputs(mode: tuple[bool, bool, bool] = (False, False, False)) -> list[str]:
+GATHER = ["pair_expert", "pair_row"]
+
+
+def inputs(mode: tuple[bool, bool, bool] = (False, False, False),
+           gather: bool = False) -> list[str]:
     """The kernel's inputs for `group.Extras.mode` (norm, gate, residual): the row x, the
-    up row (gate), the norm weight + eps (norm), the residual, then the weights."""
+    up row (gate), the norm weight + eps (norm), the residual, then the weights; `gather`
+    (experts): then each output row's expert and x row."""
     norm, gate, residual = mode
     return ["x", *(["up"] if gate else []), *(["nw"] if norm else []),
-            *(["res"] if residual else []), *WEIGHTS]
+            *(["res"] if residual else []), *WEIGHTS, *(GATHER if gather else [])]
 
 
-def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False)
-           ) -> tuple[str, str]:
+def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False),
+           gather: bool = False) -> tuple[str, str]:
     """(header, body) of the kernel for a group of `segments` members doing `mode`'s
-    extras, its constants not yet defined (`launch` writes them in front)."""
+    extras, its constants not yet defined (`launch` writes them in front). `gather`: the
+    experts of a switch layer, stacked by rows, output row p reading expert
+    pair_expert[p]'s rows against x row pair_row[p]."""
     norm, gate, residual = mode
     load = _LOAD["norm" if norm else "gate" if gate else "plain"]
     store = (_RESIDUAL if residual else "") + cuda_gemv.STORES[segments]
     return _HEADER, (_SOURCE.replace("TQ_LOAD_ROW", load)
                      .replace("TQ_ROTATE_ROW", cuda_rotate.ROTATE_ROW)
-                     .replace("TQ_STORE", store))
+                     .replace("TQ_STORE", store)
+                     .replace("TQ_EXPERT", "pair_expert[pair]" if gather else "0")
+                     .replace("TQ_XROW", "pair_row[pair]" if gather else "pair"))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool], body: str):
+def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool], body: str,
+            gather: bool = False):
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256((_HEADER + body).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
         name=f"tq_linear{segments}_{tag}",
-        input_names=inputs(mode),
+        input_names=inputs(mode, gather),
         output_names=[f"out{s}" for s in range(segments)],
         source=body,
         header=_HEADER,
@@ -221,12 +231,15 @@ class Launch:
 def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],
            lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool,
            mode: tuple[bool, bool, bool] = (False, False, False),
-           rows_per_warp: int | None = None, tiles: int | None = None) -> Launch:
+           rows_per_warp: int | None = None, tiles: int | None = None,
+           gather: bool = False) -> Launch:
     """The launch for members with stacked row ends `ends` on inputs of leading shape
     `lead` (tokens = its product) and last axis n, rotated as A segments of n / A, doing
     the extras of `mode` (`group.Extras.mode`). A block runs `tiles` tiles of
     WARPS_PER_BLOCK * rows_per_warp rows after one rotation (`rows_per_warp_for` and
-    `tiles_for` unless given); member boundaries must fall between blocks."""
+    `tiles_for` unless given); member boundaries must fall between blocks. `gather`: a
+    switch layer's experts (one member, no extras, lead = its (pair, row) count), inputs
+    then `GATHER`."""
     if mode[2] and len(ends) > 1:
         raise ValueError("a residual is added to the output of a single member")
     if len(ends) > len(cuda_gemv.STORES):
@@ -247,9 +260,11 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
         ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
     ]
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
-    body = cuda_gemv.constants_source(constants) + source(len(ends), mode)[1]
+    if gather and (len(ends) > 1 or any(mode)):
+        raise ValueError("gathered experts are one member without extras")
+    body = cuda_gemv.constants_source(constants) + source(len(ends), mode, gather)[1]
     return Launch(
-        kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body),
+        kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body, gather),
         body=body,
         constants=constants,
         grid=(-(-out // block_rows) * THREADS, math.prod(lead), 1),

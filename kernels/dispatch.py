@@ -194,6 +194,22 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
     return run
 
 
+def bind_gather_unrotated(x, codes, scales, indices, bits, group_size, out_features,
+                          padded_in, *, seed: int, **kw) -> Callable | None:
+    """`bind_gather` for the *unrotated* x, rotated with `seed` in the same launch, as
+    f(x, codes, scales, indices); None where the backend's kernel has no such binding or
+    does not cover these arguments (the caller rotates and calls `bind_gather`)."""
+    fn = get("gather_matmul")
+    binder = getattr(getattr(fn, "__wrapped__", fn), "bind_unrotated", None)
+    if binder is None:
+        return None
+    try:
+        return binder(x, codes, scales, indices, bits, group_size, out_features, padded_in,
+                      seed=seed, **kw)
+    except NotImplementedError:
+        return None
+
+
 def tq_embed(ids, codes, scales, bits, group_size, padded_in):
     """Decoded rotated rows for token ids, (..., padded_in) float32."""
     return get("embedding")(ids, codes, scales, bits, group_size, padded_in)

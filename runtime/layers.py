@@ -299,7 +299,7 @@ class _SwitchBase(_TQBase):
             except KeyError:
                 rotate, product = self._bound[key] = self._bind_product(x, indices, codes, scales,
                                                                 sorted_indices)
-            y = product(rotate(x), codes, scales, indices)
+            y = product(x if rotate is None else rotate(x), codes, scales, indices)
         if bias is not None:
             y = y + mx.expand_dims(bias, -2)
         return y
@@ -314,7 +314,13 @@ class _SwitchBase(_TQBase):
 
     def _bind_product(self, x, indices, codes, scales, sorted_indices: bool):
         """(rotate, product) for arguments of these shapes: what `_experts` does, as
-        product(rotate(x), codes, scales, indices)."""
+        product(rotate(x), codes, scales, indices); rotate None where the backend's
+        product rotates x itself (`dispatch.bind_gather_unrotated`)."""
+        fused = dispatch.bind_gather_unrotated(
+            x, codes, scales, indices, self.bits, self.group_size, self.output_dims,
+            self.padded_in, seed=self.seed, sorted_indices=sorted_indices, out_dtype=x.dtype)
+        if fused is not None:
+            return None, fused
         rotate = bind_rotate_padded(self.input_dims, self.seed, self.padded_in)
         product = dispatch.bind_gather(
             rotate(x), codes, scales, indices, self.bits, self.group_size, self.output_dims,

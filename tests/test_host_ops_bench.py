@@ -83,3 +83,21 @@ def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     assert tq3["calls"] == 6  # the CUDA path ran, one launch a projection
     assert tq3["py_calls"] <= 58 and tq3["c_calls"] <= 19
+
+
+def test_a_fused_gather_moe_layer_drops_the_rotations_ops(monkeypatch):
+    """The same layer with TURBOQUANT_CUDA_FUSED_GATHER=1: each expert projection rotates
+    x in its launch, so the step keeps its 6 kernel calls and loses the rotations' ops
+    (Hadamard transforms, casts, pads: 68 MLX ops a layer before, 50 after; affine-4 54)."""
+    from turboquant.kernels import cuda
+
+    small = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64)
+    plain = _fake_cuda_layer(monkeypatch, "QWEN3_30B_A3B", moe=True, **small)
+    monkeypatch.setattr(cuda, "FUSED_GATHER", True)
+    fused = _fake_cuda_layer(monkeypatch, "QWEN3_30B_A3B", moe=True, **small)
+    assert fused["calls"] == plain["calls"] == 6
+    assert "Hadamard" not in fused["ops"] and plain["ops"]["Hadamard"] == 3
+    assert sum(fused["ops"].values()) <= sum(plain["ops"].values()) - 15
+    assert fused["py_calls"] <= plain["py_calls"]

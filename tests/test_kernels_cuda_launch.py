@@ -43,8 +43,8 @@ class Recorder:
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, template=()):
         """Records the call; `constants`: its template arguments, or the constants its
-        kernel's source defines (the kernel's last argument when that is its source)."""
-        body = self.name[-1] if isinstance(self.name[-1], str) else ""
+        kernel's source defines (the builder's argument that is a source)."""
+        body = next((a for a in self.name if isinstance(a, str) and "constexpr" in a), "")
         self.calls.append(dict(inputs=inputs, template=dict(template), grid=grid,
                                constants=dict(template) or source_constants(body),
                                threadgroup=threadgroup, shapes=[tuple(s) for s in output_shapes],
@@ -592,3 +592,71 @@ def test_a_bound_broadcast_gather_is_the_broadcast_gather(kernels, broadcast):
     plain, bound = _only(kernels, "cuda_gemv").calls
     _same_gather_launch(plain, bound)
     assert bound["dtypes"] == [mx.float32]  # then cast, as the broadcast path does
+
+
+@pytest.fixture
+def fused_gather(monkeypatch):
+    """A switch layer's projection as one fused launch (TURBOQUANT_CUDA_FUSED_GATHER=1)."""
+    monkeypatch.setattr(cuda, "FUSED_GATHER", True)
+
+
+def test_a_fused_gather_rotates_the_unrotated_x_in_its_one_launch(kernels, fused_gather):
+    """`bind_gather_linear`: the fused kernel (rotation + GEMV) over a decode step's pairs,
+    each reading its expert's rows of the stacked layout against its token's x row as it
+    comes (no rotation ops, cast or pad before the launch)."""
+    codes, scales, padded = _experts(4, 64, 256)
+    x = mx.random.normal((1, 2, 1, 1, 256), key=mx.random.key(4)).astype(mx.bfloat16)
+    idx = mx.array([[[3, 0, 2], [1, 1, 0]]], dtype=mx.uint32)
+    run = cuda.bind_gather_linear(x, codes, scales, idx, 3, 64, 64, padded, seed=5,
+                                  out_dtype=mx.bfloat16)
+    y = run(x, codes, scales, idx)
+    assert y.shape == (1, 2, 3, 1, 64) and y.dtype == mx.bfloat16
+    assert {k[0] for k in kernels} == {"cuda_linear"}  # no rotation or GEMV launch of its own
+    rec = _only(kernels, "cuda_linear")
+    assert rec.name[-1] is True  # the gathered kernel
+    call = rec.calls[0]
+    assert len(call["inputs"]) == len(cuda_linear.inputs(gather=True)) == 10
+    x_in, signs, mix, low, high, scales64, levels, bias, pair_expert, pair_row = call["inputs"]
+    assert x_in is x
+    assert signs.shape == (1, 256) and mix.shape == (1, 1, 1)
+    assert low is cuda.prepared_experts(codes, scales, 3, 64, padded)[0]
+    assert pair_expert.tolist() == [3, 0, 2, 1, 1, 0] and pair_expert.dtype == mx.uint32
+    assert pair_row.tolist() == [0, 0, 0, 1, 1, 1]  # each pair's token row
+    t = call["constants"]
+    assert (t["N"], t["PADDED"], t["OUT"], t["SEGS"], t["BITS"], t["HAS_BIAS"]) == (
+        256, 256, 64, 1, 3, False)
+    assert call["grid"][1] == 6 and call["shapes"] == [(6, 64)]
+    body = rec.name[4]
+    assert "const int expert = pair_expert[pair];" in body and "pair_row[pair]" in body
+
+
+def test_a_fused_gather_is_off_by_default_and_leaves_prefill_to_the_rest(kernels):
+    codes, scales, padded = _experts(2, 32, 256)
+    x, idx = mx.zeros((1, 1, 1, 1, 256)), mx.array([[[1]]])
+    with pytest.raises(NotImplementedError):  # TURBOQUANT_CUDA_FUSED_GATHER unset
+        cuda.bind_gather_linear(x, codes, scales, idx, 3, 64, 32, padded, seed=5)
+    cuda.FUSED_GATHER = True
+    try:
+        many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, 256))
+        with pytest.raises(NotImplementedError):
+            cuda.bind_gather_linear(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32),
+                                    3, 64, 32, padded, seed=5)
+    finally:
+        cuda.FUSED_GATHER = False
+    assert not kernels
+
+
+def test_gathered_linear_sources_compile_with_nvcc(tmp_path, kernels):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    src = cuda_linear.source(1)[0]
+    for i, (n, bits, dtype) in enumerate(((2048, 3, mx.bfloat16), (768, 4, mx.float16))):
+        a, _ = cuda_rotate.factors(n, 5)
+        launch = cuda_linear.launch(n=n, a=a, padded=cuda._padded64(n), bits=bits, group_size=64,
+                                    ends=(256,), lead=(8,), in_dtype=dtype, out_dtype=dtype,
+                                    add_bias=False, gather=True)
+        in_dtypes = [dtype, mx.float32, mx.float32, mx.uint32, mx.uint32, mx.float16,
+                     mx.float32, mx.float32, mx.uint32, mx.int32]
+        src += kernel_source(f"tq_gather_linear_{i}", cuda_linear.inputs(gather=True), ["out0"],
+                             launch.body, in_dtypes, launch.dtypes, [])
+    compile_with_nvcc(src, tmp_path, "gather_linear")

@@ -159,6 +159,33 @@ def test_gathered_experts_with_uint32_routing_written_in_bf16(bits):
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("bits, in_f, out_f", [(3, 2048, 768), (4, 768, 2048),
+                                               ("ternary", 2048, 768), (2, 992, 256)])
+def test_fused_gather_matches_rotation_then_reference(monkeypatch, bits, in_f, out_f):
+    """A switch layer's projection in one launch (`cuda.bind_gather_linear`, rotation in
+    the kernel, TURBOQUANT_CUDA_FUSED_GATHER=1) against the rotation and the reference
+    gather, for the shapes of Qwen3-30B-A3B's gate/up and down and a padded width, the
+    routing as mlx-lm gives it (uint32, top-k broadcast over x), out in bf16."""
+    monkeypatch.setattr(cuda, "FUSED_GATHER", True)
+    n_experts, seed = 8, 29
+    w = mx.random.normal((n_experts * out_f, in_f), key=mx.random.key(15)) * 0.02
+    qt = encode(w, bits, 64, seed=seed)
+    codes = qt.codes.reshape(n_experts, out_f, -1)
+    scales = qt.scales.reshape(n_experts, out_f, -1)
+    padded = qt.spec.padded_in
+    x = mx.random.normal((1, 2, 1, 1, in_f), key=mx.random.key(16)).astype(mx.bfloat16)
+    indices = mx.array([[[7, 0, 3], [3, 5, 1]]], dtype=mx.uint32)
+    run = cuda.bind_gather_linear(x, codes, scales, indices, bits, 64, out_f, padded,
+                                  seed=qt.spec.seed, out_dtype=mx.bfloat16)
+    got = run(x, codes, scales, indices)
+    x_rot = group.rotate_padded(x, qt.spec.seed, padded)
+    want = reference.tq_gather_matmul(x_rot, codes, scales, indices, bits, 64, out_f, padded)
+    assert got.dtype == mx.bfloat16 and got.shape == want.shape == (1, 2, 3, 1, out_f)
+    err = float(mx.max(mx.abs(got.astype(mx.float32) - want)) / mx.max(mx.abs(want)))
+    print(f"fused gather bits {bits} {out_f}x{in_f}: {err:.2e}")
+    assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("in_f, outs", [CASES[0], CASES[2], CASES[3]])
 def test_unfused_launches_match_reference(monkeypatch, in_f, outs):
     monkeypatch.setattr(cuda, "FUSED", False)
