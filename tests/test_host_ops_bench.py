@@ -72,6 +72,9 @@ def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatc
 
 
 def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):
+    from turboquant.kernels import cuda
+
+    monkeypatch.setattr(cuda, "FUSED_GATHER", False)  # rotation ops, then the gathered GEMV
     """host_ops.py --moe on a small Qwen3-MoE, CUDA path faked: a TQ3 decoder layer's step
     is its 6 kernel calls (q/k/v, o_proj, the router, the experts' gate, up and down) in at
     most 58 Python and 19 builtin calls (142 and 65 before: each switch call rotated
@@ -86,16 +89,18 @@ def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):
 
 
 def test_a_fused_gather_moe_layer_drops_the_rotations_ops(monkeypatch):
-    """The same layer with TURBOQUANT_CUDA_FUSED_GATHER=1: each expert projection rotates
-    x in its launch, so the step keeps its 6 kernel calls and loses the rotations' ops
-    (Hadamard transforms, casts, pads: 68 MLX ops a layer before, 50 after; affine-4 54)."""
+    """The same layer fused, the default (TURBOQUANT_CUDA_FUSED_GATHER): each expert
+    projection rotates x in its launch, so the step keeps its 6 kernel calls and loses the
+    rotations' ops (Hadamard transforms, casts, pads: 68 MLX ops a layer before, 50 after;
+    affine-4 54)."""
     from turboquant.kernels import cuda
 
     small = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
                  moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64)
+    monkeypatch.setattr(cuda, "FUSED_GATHER", False)
     plain = _fake_cuda_layer(monkeypatch, "QWEN3_30B_A3B", moe=True, **small)
-    monkeypatch.setattr(cuda, "FUSED_GATHER", True)
+    monkeypatch.setattr(cuda, "FUSED_GATHER", True)  # the default
     fused = _fake_cuda_layer(monkeypatch, "QWEN3_30B_A3B", moe=True, **small)
     assert fused["calls"] == plain["calls"] == 6
     assert "Hadamard" not in fused["ops"] and plain["ops"]["Hadamard"] == 3

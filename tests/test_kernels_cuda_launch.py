@@ -630,19 +630,17 @@ def test_a_fused_gather_rotates_the_unrotated_x_in_its_one_launch(kernels, fused
     assert "const int expert = pair_expert[pair];" in body and "pair_row[pair]" in body
 
 
-def test_a_fused_gather_is_off_by_default_and_leaves_prefill_to_the_rest(kernels):
+def test_a_fused_gather_can_be_turned_off_and_leaves_prefill_to_the_rest(kernels,
+                                                                         monkeypatch):
     codes, scales, padded = _experts(2, 32, 256)
     x, idx = mx.zeros((1, 1, 1, 1, 256)), mx.array([[[1]]])
-    with pytest.raises(NotImplementedError):  # TURBOQUANT_CUDA_FUSED_GATHER unset
+    many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, 256))
+    with pytest.raises(NotImplementedError):
+        cuda.bind_gather_linear(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32),
+                                3, 64, 32, padded, seed=5)
+    monkeypatch.setattr(cuda, "FUSED_GATHER", False)  # TURBOQUANT_CUDA_FUSED_GATHER=0
+    with pytest.raises(NotImplementedError):
         cuda.bind_gather_linear(x, codes, scales, idx, 3, 64, 32, padded, seed=5)
-    cuda.FUSED_GATHER = True
-    try:
-        many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, 256))
-        with pytest.raises(NotImplementedError):
-            cuda.bind_gather_linear(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32),
-                                    3, 64, 32, padded, seed=5)
-    finally:
-        cuda.FUSED_GATHER = False
     assert not kernels
 
 
