@@ -209,7 +209,8 @@ def main() -> None:
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
           f"MLX_USE_CUDA_GRAPHS={graphs}, "
           f"TurboQuant CUDA linears {'fused' if cuda.FUSED else 'unfused'}, "
-          f"decoder blocks {'fused' if fuse.BLOCKS else 'as mlx-lm'}")
+          f"decoder blocks {'fused' if fuse.BLOCKS else 'as mlx-lm'}, "
+          f"experts {'rotated in their launch' if cuda.FUSED_GATHER else 'rotated by MLX ops'}")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     QWEN3_30B_A3B.update(num_hidden_layers=args.layers)
