@@ -367,8 +367,8 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
     runs it through here; NotImplementedError where the kernel does not cover a call.
     x's rows (no copy per pair; each pair reads its token's row through pair_row), the
     routing's indices as they come (uint32 or int32), the output in the caller's dtype."""
-    batch, m, pairs = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
-                                             GATHER_MAX_PAIR_ROWS)
+    batch, m, _ = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
+                                         GATHER_MAX_PAIR_ROWS)
     out_dtype = out_dtype or x_rot.dtype
 
     def unbound(x_rot, codes, scales, indices):
@@ -377,43 +377,8 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
 
     if not COMPACT_GATHER:  # the broadcast path, kept for comparison: called as is
         return unbound
-    seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
-    pair_row = _pair_rows(tuple(x_rot.shape[:-2]), batch, m)
-    padded64 = _padded64(padded_in)
-    pad = [(0, 0), (0, padded64 - padded_in)] if padded64 > padded_in else None
-    broadcast = tuple(indices.shape) != batch
-    cast = indices.dtype not in (mx.int32, mx.uint32)
-    launch = cuda_gemv.launch(
-        bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
-        padded=padded64, nscales=seen[1][2].shape[-1], pairs=pairs * m, out_dtype=out_dtype,
-    ).bound()
-    constants = (_levels(bits), pair_row, cuda_gemv._no_bias())
-    shape = (*batch, m, out_features)
-
-    def run(x_rot, codes, scales, indices):
-        nonlocal seen
-        if not COMPACT_GATHER:
-            return unbound(x_rot, codes, scales, indices)
-        if codes is not seen[0]:
-            seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
-        x = x_rot.reshape(-1, padded_in).astype(mx.float16)  # `_gemv_rows`, inline
-        if pad is not None:
-            x = mx.pad(x, pad)
-        experts = mx.broadcast_to(indices, batch) if broadcast else indices
-        if cast:
-            experts = experts.astype(mx.int32)
-        pair_expert = experts.reshape(-1)
-        if m > 1:  # each row of a pair reads the pair's expert
-            pair_expert = mx.repeat(pair_expert, m)
-        low, high, scales64 = seen[1]
-        levels, rows, no_bias = constants
-        y = launch(inputs=[x, low, high, scales64, levels, pair_expert, rows, no_bias])[0]
-        return y.reshape(shape)  # in out_dtype already, as the kernel wrote it
-
-    return run
-
-
-gather.bind = bind_gather
+    return _bind_pairs(x_rot, codes, scales, indices, bits, group_size, out_features,
+                       padded_in, batch, m, out_dtype, unbound=unbound)
 
 
 # A switch layer's decode step as one launch per projection: the fused kernel rotates each
@@ -428,37 +393,55 @@ FUSED_GATHER = os.environ.get("TURBOQUANT_CUDA_FUSED_GATHER", "1") == "1"
 def bind_gather_linear(x, codes, scales, indices, bits, group_size, out_features, padded_in,
                        *, seed: int, out_dtype=None, **_):
     """f(x, codes, scales, indices) for arguments of these shapes and dtypes: `gather` on
-    the *unrotated* x (last axis n), rotated with `seed` inside the launch. The pair
-    arrays, operands and launch are settled here, once; the experts' layout is looked up
-    again only for other codes than the last call's. NotImplementedError where the fused
-    kernel does not cover the call (then rotate and `bind_gather`)."""
+    the *unrotated* x (last axis n), rotated with `seed` inside the launch, settled once as
+    `bind_gather` settles its launch. NotImplementedError where the fused kernel does not
+    cover the call (then rotate and `bind_gather`)."""
     if not FUSED_GATHER or codes.ndim != 3 or x.ndim < 2 or codes.shape[1] != out_features:
         raise NotImplementedError
-    n = x.shape[-1]
     batch = mx.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape))
-    m, pairs = x.shape[-2], math.prod(batch)
-    if pairs == 0 or pairs * m > GATHER_MAX_PAIR_ROWS:
-        raise NotImplementedError
-    signs, mix, a, _ = cuda_rotate._cached_operands((seed,), n)
-    width = _padded64(padded_in)
-    if not cuda_linear.fits(n, width, a):
+    m = x.shape[-2]
+    if math.prod(batch) == 0 or math.prod(batch) * m > GATHER_MAX_PAIR_ROWS:
         raise NotImplementedError
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError
+    return _bind_pairs(x, codes, scales, indices, bits, group_size, out_features, padded_in,
+                       batch, m, out_dtype, seed=seed)
+
+
+def _bind_pairs(x, codes, scales, indices, bits, group_size, out_features, padded_in, batch,
+                m, out_dtype, *, seed: int | None = None, unbound=None):
+    """The bound call of a decode step's (pair, row)s: with `seed`, the fused launch on the
+    unrotated x (`bind_gather_linear`), else the GEMV on the rotated x (`bind_gather`,
+    which runs `unbound` once TURBOQUANT_CUDA_COMPACT_GATHER is switched off)."""
+    pairs = math.prod(batch)
     seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
-    launch = cuda_linear.launch(
-        n=n, a=a, padded=width, bits=kernel_bits(bits), group_size=group_size,
-        ends=(out_features,), lead=(pairs * m,), in_dtype=x.dtype, out_dtype=out_dtype,
-        add_bias=False, gather=True).bound()
+    padded64 = _padded64(padded_in)
+    if seed is not None:  # the rotation's operands, in the order of `cuda_linear.WEIGHTS`
+        signs, mix, a, _ = cuda_rotate._cached_operands((seed,), x.shape[-1])
+        if not cuda_linear.fits(x.shape[-1], padded64, a):
+            raise NotImplementedError
+        launch = cuda_linear.launch(
+            n=x.shape[-1], a=a, padded=padded64, bits=kernel_bits(bits),
+            group_size=group_size, ends=(out_features,), lead=(pairs * m,), in_dtype=x.dtype,
+            out_dtype=out_dtype, add_bias=False, gather=True).bound()
+        rotation = (signs, mix)
+    else:
+        launch = cuda_gemv.launch(
+            bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
+            padded=padded64, nscales=seen[1][2].shape[-1], pairs=pairs * m,
+            out_dtype=out_dtype).bound()
+    pad = [(0, 0), (0, padded64 - padded_in)] if padded64 > padded_in else None
     pair_row = _pair_rows(tuple(x.shape[:-2]), batch, m)
-    constants = (signs, mix, _levels(bits), cuda_gemv._no_bias())
+    levels, no_bias = _levels(bits), cuda_gemv._no_bias()
     broadcast = tuple(indices.shape) != batch
     cast = indices.dtype not in (mx.int32, mx.uint32)
     shape = (*batch, m, out_features)
 
     def run(x, codes, scales, indices):
         nonlocal seen
+        if unbound is not None and not COMPACT_GATHER:
+            return unbound(x, codes, scales, indices)
         if codes is not seen[0]:
             seen = (codes, prepared_experts(codes, scales, bits, group_size, padded_in))
         experts = mx.broadcast_to(indices, batch) if broadcast else indices
@@ -468,14 +451,21 @@ def bind_gather_linear(x, codes, scales, indices, bits, group_size, out_features
         if m > 1:  # each row of a pair reads the pair's expert
             pair_expert = mx.repeat(pair_expert, m)
         low, high, scales64 = seen[1]
-        signs_, mix_, levels, no_bias = constants
-        y = launch(inputs=[x, signs_, mix_, low, high, scales64, levels, no_bias,
-                           pair_expert, pair_row])[0]
+        if seed is not None:  # x as it comes: the kernel rotates, casts and pads its rows
+            y = launch(inputs=[x, *rotation, low, high, scales64, levels, no_bias,
+                               pair_expert, pair_row])[0]
+        else:
+            x = x.reshape(-1, padded_in).astype(mx.float16)  # `_gemv_rows`, inline
+            if pad is not None:
+                x = mx.pad(x, pad)
+            y = launch(inputs=[x, low, high, scales64, levels, pair_expert, pair_row,
+                               no_bias])[0]
         return y.reshape(shape)  # in out_dtype already, as the kernel wrote it
 
     return run
 
 
+gather.bind = bind_gather
 gather.bind_unrotated = bind_gather_linear
 
 
