@@ -396,12 +396,11 @@ def bind_gather_linear(x, codes, scales, indices, bits, group_size, out_features
     the *unrotated* x (last axis n), rotated with `seed` inside the launch, settled once as
     `bind_gather` settles its launch. NotImplementedError where the fused kernel does not
     cover the call (then rotate and `bind_gather`)."""
-    if not FUSED_GATHER or codes.ndim != 3 or x.ndim < 2 or codes.shape[1] != out_features:
+    if not FUSED_GATHER:
         raise NotImplementedError
-    batch = mx.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape))
-    m = x.shape[-2]
-    if math.prod(batch) == 0 or math.prod(batch) * m > GATHER_MAX_PAIR_ROWS:
-        raise NotImplementedError
+    # the checks of the rotated call's, on x's own width (the kernel pads what it rotates)
+    batch, m, _ = reference.decode_pairs(x, codes, indices, out_features, x.shape[-1],
+                                         GATHER_MAX_PAIR_ROWS)
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (mx.float16, mx.bfloat16, mx.float32):
         raise NotImplementedError

@@ -287,6 +287,13 @@ def constants_source(constants: list[tuple[str, object]]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _body(segments: int, constants: tuple) -> str:
+    """The kernel's source with these constants, built once per launch shape (a caller
+    that makes its launch on every call, as `gemv` does, reuses it)."""
+    return constants_source(constants) + kernel_source(segments)
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel(segments: int, shared: int, body: str):
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256((HEADER + body).encode()).hexdigest()[:12]
@@ -420,7 +427,7 @@ def launch(
     warps = -(-out_features // rows_per_warp)
     threads = 32 * WARPS_PER_BLOCK
     grid_x = -(-warps * 32 // threads) * threads
-    constants = [
+    constants = (
         ("BITS", bits),
         ("GS", group_size),
         ("OUT", out_features),
@@ -433,9 +440,9 @@ def launch(
         ("XROWS", x_rows),
         ("HAS_BIAS", bool(add_bias)),
         ("OutT", out_dtype),
-    ]
-    body = constants_source(constants) + kernel_source(segments)
-    return Launch(_kernel(segments, shared_bytes(segments, padded), body), body, constants,
+    )
+    body = _body(segments, constants)
+    return Launch(_kernel(segments, shared_bytes(segments, padded), body), body, list(constants),
                   (grid_x, pairs, 1), (threads, 1, 1), [(pairs, w) for w in widths],
                   [out_dtype] * segments, not ends)
 

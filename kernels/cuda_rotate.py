@@ -144,6 +144,12 @@ def kernel_source(dynamic: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _body(dynamic: bool, constants: tuple) -> str:
+    """The kernel's source with these constants, built once per launch shape."""
+    return cuda_gemv.constants_source(constants) + kernel_source(dynamic)
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel(dynamic_bytes: int, body: str):
     """The kernel of `body` (`kernel_source` with its constants in front), its row buffer
     in dynamic shared memory of `dynamic_bytes` (0: static)."""
@@ -230,10 +236,10 @@ def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
     dynamic = 4 * n if 4 * n > STATIC_SHARED_BYTES else 0
-    constants = [("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
-                 ("THREADS", THREADS)]
+    constants = (("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
+                 ("THREADS", THREADS))
     # the constants go into the source: MLX spends host time on every template argument
-    kernel = _kernel(dynamic, cuda_gemv.constants_source(constants) + kernel_source(dynamic > 0))
+    kernel = _kernel(dynamic, _body(dynamic > 0, constants))
     grid, threads = (rows * THREADS, seeds, 1), (THREADS, 1, 1)
     shapes = [(rows, width)] if squeeze and seeds == 1 else [(seeds, rows, width)]
     dtypes = [mx.float16]

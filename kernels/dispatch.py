@@ -169,6 +169,12 @@ def tq_gather(x_rot, codes, scales, indices, bits, group_size, out_features, pad
     return y if out_dtype is None else y.astype(out_dtype)  # no op where already so
 
 
+def binder_of(fn: Callable, name: str) -> Callable | None:
+    """The binding a backend's kernel offers as its attribute `name` (seen through the
+    fallback wrapper `get` puts around it), or None."""
+    return getattr(getattr(fn, "__wrapped__", fn), name, None)
+
+
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
                 **kw) -> Callable:
     """`tq_gather` for arguments of these shapes and dtypes and these keywords, as
@@ -178,7 +184,7 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
     otherwise f calls the kernel as `tq_gather` would. Callers key what they keep on the
     arguments' shapes and dtypes, the device's type and `GENERATION`."""
     fn = get("gather_matmul")
-    binder = getattr(getattr(fn, "__wrapped__", fn), "bind", None)
+    binder = binder_of(fn, "bind")
     if binder is not None:
         try:
             return binder(x_rot, codes, scales, indices, bits, group_size, out_features,
@@ -199,8 +205,7 @@ def bind_gather_unrotated(x, codes, scales, indices, bits, group_size, out_featu
     """`bind_gather` for the *unrotated* x, rotated with `seed` in the same launch, as
     f(x, codes, scales, indices); None where the backend's kernel has no such binding or
     does not cover these arguments (the caller rotates and calls `bind_gather`)."""
-    fn = get("gather_matmul")
-    binder = getattr(getattr(fn, "__wrapped__", fn), "bind_unrotated", None)
+    binder = binder_of(get("gather_matmul"), "bind_unrotated")
     if binder is None:
         return None
     try:

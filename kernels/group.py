@@ -150,7 +150,7 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
     check_members(x, members)
     check_extras(x, members, extras)
     fn = dispatch.get("linear_group")
-    binder = getattr(getattr(fn, "__wrapped__", fn), "bind", None)
+    binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
         try:
             return binder(x, members, prepared, extras)

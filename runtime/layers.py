@@ -260,9 +260,9 @@ class _SwitchBase(_TQBase):
     """The expert product TQSwitchLinear and expert streaming's StreamedSwitchLinear share.
 
     A decode step calls it per projection with the same shapes every token: the call is
-    bound once per shape (`kernels.dispatch.bind_gather`, the rotation's plan with it), so
-    a token pays little more than the launch, where each Python call costs the GPU's host
-    time."""
+    bound once per shape (`kernels.dispatch.bind_gather_unrotated` where the backend
+    rotates inside its launch, else `bind_gather` with the rotation's plan), so a token
+    pays little more than the launch, where each Python call costs the GPU's host time."""
 
     def __init__(self):
         super().__init__()
