@@ -37,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lab_mma, run from anywhere
 from cuda_source import MLX_DEFAULT_HEADER, kernel_source  # noqa: E402
 
 L2_BYTES = 60 * 2**20
@@ -227,6 +228,36 @@ def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
                    cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
 
 
+def mma_variant(out_f: int, in_f: int, bits: int, ksplit: int = 0, xsmem: bool = False,
+                null: str = "") -> Variant:
+    """The tensor-core GEMV candidate (`lab_mma`, 3-bit, its own layout in buffers of the
+    GEMV's sizes): `ksplit` warps a tile (0: the layout decoded code by code, the family's
+    reference), x staged in shared memory (`xsmem`); `null` "loads": its loads alone,
+    "stream": a plain stream over the same bytes (each its own family)."""
+    import lab_mma
+    from turboquant.kernels import cuda_gemv
+
+    assert bits == 3
+    w = dict(_weights(out_f, in_f, bits))
+    args = [("x", Buffer(mx.float16, in_f, "x")), ("codes", w["codes"]),
+            ("hplane", w["hplane"]), ("scales", w["scales"]), ("levels", _levels(bits))]
+    func, body = f"mma_{out_f}x{in_f}_b{bits}_k{ksplit}", lab_mma.MMA_BODY
+    grid, block = (out_f // 16 * ksplit // 4, 1, 1), 128
+    if not ksplit:
+        func, body, grid = f"mmaref_{out_f}x{in_f}_b{bits}", lab_mma.REF_BODY, (out_f // 4, 1, 1)
+    func += "_xs" if xsmem else ""
+    if null == "loads":
+        func, body = func + "_null", lab_mma.NULL_BODY
+    if null == "stream":
+        func, body, grid, block = f"stream_{out_f}x{in_f}", lab_mma.STREAM_BODY, (132 * 16, 1, 1), 256
+    body = lab_mma.constants(out_f, in_f, xsmem, **({"KSPLIT": ksplit} if ksplit else {})) + body
+    src = kernel_source(func, [a for a, _ in args], ["out0"], body,
+                        [b.dtype for _, b in args], [mx.float16], [])
+    return Variant(func, func if null else f"mma_{out_f}x{in_f}_b{bits}", func,
+                   cuda_gemv.HEADER + lab_mma.MMA_HEADER + src, grid, block, 0,
+                   args, [("out0", mx.float16, out_f)])
+
+
 def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: int = 4,
                 head_dim: int = 128, sink: int = 4, tail: int = 64,
                 fp_tokens: tuple[int, ...] = ()) -> list[Variant]:
@@ -385,6 +416,14 @@ VARIANTS = [
     *[("gemv", o, i, b, {"rpw": 4, "header": h}) for o, i, b in (
         (28672, 8192, 3), (28672, 8192, 2), (28672, 8192, 4), (8192, 28672, 3), (4096, 4096, 3))
       for h in HEADER_VARIANTS],
+    # the tensor-core candidate (session 15: 37.6 us at 28672x8192 against the GEMV's
+    # 38.4): its code-by-code check first (the family's reference); then its loads alone
+    # and a plain stream of the same bytes (25.5 and 25.0 us: the speed of light)
+    *[("mma", o, i, 3, opts) for o, i in ((28672, 8192), (8192, 28672), (4096, 4096))
+      for opts in ({"ksplit": 0}, {"ksplit": 2}, {"ksplit": 4})],
+    *[("mma", o, i, 3, {"ksplit": 4, "xsmem": True}) for o, i in ((28672, 8192), (4096, 4096))],
+    ("mma", 28672, 8192, 3, {"ksplit": 2, "null": "loads"}),
+    ("mma", 28672, 8192, 3, {"ksplit": 1, "null": "stream"}),
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
     ("linear", 28672, 8192, 3, {"loop": "syncwarp"}),
     # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj
@@ -418,8 +457,8 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
     _no_mlx_kernels()
     out = []
     for kind, o, i, bits, options in specs:
-        out.append(gemv_variant(o, i, bits, **options) if kind == "gemv"
-                   else linear_variant(o, i, bits, **options))
+        make = {"gemv": gemv_variant, "mma": mma_variant, "linear": linear_variant}[kind]
+        out.append(make(o, i, bits, **options))
     for context in kv_contexts:
         out += kv_variants(context)
     for context in kv_tail_contexts:  # 4 sink + 188 tail tokens, near the longest fp16 part

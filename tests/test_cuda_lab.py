@@ -178,3 +178,32 @@ def test_only_selects_variants_by_name(lab):
     picked = lab.select(variants, "k8v8_fp16x_b8")
     assert picked and all("k8v8_fp16x_b8" in v.name for v in picked)
     assert lab.select(variants, None) == variants and lab.select(variants, "^nothing$") == []
+
+
+def test_tensor_core_candidate_is_checked_against_its_layout_decoded_code_by_code(lab, tmp_path):
+    """`lab_mma`: the mma kernels of a shape share a family whose first variant (the
+    reference the lab compares them with) decodes the same layout one code at a time; the
+    speed-of-light variants (loads alone, a plain stream) are families of their own."""
+    ref, k2, k4xs, loads, stream = lab.build(
+        [("mma", 256, 1024, 3, {"ksplit": 0}), ("mma", 256, 1024, 3, {"ksplit": 2}),
+         ("mma", 256, 1024, 3, {"ksplit": 4, "xsmem": True}),
+         ("mma", 256, 1024, 3, {"ksplit": 2, "null": "loads"}),
+         ("mma", 256, 1024, 3, {"ksplit": 1, "null": "stream"})],
+        kv_contexts=(), kv_tail_contexts=())
+    assert ref.func.startswith("mmaref_") and ref.family == k2.family == k4xs.family
+    assert "mma.sync.aligned.m16n8k16" in k2.source and "tq_mma4(" not in ref.source.split("__global__")[1]
+    assert k2.grid == (256 // 16 * 2 // 4, 1, 1) and k4xs.grid == (256 // 16, 1, 1)
+    assert "#define TQ_XSMEM 1" in k4xs.source and "#define TQ_XSMEM 0" in k2.source
+    assert loads.family == loads.name and stream.family == stream.name
+    # the same operands as the GEMV's (codes, high plane, scales): the weights stream
+    assert k2.weight_bytes == 256 * 1024 * 3 // 8 + 256 * 1024 // 64 * 2
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    variants = [ref, k2, k4xs, loads, stream]
+    (tmp_path / "kernels.cu").write_text(lab.kernels_file(variants))
+    (tmp_path / "main.cu").write_text(lab.program(variants))
+    for args in (["-cubin", str(tmp_path / "kernels.cu"), "-o", str(tmp_path / "k.cubin")],
+                 ["-c", str(tmp_path / "main.cu"), "-o", str(tmp_path / "main.o")]):
+        res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *args], capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
