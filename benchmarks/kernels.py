@@ -61,6 +61,14 @@ def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=None, poo
                        *(_plain_operands(bits) if pooled else operands)])[0]
 
 
+def bound_gemv(out_f, padded, bits, nscales, group=64, rows_per_warp=None):
+    """f(x, low, high, scales) -> y: a GEMV bound once, called as a runtime layer calls its
+    launch every token (`kernels.cuda`'s bindings: the launch and its small operands held,
+    one custom-kernel call per product)."""
+    run, operands = tq_launch(out_f, padded, bits, nscales, group, rows_per_warp)
+    return lambda x, low, high, scales: run(inputs=[x, low, high, scales, *operands])[0]
+
+
 @functools.lru_cache(maxsize=None)
 def tq_launch(out_f, padded, bits, nscales, group=64, rows_per_warp=None):
     """(bound launch, (levels, pair_expert, pair_row, bias)) of a one-token GEMV, built
@@ -134,9 +142,8 @@ def bench_shape(out_f: int, in_f: int) -> dict:
         ]
         mx.eval(ops)
         xp = x.astype(mx.float16)
-        row[f"tq{bits}"] = _time(lambda: [
-            tq_gemv(xp, *ops[i % len(ops)], bits, out_f) for i in range(PER_EVAL)
-        ])
+        call = bound_gemv(out_f, in_f, bits, scales.shape[-1])
+        row[f"tq{bits}"] = _time(lambda: [call(xp, *ops[i % len(ops)]) for i in range(PER_EVAL)])
         row[f"tq{bits}_gbps"] = nbytes / row[f"tq{bits}"] / 1e9
         del ops
     return row
@@ -259,12 +266,12 @@ def one_linear(out_f: int, in_f: int, bits: int = 3, calls: int = 8) -> None:
 
 
 def gemv_loop(out_f: int = 28672, in_f: int = 8192, bits: int = 3, per_eval: int = 200,
-              evals: int = 5) -> None:
+              evals: int = 5, rounds: int = 2) -> None:
     """The GEMV under MLX with many launches per evaluation, next to MLX's affine at the
     same bits: microseconds per GEMV and per call of graph building. Compare with the
     kernel's GPU time alone (`cuda_lab.py`); a target for Nsight Compute over
     back-to-back launches (`ncu --clock-control none --kernel-name regex:tq_gemv
-    --launch-skip 400 --launch-count 5`)."""
+    --launch-skip 400 --launch-count 5`). The methods take turns, `rounds` times over."""
     _, low, high, scales = tq_operands(out_f, in_f, bits, seed=bits)
     ops = [(low, high, scales), (low + 0, high + 0, scales + 0)]
     x = mx.random.normal((1, in_f)).astype(mx.float16)
@@ -273,15 +280,18 @@ def gemv_loop(out_f: int = 28672, in_f: int = 8192, bits: int = 3, per_eval: int
     qs = [q, tuple(a + 0 for a in q)]
     mx.eval(ops, x, qs)
     xb = x.astype(mx.bfloat16)
+    bound = bound_gemv(out_f, in_f, bits, scales.shape[-1])
     calls = {
-        f"tq{bits}": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f),
+        f"tq{bits}": lambda i: bound(x, *ops[i % 2]),
+        f"tq{bits}, launch looked up per call": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f),
         f"tq{bits}, small operands pooled": lambda i: tq_gemv(x, *ops[i % 2], bits, out_f,
                                                               pooled=True),
         f"affine{bits}": lambda i: mx.quantized_matmul(xb, *qs[i % 2], transpose=True,
                                                        group_size=64, bits=bits),
     }
-    for name, call in calls.items():
-        _time_loop(f"{name} {out_f}x{in_f}", call, per_eval, evals)
+    for _ in range(rounds):
+        for name, call in calls.items():
+            _time_loop(f"{name} {out_f}x{in_f}", call, per_eval, evals)
 
 
 def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
