@@ -198,8 +198,15 @@ def gemv_variant(out_f: int, in_f: int, bits: int, rpw: int, loop: str | None = 
                    args, [("out0", mx.float16, out_f)])
 
 
+# The fused kernel with its rotation replaced by a plain copy of the row (what the
+# rotation costs it; outputs differ, so its own family)
+_NO_ROTATION = """
+    for (int i = t; i < OUTW; i += THREADS) TQ_PUT(i, i < N ? TQ_LOAD(i) : 0.f);
+"""
+
+
 def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
-                   **options) -> Variant:
+                   rotate: bool = True, **options) -> Variant:
     """The fused launch of one TurboQuant linear, rotated as a weight of width in_f is;
     `loop` splices a candidate GEMV main loop (`GEMV_LOOPS`: the fused kernel runs the
     GEMV's rows)."""
@@ -220,10 +227,15 @@ def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
             ("levels", _levels(bits)), ("bias", Buffer(mx.float32, 1, "zero"))]
     header, _ = cuda_linear.source(1)
     body = _spliced_loop(launch.body, loop)
+    if not rotate:
+        from turboquant.kernels import cuda_rotate
+
+        assert cuda_rotate.ROTATE_ROW in body
+        body, func = body.replace(cuda_rotate.ROTATE_ROW, _NO_ROTATION), func + "_norotate"
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.bfloat16], [])
     threads = cuda_linear.THREADS
-    return Variant(func, f"linear_{out_f}x{in_f}_b{bits}", func, header + src,
+    return Variant(func, f"linear_{out_f}x{in_f}_b{bits}" if rotate else func, func, header + src,
                    (launch.grid[0] // threads, launch.grid[1], 1), threads,
                    cuda_linear.shared_bytes(in_f, in_f), args, [("out0", mx.bfloat16, out_f)])
 
@@ -426,6 +438,10 @@ VARIANTS = [
     ("mma", 28672, 8192, 3, {"ksplit": 1, "null": "stream"}),
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
     ("linear", 28672, 8192, 3, {"loop": "syncwarp"}),
+    # what the rotation costs the fused kernel (session 15: down_proj's 4096x14336 takes
+    # longer than gate/up's 28672x4096, twice its weights)
+    *[("linear", o, i, 3, {"rotate": False}) for o, i in ((4096, 14336), (28672, 4096))],
+    ("linear", 4096, 14336, 3, {"rows_per_warp": 1}),
     # a Llama-3-8B layer: q/k/v (as one matrix), o_proj, gate/up, down_proj
     ("linear", 6144, 4096, 3, {}), ("linear", 4096, 4096, 3, {}),
     ("linear", 28672, 4096, 3, {}), ("linear", 4096, 14336, 3, {}),

@@ -207,3 +207,16 @@ def test_tensor_core_candidate_is_checked_against_its_layout_decoded_code_by_cod
         res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *args], capture_output=True,
                              text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_fused_kernel_without_its_rotation_times_on_its_own(lab):
+    """`rotate=False`: the fused launch with a plain copy of the row where the rotation was
+    (what the rotation costs it); a family of its own, since its outputs differ."""
+    from turboquant.kernels import cuda_rotate
+
+    plain, bare = lab.build([("linear", 512, 14336, 3, {}),
+                             ("linear", 512, 14336, 3, {"rotate": False})],
+                            kv_contexts=(), kv_tail_contexts=())
+    assert cuda_rotate.ROTATE_ROW in plain.source and cuda_rotate.ROTATE_ROW not in bare.source
+    assert bare.func == plain.func + "_norotate" and bare.family == bare.name != plain.family
+    assert bare.grid == plain.grid and bare.shared == plain.shared
