@@ -230,8 +230,9 @@ def linear_variant(out_f: int, in_f: int, bits: int, loop: str | None = None,
     if not rotate:
         from turboquant.kernels import cuda_rotate
 
-        assert cuda_rotate.ROTATE_ROW in body
-        body, func = body.replace(cuda_rotate.ROTATE_ROW, _NO_ROTATION), func + "_norotate"
+        rotation = cuda_rotate.rotate_row(a)
+        assert rotation in body
+        body, func = body.replace(rotation, _NO_ROTATION), func + "_norotate"
     src = kernel_source(func, [a for a, _ in args], ["out0"], body,
                         [b.dtype for _, b in args], [mx.bfloat16], [])
     threads = cuda_linear.THREADS

@@ -142,16 +142,17 @@ def inputs(mode: tuple[bool, bool, bool] = (False, False, False),
 
 
 def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False),
-           gather: bool = False) -> tuple[str, str]:
+           gather: bool = False, a: int = 1) -> tuple[str, str]:
     """(header, body) of the kernel for a group of `segments` members doing `mode`'s
     extras, its constants not yet defined (`launch` writes them in front). `gather`: the
     experts of a switch layer, stacked by rows, output row p reading expert
-    pair_expert[p]'s rows against x row pair_row[p]."""
+    pair_expert[p]'s rows against x row pair_row[p]. `a`: the rotation's segments
+    (`cuda_rotate.rotate_row`)."""
     norm, gate, residual = mode
     load = _LOAD["norm" if norm else "gate" if gate else "plain"]
     store = (_RESIDUAL if residual else "") + cuda_gemv.STORES[segments]
     return _HEADER, (_SOURCE.replace("TQ_LOAD_ROW", load)
-                     .replace("TQ_ROTATE_ROW", cuda_rotate.ROTATE_ROW)
+                     .replace("TQ_ROTATE_ROW", cuda_rotate.rotate_row(a))
                      .replace("TQ_STORE", store)
                      .replace("TQ_EXPERT", "pair_expert[pair]" if gather else "0")
                      .replace("TQ_XROW", "pair_row[pair]" if gather else "pair"))
@@ -262,7 +263,7 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
     if gather and (len(ends) > 1 or any(mode)):
         raise ValueError("gathered experts are one member without extras")
-    body = cuda_gemv.constants_source(constants) + source(len(ends), mode, gather)[1]
+    body = cuda_gemv.constants_source(constants) + source(len(ends), mode, gather, a)[1]
     return Launch(
         kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body, gather),
         body=body,

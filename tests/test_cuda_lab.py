@@ -217,6 +217,7 @@ def test_fused_kernel_without_its_rotation_times_on_its_own(lab):
     plain, bare = lab.build([("linear", 512, 14336, 3, {}),
                              ("linear", 512, 14336, 3, {"rotate": False})],
                             kv_contexts=(), kv_tail_contexts=())
-    assert cuda_rotate.ROTATE_ROW in plain.source and cuda_rotate.ROTATE_ROW not in bare.source
+    rotation = cuda_rotate.rotate_row(28)  # 14336 = 28 x 512
+    assert rotation in plain.source and rotation not in bare.source
     assert bare.func == plain.func + "_norotate" and bare.family == bare.name != plain.family
     assert bare.grid == plain.grid and bare.shared == plain.shared

@@ -516,7 +516,7 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
         t = [("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
              ("THREADS", cuda_rotate.THREADS)]
         src += kernel_source(f"tq_rotate_{n}", ["x", "signs", "mix"], ["out"],
-                             cuda_rotate.kernel_source(dynamic),
+                             cuda_rotate.kernel_source(dynamic, a),
                              [mx.bfloat16, mx.float32, mx.float32], [mx.float16], t)
     compile_with_nvcc(src, tmp_path, "tq_linear")
 

@@ -56,3 +56,22 @@ def test_sizes_beyond_one_block_fall_back():
         cuda_rotate.operands((1,), 65536)  # 256 KiB of float32: over one block's shared memory
     with pytest.raises(NotImplementedError):
         cuda_rotate.operands((1,), 1000)  # 125 x 8: too many segments for one thread's registers
+
+
+def test_mixed_rotations_stage_their_mix_in_shared_memory():
+    """A > 1: the A x A mix is copied to shared memory once a block and read from there
+    (from global memory every multiply-add was a load); A = 1 keeps the kernel's text, so
+    the kernels of unmixed sizes stay the ones already built and tested."""
+    from turboquant.kernels import cuda_linear
+
+    assert cuda_rotate.rotate_row(1) == cuda_rotate.ROTATE_ROW
+    mixed = cuda_rotate.rotate_row(28)
+    assert "tq_mix[i] = mix_s[i];" in mixed and "acc += tq_mix[a * A + k] * v[k];" in mixed
+    assert "mix_s[a * A + k]" not in mixed and f"tq_mix[{cuda_rotate.MAX_FACTOR} * " in mixed
+    for n, a, dynamic in ((4096, 1, False), (14336, 28, True), (13824, 27, True)):
+        constants = (("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
+                     ("THREADS", cuda_rotate.THREADS))
+        body = cuda_rotate._body(dynamic, constants)
+        assert ("tq_mix[" in body) == (a > 1), n
+        fused = cuda_linear.source(1, a=a)[1]
+        assert ("tq_mix[" in fused) == (a > 1) and "TQ_ROTATE_ROW" not in fused
