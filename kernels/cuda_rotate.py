@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +38,9 @@ from . import cuda_gemv, cuda_memory
 THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
+# TURBOQUANT_CUDA_MIX_SHARED=0: mixed rotations read their mix from global memory, as
+# before session 15 (`rotate_row`)
+MIX_SHARED = os.environ.get("TURBOQUANT_CUDA_MIX_SHARED", "1") != "0"
 
 # Device functions ROTATE_ROW calls: a kernel using it puts this in its header.
 HEADER = r"""
@@ -125,8 +129,9 @@ def rotate_row(a: int) -> str:
     """ROTATE_ROW for A segments. Mixed segments (A > 1) first stage the A x A mix in shared
     memory: every thread reads every entry at each of its columns, which from global memory
     is a load per multiply-add (H200, `benchmarks/cuda_lab.py`: the fused down_proj launch
-    of 4096x14336, A = 28, 32.7 -> 25.9 us with the same outputs). A = 1 keeps the text."""
-    if a == 1:
+    of 4096x14336, A = 28, 32.7 -> 25.9 us with the same outputs). A = 1 keeps the text,
+    as does `MIX_SHARED` off."""
+    if a == 1 or not MIX_SHARED:
         return ROTATE_ROW
     text = ROTATE_ROW
     for before, after in (

@@ -75,3 +75,10 @@ def test_mixed_rotations_stage_their_mix_in_shared_memory():
         assert ("tq_mix[" in body) == (a > 1), n
         fused = cuda_linear.source(1, a=a)[1]
         assert ("tq_mix[" in fused) == (a > 1) and "TQ_ROTATE_ROW" not in fused
+
+
+def test_mix_in_shared_memory_can_be_switched_off(monkeypatch):
+    """TURBOQUANT_CUDA_MIX_SHARED=0 (read at import into `MIX_SHARED`): the mix read from
+    global memory as before, for comparison on a GPU."""
+    monkeypatch.setattr(cuda_rotate, "MIX_SHARED", False)
+    assert cuda_rotate.rotate_row(28) == cuda_rotate.ROTATE_ROW
