@@ -124,7 +124,6 @@ ROTATE_ROW = r"""
 """
 
 
-
 def rotate_row(a: int) -> str:
     """ROTATE_ROW for A segments. Mixed segments (A > 1) first stage the A x A mix in shared
     memory: every thread reads every entry at each of its columns, which from global memory
