@@ -160,6 +160,13 @@ _SOURCE = r"""
 STATIC_SHARED_BYTES = 48 * 1024  # above this a block's buffer must be dynamic (opt-in)
 
 
+def dynamic_row_bytes(n: int, a: int) -> int:
+    """Dynamic shared memory for the row of a rotation of size n in A segments: 0 where the
+    row fits in static memory beside the mix `rotate_row(a)` stages (4 KB when A > 1)."""
+    staged_mix = 4 * MAX_FACTOR * MAX_FACTOR if a > 1 and MIX_SHARED else 0
+    return 4 * n if 4 * n + staged_mix > STATIC_SHARED_BYTES else 0
+
+
 def kernel_source(dynamic: bool, a: int = 1) -> str:
     """The kernel's body for A segments, its row buffer in dynamic or static shared memory."""
     buffer = ("extern __shared__ __align__(16) float buf[];" if dynamic
@@ -259,7 +266,7 @@ def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
     shape with `rows` rows in all; `squeeze` drops the seed axis of a single seed."""
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
-    dynamic = 4 * n if 4 * n > STATIC_SHARED_BYTES else 0
+    dynamic = dynamic_row_bytes(n, a)
     constants = (("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
                  ("THREADS", THREADS))
     # the constants go into the source: MLX spends host time on every template argument

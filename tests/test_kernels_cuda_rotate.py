@@ -82,3 +82,28 @@ def test_mix_in_shared_memory_can_be_switched_off(monkeypatch):
     global memory as before, for comparison on a GPU."""
     monkeypatch.setattr(cuda_rotate, "MIX_SHARED", False)
     assert cuda_rotate.rotate_row(28) == cuda_rotate.ROTATE_ROW
+
+
+def test_rows_beside_a_staged_mix_fit_the_static_shared_memory(tmp_path):
+    """12288 = 12 x 1024: its 48 KB row fits static shared memory alone, not beside the 4 KB
+    mix a mixed rotation stages, so it goes dynamic; every size's kernel builds."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    assert cuda_rotate.dynamic_row_bytes(12288, 12) == 4 * 12288
+    assert cuda_rotate.dynamic_row_bytes(8192, 1) == 0 and cuda_rotate.dynamic_row_bytes(6144, 12) == 0
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from cuda_source import compile_with_nvcc, kernel_source
+
+    src = ""
+    for n in (12288, 13824, 6144, 4096):
+        a, p = cuda_rotate.factors(n, 1)
+        constants = [("InT", mx.bfloat16), ("N", n), ("P", p), ("A", a), ("OUTW", n),
+                     ("THREADS", cuda_rotate.THREADS)]
+        body = cuda_rotate.kernel_source(cuda_rotate.dynamic_row_bytes(n, a) > 0, a)
+        src += kernel_source(f"tq_rotate_{n}", ["x", "signs", "mix"], ["out"], body,
+                             [mx.bfloat16, mx.float32, mx.float32], [mx.float16], constants)
+    compile_with_nvcc(cuda_rotate.HEADER + src, tmp_path, "rotate")
