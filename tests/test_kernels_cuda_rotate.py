@@ -88,14 +88,11 @@ def test_rows_beside_a_staged_mix_fit_the_static_shared_memory(tmp_path):
     """12288 = 12 x 1024: its 48 KB row fits static shared memory alone, not beside the 4 KB
     mix a mixed rotation stages, so it goes dynamic; every size's kernel builds."""
     import shutil
-    import sys
-    from pathlib import Path
 
     assert cuda_rotate.dynamic_row_bytes(12288, 12) == 4 * 12288
     assert cuda_rotate.dynamic_row_bytes(8192, 1) == 0 and cuda_rotate.dynamic_row_bytes(6144, 12) == 0
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
-    sys.path.insert(0, str(Path(__file__).parent))
     from cuda_source import compile_with_nvcc, kernel_source
 
     src = ""
