@@ -197,7 +197,9 @@ def main() -> None:
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
                          "-compact / -broadcast through the compact / broadcast gathered "
                          "path (COMPACT_GATHER), "
-                         "-compiled with fused blocks' MLP half compiled (COMPILE_MLP)")
+                         "-compiled with fused blocks' MLP half compiled (COMPILE_MLP), "
+                         "-mlxattn with their single-token attention through mlx-lm's "
+                         "Attention (ATTENTION off)")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
@@ -227,12 +229,13 @@ def main() -> None:
         with reference_kernel("gather_matmul", "-refgather" in variant), \
                 switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
                          else False if "-broadcast" in variant else None), \
-                switched(fuse, "COMPILE_MLP", True if "-compiled" in variant else None):
+                switched(fuse, "COMPILE_MLP", True if "-compiled" in variant else None), \
+                switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None):
             tps = run_variant(model, args)
-        if tps is None:
-            return
+            if tps is None:
+                return
+            building, evaluating = split_ms(model)
         results[variant] = tps
-        building, evaluating = split_ms(model)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
               f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)

@@ -85,6 +85,10 @@ def group_linears(model: nn.Module) -> int:
 # the loader fuses blocks on CUDA; TURBOQUANT_FUSE_BLOCKS=0 keeps mlx-lm's (for comparison)
 BLOCKS = os.environ.get("TURBOQUANT_FUSE_BLOCKS", "1") != "0"
 
+# TURBOQUANT_FUSE_ATTENTION=0: a fused block's single-token step goes through mlx-lm's
+# Attention (with the head transposes) instead of `_attention_half` (for comparison)
+ATTENTION = os.environ.get("TURBOQUANT_FUSE_ATTENTION", "1") != "0"
+
 # TURBOQUANT_COMPILE_MLP=1: a fused block's decode step runs its MLP half (norm, gate/up,
 # SwiGLU, down, residual: two launches on CUDA) as one `mx.compile`d function, so the host
 # replays the traced launches instead of building them each token. Off: on the H200 it
@@ -106,6 +110,17 @@ class FusedDecoderBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
             return super().__call__(x, mask, cache)
+        if ATTENTION and x.shape[1] == 1 and cache is not None:
+            h = _attention_half(self, x, mask, cache)
+        else:
+            h = self._grouped_attention(x, mask, cache)
+        if COMPILE_MLP and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
+            return self._compiled_mlp_half()(h)
+        return _mlp_half(self, h)
+
+    def _grouped_attention(self, x: mx.array, mask, cache) -> mx.array:
+        """x + o_proj(attention(rms_norm(x))) through mlx-lm's Attention, its q/k/v calls
+        served by one group call and its o_proj adding the residual."""
         # children as items, not attributes: Module.__getattr__ would be a Python call each
         attn, norm = self["self_attn"], self["input_layernorm"]
         qkv, out = attn["q_proj"]._group, attn["o_proj"]._alone
@@ -115,13 +130,10 @@ class FusedDecoderBlock:
             # q/k/v in one call, taken by the attention's calls on x (any other would still
             # be normalised: the extras stay set while it runs)
             qkv.ready = (x, qkv.outputs(x, qkv.extras))
-            h = attn(x, mask, cache)  # x + o_proj(attention(rms_norm(x)))
+            return attn(x, mask, cache)
         finally:
             qkv.extras = out.extras = NO_EXTRAS
             qkv.ready = None
-        if COMPILE_MLP and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
-            return self._compiled_mlp_half()(h)
-        return _mlp_half(self, h)
 
     def _compiled_mlp_half(self):
         """`_mlp_half` compiled for this block, traced again when a weight it read has been
@@ -137,6 +149,32 @@ class FusedDecoderBlock:
         return hit[0]
 
 
+def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
+    """x + o_proj(attention(rms_norm(x))) for one token with a cache: mlx-lm's Attention
+    step (Llama, Qwen2, Qwen3) with fewer operations. For one token the (B, 1, H, D) ->
+    (B, H, 1, D) transposes are reshapes, so q/k/v take one reshape each instead of a
+    reshape and a transpose, and the attention's output one instead of two; every value is
+    the same. Each operation saved is host time on a GPU (MLX encodes every one)."""
+    attn, norm = block["self_attn"], block["input_layernorm"]
+    q, k, v = attn["q_proj"]._group.outputs(x, Extras(norm=norm["weight"], eps=norm.eps))
+    b = x.shape[0]
+    q = q.reshape(b, attn.n_heads, 1, -1)
+    k = k.reshape(b, attn.n_kv_heads, 1, -1)
+    v = v.reshape(b, attn.n_kv_heads, 1, -1)
+    if "q_norm" in attn:  # Qwen3: each head's query and key normalised first
+        q, k = attn["q_norm"](q), attn["k_norm"](k)
+    rope, offset = attn["rope"], cache.offset
+    k, v = cache.update_and_fetch(rope(k, offset=offset), v)
+    o = _sdpa(block)(rope(q, offset=offset), k, v, cache=cache, scale=attn.scale, mask=mask)
+    return attn["o_proj"]._alone.outputs(o.reshape(b, 1, -1), Extras(residual=x))[0]
+
+
+def _sdpa(block):
+    """The attention function the block's mlx-lm module calls (looked up each call, as
+    mlx-lm's own code does: a KV cache's hook replaces what it routes to)."""
+    return _BLOCK_MODULES[type(block)].scaled_dot_product_attention
+
+
 def _mlp_half(block, h: mx.array) -> mx.array:
     """h + down(silu(gate(n)) * up(n)), n = rms_norm(h): the gate/up and down group calls
     with the norm, the SwiGLU and the residual as their extras."""
@@ -145,9 +183,15 @@ def _mlp_half(block, h: mx.array) -> mx.array:
     return mlp["down_proj"]._alone.outputs(gate, Extras(up=up, residual=h))[0]
 
 
+# fused block class -> the mlx-lm module its block class came from
+_BLOCK_MODULES: dict[type, object] = {}
+
+
 @functools.cache
 def _fused_class(cls: type) -> type:
-    return type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
+    fused = type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
+    _BLOCK_MODULES[fused] = importlib.import_module(cls.__module__)
+    return fused
 
 
 @functools.cache
@@ -181,6 +225,7 @@ def fusable_block(block) -> bool:
         norms = (getattr(block, "input_layernorm", None),
                  getattr(block, "post_attention_layernorm", None))
         return (type(attn) is classes[1] and type(mlp) is classes[2]
+                and isinstance(attn.get("rope"), nn.Module)  # `_attention_half` calls it
                 and all(type(n) is nn.RMSNorm for n in norms)
                 and _grouped([attn.q_proj, attn.k_proj, attn.v_proj])
                 and _grouped([mlp.gate_proj, mlp.up_proj])

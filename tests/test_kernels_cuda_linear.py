@@ -289,7 +289,6 @@ def test_loaded_model_matches_the_cpu(tmp_path):
 def test_a_compiled_mlp_half_matches_the_uncompiled_step(tmp_path, monkeypatch):
     """TURBOQUANT_COMPILE_MLP on CUDA: the traced gate/up and down launches replayed give
     the logits of the step built launch by launch, token after token with a cache."""
-    from mlx_lm.models.cache import make_prompt_cache
     from test_runtime_fixtures import make_checkpoint, write_repo
 
     from turboquant.runtime import fuse, load
@@ -300,16 +299,44 @@ def test_a_compiled_mlp_half_matches_the_uncompiled_step(tmp_path, monkeypatch):
     runs = []
     for compiled in (False, True):
         monkeypatch.setattr(fuse, "COMPILE_MLP", compiled)
-        cache = make_prompt_cache(model)
-        model(mx.array([[1, 5, 70, 33]]), cache=cache)
-        tok, logits = mx.array([[7]]), []
-        for _ in range(4):
-            out = model(tok, cache=cache)
-            logits.append(out)
-            tok = mx.argmax(out[:, -1:], axis=-1)
-        mx.eval(logits)
-        runs.append(logits)
+        runs.append(_cached_steps(model))
     assert all("_mlp_compiled" in layer.__dict__ for layer in model.layers)
     for plain, traced in zip(*runs):
         err = float(mx.max(mx.abs(plain - traced)) / mx.max(mx.abs(plain)))
+        assert err < 1e-3, err
+
+
+def _cached_steps(model, steps: int = 4) -> list[mx.array]:
+    """Logits of `steps` greedy single-token steps after a 4-token prompt, with a cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 5, 70, 33]]), cache=cache)
+    tok, logits = mx.array([[7]]), []
+    for _ in range(steps):
+        out = model(tok, cache=cache)
+        logits.append(out)
+        tok = mx.argmax(out[:, -1:], axis=-1)
+    mx.eval(logits)
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_attention_half_matches_mlx_lms_attention(tmp_path, monkeypatch, kind):
+    """A fused block's single-token step with a cache (`fuse._attention_half`: the head
+    transposes as reshapes) gives the logits of mlx-lm's Attention on the same kernels."""
+    from test_runtime_fixtures import make_checkpoint, write_repo
+
+    from turboquant.runtime import fuse, load
+
+    config, weights = make_checkpoint(kind, seed=7)
+    write_repo(tmp_path / kind, config, weights, bits=3)
+    model, _ = load(tmp_path / kind)
+    assert all(isinstance(layer, fuse.FusedDecoderBlock) for layer in model.layers)
+    runs = []
+    for attention in (False, True):
+        monkeypatch.setattr(fuse, "ATTENTION", attention)
+        runs.append(_cached_steps(model))
+    for theirs, ours in zip(*runs):
+        err = float(mx.max(mx.abs(theirs - ours)) / mx.max(mx.abs(theirs)))
         assert err < 1e-3, err

@@ -166,6 +166,16 @@ def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
         assert mx.array_equal(a, b)
 
 
+def _reference_kernels(monkeypatch) -> None:
+    """The pure-MLX reference stands in for a GPU's kernels: graph nodes (the CPU's numba
+    ones evaluate inside the call, which a trace cannot, and cut the step's graph)."""
+    dispatch.get("matvec")  # the CPU backend loaded (it registers its kernels on import)
+    for op in ("matvec", "linear_group"):
+        monkeypatch.delitem(dispatch._TABLE, ("cpu", op), raising=False)
+        monkeypatch.delitem(dispatch._WRAPPED, ("cpu", op), raising=False)
+    dispatch._changed()
+
+
 def test_a_compiled_mlp_half_keeps_the_logits_and_follows_new_weights(tmp_path, monkeypatch):
     """TURBOQUANT_COMPILE_MLP: the MLP half of a fused decode step as one compiled function
     gives the uncompiled step's logits (MLX may fuse the CPU's elementwise ops: close, not
@@ -178,13 +188,7 @@ def test_a_compiled_mlp_half_keeps_the_logits_and_follows_new_weights(tmp_path, 
     other, _ = load(tmp_path / "other", fuse=False)
     for m in (model, other):
         group_linears(m), fuse_blocks(m)
-    # the pure-MLX reference stands in for a GPU's kernels (the CPU's numba ones evaluate
-    # inside the call, which a trace cannot)
-    dispatch.get("matvec")  # the CPU backend loaded (it registers its kernels on import)
-    for op in ("matvec", "linear_group"):
-        monkeypatch.delitem(dispatch._TABLE, ("cpu", op), raising=False)
-        monkeypatch.delitem(dispatch._WRAPPED, ("cpu", op), raising=False)
-    dispatch._changed()
+    _reference_kernels(monkeypatch)
     monkeypatch.setattr(fuse, "GRAPH_KERNEL_BACKENDS", ("cpu",))
     before = _decode(model)
     monkeypatch.setattr(fuse, "COMPILE_MLP", True)
@@ -260,3 +264,36 @@ def test_the_loader_groups_where_a_kernel_runs_groups(tmp_path):
     assert not isinstance(model.layers[0], FusedDecoderBlock)  # not on the CPU
     model, _ = load(repo, fuse=False)
     assert type(model.layers[0].self_attn.q_proj).__name__ == "TQLinear"
+
+
+def _step_ops(model, cache) -> dict:
+    """Operations by name in the unevaluated graph of one single-token decode step."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    logits = model(PROMPT[:, :1], cache=cache)
+    mx.export_to_dot(buf, logits)
+    mx.eval(logits)  # the cache too: the next step's graph starts from evaluated arrays
+    names = re.findall(r'label ="([^"]+)"', buf.getvalue())
+    return {n: names.count(n) for n in set(names)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_fused_single_token_step_skips_the_head_transposes(tmp_path, monkeypatch, kind):
+    """For one token the attention's head transposes are reshapes: a fused block's step
+    has 4 operations fewer per layer than mlx-lm's attention, its 4 transposes (each is
+    host time on a GPU), with the same logits (test_fused_blocks_keep_every_logit). The
+    reference kernels stand in for the GPU's, so the step is one graph."""
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
+    group_linears(model)
+    _reference_kernels(monkeypatch)
+    cache = make_prompt_cache(model)
+    mx.eval(model(PROMPT, cache=cache))
+    plain = _step_ops(model, cache)
+    assert fuse_blocks(model) == len(model.layers) == 2
+    fused = _step_ops(model, cache)
+    # mlx-lm's attention: a reshape and a transpose for each of q, k, v and the output
+    assert plain["Transpose"] - fused.get("Transpose", 0) == 4 * 2
+    assert plain["Reshape"] == fused["Reshape"]
+    assert sum(plain.values()) - sum(fused.values()) == 4 * 2
