@@ -129,15 +129,29 @@ def switched(module, name: str, value: bool | None):
         setattr(module, name, saved)
 
 
+def token_gaps(model, tokens: int, prompt_len: int = 16) -> list[float]:
+    """Seconds between consecutive generated tokens (greedy, mlx-lm's `generate_step`,
+    which builds the next token's graph while the current one evaluates)."""
+    prompt = mx.array(list(range(1, prompt_len + 1)))
+    stamps = [time.perf_counter() for _ in generate_step(prompt, model, max_tokens=tokens,
+                                                         sampler=make_sampler(0.0))]
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
 def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
     """Generated tokens per second after the first (prefill excluded), greedy."""
-    prompt = mx.array(list(range(1, prompt_len + 1)))
-    t0 = None
-    for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=tokens,
-                                               sampler=make_sampler(0.0))):
-        if i == 0:
-            t0 = time.perf_counter()
-    return (tokens - 1) / (time.perf_counter() - t0)
+    gaps = token_gaps(model, tokens, prompt_len)
+    return len(gaps) / sum(gaps)
+
+
+def describe_gaps(gaps: list[float]) -> str:
+    """Percentiles of the per-token times in ms, and how many tokens took over 1.25x the
+    median: whether a slow run is slow throughout or stalls now and then."""
+    ms = sorted(g * 1e3 for g in gaps)
+    pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
+    slow = sum(m > 1.25 * pick(0.5) for m in ms)
+    return (f"token ms p10 {pick(0.1):.2f} p50 {pick(0.5):.2f} p90 {pick(0.9):.2f} "
+            f"max {ms[-1]:.2f}, {slow}/{len(ms)} over 1.25x the median")
 
 
 def split_ms(model, steps: int = 32, prompt_len: int = 16) -> tuple[float, float]:
@@ -173,11 +187,12 @@ def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
     return float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
 
 
-def run_variant(model, args) -> float | None:
-    """Decode tokens/s after a warm-up; None when --profile printed a profile instead."""
+def run_variant(model, args) -> list[float] | None:
+    """Per-token seconds of a decode after a warm-up (`token_gaps`); None when --profile
+    printed a profile instead."""
     decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
     if not args.profile:
-        return decode_tps(model, args.tokens)
+        return token_gaps(model, args.tokens)
     import cProfile
     import pstats
 
@@ -200,6 +215,8 @@ def main() -> None:
                          "-compiled with fused blocks' MLP half compiled (COMPILE_MLP), "
                          "-mlxattn with their single-token attention through mlx-lm's "
                          "Attention (ATTENTION off)")
+    ap.add_argument("--token-times", action="store_true",
+                    help="also print each variant's per-token time percentiles")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
@@ -231,14 +248,16 @@ def main() -> None:
                          else False if "-broadcast" in variant else None), \
                 switched(fuse, "COMPILE_MLP", True if "-compiled" in variant else None), \
                 switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None):
-            tps = run_variant(model, args)
-            if tps is None:
+            gaps = run_variant(model, args)
+            if gaps is None:
                 return
             building, evaluating = split_ms(model)
-        results[variant] = tps
+        results[variant] = tps = len(gaps) / sum(gaps)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
               f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)
+        if args.token_times:
+            print(f"{'':>8}  {describe_gaps(gaps)}", flush=True)
         del model
         gc.collect()
         mx.clear_cache()

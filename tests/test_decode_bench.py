@@ -1,0 +1,28 @@
+"""benchmarks/decode.py's per-token measure: the gaps between generated tokens, and the
+summary --token-times prints (whether a slow run is slow throughout or stalls)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mlx_lm.models import llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import decode  # noqa: E402  (the benchmark script)
+
+
+def test_token_gaps_time_every_generated_token_after_the_first():
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    gaps = decode.token_gaps(llama.Model(args), tokens=6, prompt_len=4)
+    assert len(gaps) == 5 and all(g > 0 for g in gaps)
+
+
+def test_describe_gaps_gives_percentiles_and_counts_the_stalls():
+    gaps = [0.004] * 8 + [0.010, 0.012]  # two stalls among 4 ms tokens
+    text = decode.describe_gaps(gaps)
+    assert "p50 4.00" in text and "max 12.00" in text
+    assert "2/10 over 1.25x the median" in text
