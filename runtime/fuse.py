@@ -102,6 +102,15 @@ GRAPH_KERNEL_BACKENDS = ("cuda", "metal")
 # MLP down(swiglu(gate(x), up(x))): the structure FusedDecoderBlock reproduces
 FUSABLE_FAMILIES = ("llama", "qwen2", "qwen3")
 
+# mlx-lm MoE modules whose decoder block is x + attn(norm(x)), then h + moe(norm(h)), with
+# an attention of the dense families' kind: (block class, attention class, the sparse
+# MLP's attribute), the blocks FusedAttentionBlock takes
+ATTENTION_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeDecoderLayer", "Attention", "mlp"),
+    "qwen2_moe": ("Qwen2MoeDecoderLayer", "Attention", "mlp"),
+    "mixtral": ("MixtralDecoderLayer", "MixtralAttention", "block_sparse_moe"),
+}
+
 
 class FusedDecoderBlock:
     """Mixed into a fusable block's class: the same layer, its decode step done by the
@@ -149,18 +158,34 @@ class FusedDecoderBlock:
         return hit[0]
 
 
+class FusedAttentionBlock:
+    """Mixed into an ATTENTION_FAMILIES block's class (MoE layers): a single-token step
+    with a cache runs its attention half as a fused block does (`_attention_half`: the
+    norm in the q/k/v launch, the residual in o_proj's); the sparse MLP half, and every
+    other step, stay mlx-lm's."""
+
+    moe_name = "mlp"  # the sparse MLP's attribute (the fused class sets its family's)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not (ATTENTION and x.shape[1] == 1 and cache is not None):
+            return super().__call__(x, mask, cache)
+        h = _attention_half(self, x, mask, cache)
+        return h + self[self.moe_name](self["post_attention_layernorm"](h))
+
+
 def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
     """x + o_proj(attention(rms_norm(x))) for one token with a cache: mlx-lm's Attention
-    step (Llama, Qwen2, Qwen3) with fewer operations. For one token the (B, 1, H, D) ->
-    (B, H, 1, D) transposes are reshapes, so q/k/v take one reshape each instead of a
-    reshape and a transpose, and the attention's output one instead of two; every value is
-    the same. Each operation saved is host time on a GPU (MLX encodes every one)."""
+    step (Llama, Qwen2, Qwen3 and the MoE families of ATTENTION_FAMILIES) with fewer
+    operations. For one token the (B, 1, H, D) -> (B, H, 1, D) transposes are reshapes, so
+    q/k/v take one reshape each instead of a reshape and a transpose, and the attention's
+    output one instead of two; every value is the same. Each operation saved is host time
+    on a GPU (MLX encodes every one). The head counts are the block's (`_set_heads`)."""
     attn, norm = block["self_attn"], block["input_layernorm"]
     q, k, v = attn["q_proj"]._group.outputs(x, Extras(norm=norm["weight"], eps=norm.eps))
     b = x.shape[0]
-    q = q.reshape(b, attn.n_heads, 1, -1)
-    k = k.reshape(b, attn.n_kv_heads, 1, -1)
-    v = v.reshape(b, attn.n_kv_heads, 1, -1)
+    q = q.reshape(b, block.q_heads, 1, -1)
+    k = k.reshape(b, block.kv_heads, 1, -1)
+    v = v.reshape(b, block.kv_heads, 1, -1)
     if "q_norm" in attn:  # Qwen3: each head's query and key normalised first
         q, k = attn["q_norm"](q), attn["k_norm"](k)
     rope, offset = attn["rope"], cache.offset
@@ -188,10 +213,26 @@ _BLOCK_MODULES: dict[type, object] = {}
 
 
 @functools.cache
-def _fused_class(cls: type) -> type:
-    fused = type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
+def _fused_class(cls: type, moe_name: str | None = None) -> type:
+    """`cls` with FusedDecoderBlock's step, or FusedAttentionBlock's when the block's
+    sparse MLP is `moe_name`."""
+    if moe_name is None:
+        fused = type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
+    else:
+        fused = type(f"Fused{cls.__name__}", (FusedAttentionBlock, cls), {"moe_name": moe_name})
     _BLOCK_MODULES[fused] = importlib.import_module(cls.__module__)
     return fused
+
+
+def _set_heads(block) -> None:
+    """The block's query and key/value head counts as plain attributes, read by
+    `_attention_half` every token (Mixtral's attention names them num_heads and
+    num_key_value_heads)."""
+    attn = block.self_attn
+    if hasattr(attn, "n_heads"):
+        block.q_heads, block.kv_heads = attn.n_heads, attn.n_kv_heads
+    else:
+        block.q_heads, block.kv_heads = attn.num_heads, attn.num_key_value_heads
 
 
 @functools.cache
@@ -221,24 +262,52 @@ def fusable_block(block) -> bool:
         classes = _family_classes(family)
         if classes is None or type(block) is not classes[0]:
             continue
-        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        norms = (getattr(block, "input_layernorm", None),
-                 getattr(block, "post_attention_layernorm", None))
-        return (type(attn) is classes[1] and type(mlp) is classes[2]
-                and isinstance(attn.get("rope"), nn.Module)  # `_attention_half` calls it
-                and all(type(n) is nn.RMSNorm for n in norms)
-                and _grouped([attn.q_proj, attn.k_proj, attn.v_proj])
-                and _grouped([mlp.gate_proj, mlp.up_proj])
-                and type(attn.o_proj) is TQLinear and type(mlp.down_proj) is TQLinear)
+        mlp = getattr(block, "mlp", None)
+        return (type(mlp) is classes[2] and _attention_fusable(block, classes[1])
+                and _grouped([mlp.gate_proj, mlp.up_proj]) and type(mlp.down_proj) is TQLinear)
     return False
 
 
+def _attention_fusable(block, attention_class: type) -> bool:
+    """Whether `block`'s attention is an `attention_class` with grouped TurboQuant q/k/v, a
+    plain TurboQuant o_proj, a RoPE module and RMSNorms before its two halves."""
+    attn = getattr(block, "self_attn", None)
+    norms = (getattr(block, "input_layernorm", None),
+             getattr(block, "post_attention_layernorm", None))
+    return (type(attn) is attention_class
+            and isinstance(attn.get("rope"), nn.Module)  # `_attention_half` calls it
+            and all(type(n) is nn.RMSNorm for n in norms)
+            and _grouped([attn.q_proj, attn.k_proj, attn.v_proj])
+            and type(attn.o_proj) is TQLinear)
+
+
+def attention_fusable_block(block) -> str | None:
+    """The sparse MLP's attribute name if `block` is an ATTENTION_FAMILIES decoder block
+    whose attention `_attention_half` can run; None otherwise."""
+    for family, (block_name, attention_name, moe_name) in ATTENTION_FAMILIES.items():
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{family}")
+        except ImportError:
+            continue
+        if type(block) is getattr(module, block_name, None):
+            attention_class = getattr(module, attention_name, None)
+            fits = attention_class is not None and _attention_fusable(block, attention_class)
+            return moe_name if fits and moe_name in block else None
+    return None
+
+
 def fuse_blocks(model: nn.Module) -> int:
-    """Give every fusable decoder block (after `group_linears`) the fused decode step, in
-    place; returns how many blocks were fused."""
+    """Give every fusable decoder block (after `group_linears`) the fused decode step, and
+    every MoE block of ATTENTION_FAMILIES the fused attention half, in place; returns how
+    many blocks were fused."""
     fused = 0
     for _, module in model.named_modules():
         if fusable_block(module):
             module.__class__ = _fused_class(type(module))
-            fused += 1
+        elif (moe_name := attention_fusable_block(module)) is not None:
+            module.__class__ = _fused_class(type(module), moe_name)
+        else:
+            continue
+        _set_heads(module)
+        fused += 1
     return fused

@@ -321,10 +321,11 @@ def _cached_steps(model, steps: int = 4) -> list[mx.array]:
     return logits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_the_attention_half_matches_mlx_lms_attention(tmp_path, monkeypatch, kind):
     """A fused block's single-token step with a cache (`fuse._attention_half`: the head
-    transposes as reshapes) gives the logits of mlx-lm's Attention on the same kernels."""
+    transposes as reshapes) gives the logits of mlx-lm's Attention on the same kernels;
+    for MoE blocks (FusedAttentionBlock) against their whole mlx-lm step."""
     from test_runtime_fixtures import make_checkpoint, write_repo
 
     from turboquant.runtime import fuse, load
@@ -332,11 +333,15 @@ def test_the_attention_half_matches_mlx_lms_attention(tmp_path, monkeypatch, kin
     config, weights = make_checkpoint(kind, seed=7)
     write_repo(tmp_path / kind, config, weights, bits=3)
     model, _ = load(tmp_path / kind)
-    assert all(isinstance(layer, fuse.FusedDecoderBlock) for layer in model.layers)
+    fused = (fuse.FusedDecoderBlock, fuse.FusedAttentionBlock)
+    assert all(isinstance(layer, fused) for layer in model.layers)
     runs = []
     for attention in (False, True):
         monkeypatch.setattr(fuse, "ATTENTION", attention)
         runs.append(_cached_steps(model))
+    # dense blocks: only the views differ; MoE blocks: their whole mlx-lm step, whose norm
+    # and residual MLX rounds where the kernels keep float32 (as test_extras_match_reference)
+    tolerance = 2e-2 if kind in ("qwen3_moe", "mixtral") else 1e-3
     for theirs, ours in zip(*runs):
         err = float(mx.max(mx.abs(theirs - ours)) / mx.max(mx.abs(theirs)))
-        assert err < 1e-3, err
+        assert err < tolerance, err

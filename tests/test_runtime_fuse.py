@@ -18,6 +18,7 @@ from turboquant import kernels
 from turboquant.kernels import dispatch, group
 from turboquant.runtime import load
 from turboquant.runtime.fuse import (
+    FusedAttentionBlock,
     FusedDecoderBlock,
     TQGroupedLinear,
     fusable_block,
@@ -151,16 +152,20 @@ def test_no_output_outlives_the_forward_pass(tmp_path):
     assert all(g.pending is None for g in groups.values())
 
 
-@pytest.mark.parametrize("kind, fused", [("llama", 2), ("qwen2", 2), ("qwen3", 2),
-                                         ("qwen2_moe", 0), ("mixtral", 0)])
-def test_fused_blocks_keep_every_logit(tmp_path, kind, fused):
+@pytest.mark.parametrize("kind, fused, attention_only", [
+    ("llama", 2, 0), ("qwen2", 2, 0), ("qwen3", 2, 0), ("qwen2_moe", 2, 2), ("mixtral", 2, 2),
+    ("qwen3_moe", 2, 2)])
+def test_fused_blocks_keep_every_logit(tmp_path, kind, fused, attention_only):
     """On the CPU the extras are MLX's own ops (rms_norm, the SwiGLU, the adds) done by the
-    group call instead of the block: every logit stays the same, prefill and decode."""
+    group call instead of the block: every logit stays the same, prefill and decode. MoE
+    blocks get the fused attention half only (their sparse MLP stays mlx-lm's)."""
     model, _ = load(_repo(tmp_path, kind), fuse=False)
     before = _decode(model)
     group_linears(model)
-    assert fuse_blocks(model) == fused  # MoE blocks keep mlx-lm's step
-    assert sum(isinstance(m, FusedDecoderBlock) for _, m in model.named_modules()) == fused
+    assert fuse_blocks(model) == fused
+    blocks = [m for _, m in model.named_modules()]
+    assert sum(isinstance(m, FusedAttentionBlock) for m in blocks) == attention_only
+    assert sum(isinstance(m, FusedDecoderBlock) for m in blocks) == fused - attention_only
     after = _decode(model)
     for a, b in zip(before, after):
         assert mx.array_equal(a, b)
@@ -170,7 +175,7 @@ def _reference_kernels(monkeypatch) -> None:
     """The pure-MLX reference stands in for a GPU's kernels: graph nodes (the CPU's numba
     ones evaluate inside the call, which a trace cannot, and cut the step's graph)."""
     dispatch.get("matvec")  # the CPU backend loaded (it registers its kernels on import)
-    for op in ("matvec", "linear_group"):
+    for op in ("matvec", "linear_group", "gather_matmul"):
         monkeypatch.delitem(dispatch._TABLE, ("cpu", op), raising=False)
         monkeypatch.delitem(dispatch._WRAPPED, ("cpu", op), raising=False)
     dispatch._changed()
@@ -279,7 +284,7 @@ def _step_ops(model, cache) -> dict:
     return {n: names.count(n) for n in set(names)}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_fused_single_token_step_skips_the_head_transposes(tmp_path, monkeypatch, kind):
     """For one token the attention's head transposes are reshapes: a fused block's step
     has 4 operations fewer per layer than mlx-lm's attention, its 4 transposes (each is
@@ -297,3 +302,29 @@ def test_a_fused_single_token_step_skips_the_head_transposes(tmp_path, monkeypat
     assert plain["Transpose"] - fused.get("Transpose", 0) == 4 * 2
     assert plain["Reshape"] == fused["Reshape"]
     assert sum(plain.values()) - sum(fused.values()) == 4 * 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_the_attention_half_keeps_the_logits_with_turboquants_kv_cache(tmp_path, kind):
+    """The fused attention half calls the cache and the attention function as mlx-lm's
+    Attention does, so TurboQuant's compressed KV cache (its attention hook included) sees
+    the same calls: the same logits over steps that compress blocks of the cache."""
+    from turboquant.runtime.kvcache import make_turboquant_cache
+
+    def decode(model):
+        cache = make_turboquant_cache(model, sink=2, window=4, block=4, protect_layers=0)
+        out = [model(PROMPT, cache=cache)]
+        tok = mx.argmax(out[-1][:, -1:], axis=-1)
+        for _ in range(9):  # past the window: blocks of 4 tokens compressed as it goes
+            out.append(model(tok, cache=cache))
+            tok = mx.argmax(out[-1][:, -1:], axis=-1)
+        mx.eval(out)
+        assert all(c._n_comp > 0 for c in cache)  # compressed blocks were attended to
+        return out
+
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
+    group_linears(model)
+    before = decode(model)
+    assert fuse_blocks(model) == 2
+    for a, b in zip(before, decode(model)):
+        assert mx.array_equal(a, b)
