@@ -180,15 +180,20 @@ class _Plan:
         """The fused launch's inputs after the row's (`cuda_linear.WEIGHTS`' order)."""
         return [self.signs, self.mix, self.low, self.high, self.scales, self.levels, self.bias]
 
-    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
+    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool], views=None):
         """f(x, extras) for inputs of leading shape `lead` and `dtype`, extras of `mode`:
         the fused launch with the weights bound (the two-launch path: this plan's call).
         For the modes a fused decoder block uses, f reads the extras' arrays itself and
         launches: one Python call a token, where each costs the GPU's host time. Inputs
-        in `cuda_linear.inputs(mode)`'s order: x, up, norm weight + eps, residual, weights."""
+        in `cuda_linear.inputs(mode)`'s order: x, up, norm weight + eps, residual, weights.
+        `views`: the outputs' shapes (`group.bind_linear_group`), which the fused launch
+        declares itself: the kernel writes each output row-major in either shape."""
         if not self.fused:
-            return self.__call__
-        launch, weights = self._launch(lead, dtype, mode).bound(), self._weights()
+            return group.viewed(self.__call__, views)
+        launch = self._launch(lead, dtype, mode)
+        if views is not None:
+            launch = dataclasses.replace(launch, shapes=[tuple(v) for v in views])
+        launch, weights = launch.bound(), self._weights()
         if mode == _PLAIN:
             return lambda x, extras: launch(inputs=[x, *weights])
         if mode == _NORM:  # q/k/v, gate/up
@@ -273,10 +278,10 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
     return _group_plan(x, members, prepared)(x, extras)
 
 
-def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS, views=None):
     """`group.bind_linear_group` on CUDA: the plan's launch for x's shape and dtype and
-    extras' mode, its weights bound."""
-    return _group_plan(x, members, prepared).bind(x.shape[:-1], x.dtype, extras.mode)
+    extras' mode, its weights bound, its outputs in the `views`' shapes if given."""
+    return _group_plan(x, members, prepared).bind(x.shape[:-1], x.dtype, extras.mode, views)
 
 
 linear_group.bind = bind_linear_group

@@ -15,6 +15,7 @@ o_proj and down. The reference does it with the same MLX ops as mlx-lm's layers.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -141,22 +142,45 @@ def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None,
 
 
 def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None,
-                      extras: Extras = NO_EXTRAS):
+                      extras: Extras = NO_EXTRAS, views: tuple | None = None):
     """`tq_linear_group` for inputs of x's shape and dtype and extras of its mode, as a
     callable f(x, extras): the checks and the choice of kernel are made here, once, so a
     decode step that calls it for every token pays little more than the launch. A
     backend's kernel may offer a `bind` of its own (CUDA's: its launch with the weights
-    bound); otherwise f calls the kernel as `tq_linear_group` would."""
+    bound); otherwise f calls the kernel as `tq_linear_group` would.
+
+    `views`: a shape per member to return its output in (the same values, reshaped: an
+    attention's heads), for a caller that would reshape them at once. A backend's launch
+    may declare them as its outputs' shapes, saving the reshapes; otherwise f reshapes."""
     check_members(x, members)
     check_extras(x, members, extras)
+    if views is not None:
+        check_views(x, members, views)
     fn = dispatch.get("linear_group")
     binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
         try:
-            return binder(x, members, prepared, extras)
+            return binder(x, members, prepared, extras, views)
         except NotImplementedError:  # the kernel does not cover these: it falls back per call
             pass
-    return lambda x, extras: fn(x, members, prepared, extras)
+    return viewed(lambda x, extras: fn(x, members, prepared, extras), views)
+
+
+def viewed(run, views: tuple | None):
+    """f(x, extras) returning `run`'s outputs reshaped to `views` (`run` itself for None)."""
+    if views is None:
+        return run
+    return lambda x, extras: [y.reshape(v) for y, v in zip(run(x, extras), views)]
+
+
+def check_views(x: mx.array, members: tuple[Member, ...], views: tuple) -> None:
+    """Each view must hold its member's output for x: as many values, in one shape each."""
+    tokens = x.size // x.shape[-1]
+    if len(views) != len(members) or any(
+            math.prod(v) != tokens * m.out_features for v, m in zip(views, members)):
+        raise ValueError(f"views {views} do not hold the outputs of {len(members)} members "
+                         f"of widths {[m.out_features for m in members]} for x of shape "
+                         f"{tuple(x.shape)}")
 
 
 def check_members(x: mx.array, members: tuple[Member, ...]) -> None:

@@ -177,15 +177,17 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
     """x + o_proj(attention(rms_norm(x))) for one token with a cache: mlx-lm's Attention
     step (Llama, Qwen2, Qwen3 and the MoE families of ATTENTION_FAMILIES) with fewer
     operations. For one token the (B, 1, H, D) -> (B, H, 1, D) transposes are reshapes, so
-    q/k/v take one reshape each instead of a reshape and a transpose, and the attention's
-    output one instead of two; every value is the same. Each operation saved is host time
-    on a GPU (MLX encodes every one). The head counts are the block's (`_set_heads`)."""
+    q/k/v come from their group call in that shape (on CUDA the launch declares it: no
+    operation at all; elsewhere a reshape each) instead of a reshape and a transpose, and
+    the attention's output takes one reshape instead of two; every value is the same.
+    Each operation saved is host time on a GPU (MLX encodes every one). The head counts
+    and sizes are the block's (`_set_heads`)."""
     attn, norm = block["self_attn"], block["input_layernorm"]
-    q, k, v = attn["q_proj"]._group.outputs(x, Extras(norm=norm["weight"], eps=norm.eps))
-    b = x.shape[0]
-    q = q.reshape(b, block.q_heads, 1, -1)
-    k = k.reshape(b, block.kv_heads, 1, -1)
-    v = v.reshape(b, block.kv_heads, 1, -1)
+    b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
+    # q/k/v as (B, heads, 1, D): on CUDA the launch declares these shapes (no reshapes)
+    q, k, v = attn["q_proj"]._group.outputs(
+        x, Extras(norm=norm["weight"], eps=norm.eps),
+        ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv)))
     if "q_norm" in attn:  # Qwen3: each head's query and key normalised first
         q, k = attn["q_norm"](q), attn["k_norm"](k)
     rope, offset = attn["rope"], cache.offset
@@ -225,14 +227,18 @@ def _fused_class(cls: type, moe_name: str | None = None) -> type:
 
 
 def _set_heads(block) -> None:
-    """The block's query and key/value head counts as plain attributes, read by
-    `_attention_half` every token (Mixtral's attention names them num_heads and
-    num_key_value_heads)."""
+    """The attention's heads as plain attributes `_attention_half` reads every token:
+    q_heads (count, head size), kv_heads (count, key size, value size). Mixtral's
+    attention names the counts num_heads and num_key_value_heads."""
     attn = block.self_attn
     if hasattr(attn, "n_heads"):
-        block.q_heads, block.kv_heads = attn.n_heads, attn.n_kv_heads
+        hq, hkv = attn.n_heads, attn.n_kv_heads
     else:
-        block.q_heads, block.kv_heads = attn.num_heads, attn.num_key_value_heads
+        hq, hkv = attn.num_heads, attn.num_key_value_heads
+    widths = [attn[name].output_dims for name in ("q_proj", "k_proj", "v_proj")]
+    # ints in a tuple would become a Module item (a child): kept as an object attribute
+    object.__setattr__(block, "q_heads", (hq, widths[0] // hq))
+    object.__setattr__(block, "kv_heads", (hkv, widths[1] // hkv, widths[2] // hkv))
 
 
 @functools.cache

@@ -211,8 +211,9 @@ class LinearGroup:
             self.pending = None
         return pending[1][index]
 
-    def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS) -> list[mx.array]:
-        """Every member's output for x, with `extras` around the product.
+    def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS, views=None) -> list[mx.array]:
+        """Every member's output for x, with `extras` around the product; in the shapes
+        `views` (one per member) if given.
 
         A decode step (a few tokens) runs the group call bound for x's shape and dtype
         (`kernels.bind_linear_group`): the host builds each token's graph with only the
@@ -221,16 +222,17 @@ class LinearGroup:
             self._check_members()
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
-            return kernels.tq_linear_group(x, self.members, self.prepared, extras)
+            ys = kernels.tq_linear_group(x, self.members, self.prepared, extras)
+            return ys if views is None else [y.reshape(v) for y, v in zip(ys, views)]
         # what `bind_linear_group` chose depends on the device and the registered kernels
         # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
         on_gpu = mx.default_device().type == mx.gpu
-        key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0])
+        key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0], views)
         try:  # not `.get`: a method call on every token, where a miss is once per shape
             run = self.bound[key]
         except KeyError:
             run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
-                                                              extras)
+                                                              extras, views)
         return run(x, extras)
 
     def _check_members(self) -> None:

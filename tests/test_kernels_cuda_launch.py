@@ -229,6 +229,33 @@ def test_a_bound_normed_call_follows_the_norm_weight_and_eps(kernels):
     assert operands[2] is not operands[3]
 
 
+def test_a_bound_call_declares_the_views_as_its_output_shapes(kernels, monkeypatch):
+    """`views` (an attention's heads): the fused launch declares them as its outputs'
+    shapes, so the outputs need no reshape; the same launch otherwise. Views that do not
+    hold a member's output are refused, naming the widths."""
+    qkv = _members(256, (128, 64, 64))
+    x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    views = ((1, 4, 1, 32), (1, 2, 1, 32), (1, 2, 1, 32))
+    prepared = {}
+    plain = cuda.bind_linear_group(x, qkv, prepared)(x, group.NO_EXTRAS)
+    ys = cuda.bind_linear_group(x, qkv, prepared, views=views)(x, group.NO_EXTRAS)
+    assert [y.shape for y in ys] == list(views)
+    (rec,) = kernels.values()
+    first, second = rec.calls
+    assert second["shapes"] == list(views) and first["shapes"] == [y.shape for y in plain]
+    assert second["grid"] == first["grid"]
+    assert all(a is b for a, b in zip(second["inputs"][1:], first["inputs"][1:]))  # weights
+    with pytest.raises(ValueError, match=r"widths \[128, 64, 64\]"):
+        group.bind_linear_group(x, qkv, {}, views=((1, 4, 1, 32), (1, 2, 1, 32), (1, 2, 16)))
+    monkeypatch.setattr(cuda, "FUSED", False)  # the two-launch path reshapes its outputs
+    ys = cuda.bind_linear_group(x, qkv, {}, views=views)(x, group.NO_EXTRAS)
+    assert [y.shape for y in ys] == list(views)
+    # elsewhere (here: the CPU's kernel) the bound call reshapes the same values
+    want = group.bind_linear_group(x, qkv, {})(x, group.NO_EXTRAS)
+    got = group.bind_linear_group(x, qkv, {}, views=views)(x, group.NO_EXTRAS)
+    assert all(mx.array_equal(a.reshape(v), b) for a, b, v in zip(want, got, views))
+
+
 def test_binding_prefill_or_an_unfusable_group_is_left_to_the_reference(kernels):
     with pytest.raises(NotImplementedError):
         cuda.bind_linear_group(mx.zeros((9, 256)), _members(256, (64,)), {})
