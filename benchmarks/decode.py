@@ -11,7 +11,8 @@ The model has Llama-3-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads
 built in turn in the same run: bf16; mlx-lm's affine 4-bit (`nn.quantize`, group 64); and
 TurboQuant 3-bit, every decoder Linear replaced by `TQLinear` with random codes. Embeddings
 and lm_head stay bf16 in all three. Each variant decodes `--tokens` tokens after a short
-prompt through mlx-lm's `generate_step`; the figure is tokens/s after the first token.
+prompt through mlx-lm's `generate_step`; the figure is tokens/s after the first token
+(`--token-times` adds each variant's per-token percentiles: steady or stalling).
 
 Reproduce (GPU machine, MLX CUDA build):  python benchmarks/decode.py
 """
@@ -140,8 +141,12 @@ def token_gaps(model, tokens: int, prompt_len: int = 16) -> list[float]:
 
 def decode_tps(model, tokens: int, prompt_len: int = 16) -> float:
     """Generated tokens per second after the first (prefill excluded), greedy."""
-    gaps = token_gaps(model, tokens, prompt_len)
-    return len(gaps) / sum(gaps)
+    return tokens_per_second(token_gaps(model, tokens, prompt_len))
+
+
+def tokens_per_second(gaps: list[float]) -> float:
+    """Tokens per second over these gaps between tokens (0 for none: one token made)."""
+    return len(gaps) / sum(gaps) if gaps else 0.0
 
 
 def describe_gaps(gaps: list[float]) -> str:
@@ -252,7 +257,7 @@ def main() -> None:
             if gaps is None:
                 return
             building, evaluating = split_ms(model)
-        results[variant] = tps = len(gaps) / sum(gaps)
+        results[variant] = tps = tokens_per_second(gaps)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
               f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)

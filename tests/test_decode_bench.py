@@ -19,6 +19,8 @@ def test_token_gaps_time_every_generated_token_after_the_first():
         num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
     gaps = decode.token_gaps(llama.Model(args), tokens=6, prompt_len=4)
     assert len(gaps) == 5 and all(g > 0 for g in gaps)
+    assert decode.tokens_per_second(gaps) == 5 / sum(gaps)
+    assert decode.tokens_per_second([]) == 0.0  # one token: no gap to time
 
 
 def test_describe_gaps_gives_percentiles_and_counts_the_stalls():
