@@ -24,6 +24,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,6 +150,15 @@ def tokens_per_second(gaps: list[float]) -> float:
     return len(gaps) / sum(gaps) if gaps else 0.0
 
 
+def round_ratios(results: dict[str, list[float]], peer: str = "affine4") -> dict:
+    """Each variant's tokens/s over the peer's, round by round (the k-th run of a variant
+    against the peer's k-th: variants listed in turn take turns with it), for variants
+    with as many rounds as the peer or fewer; none without the peer."""
+    if peer not in results:
+        return {}
+    return {v: [t / p for t, p in zip(runs, results[peer])] for v, runs in results.items()}
+
+
 def describe_gaps(gaps: list[float]) -> str:
     """Percentiles of the per-token times in ms, and how many tokens took over 1.25x the
     median: whether a slow run is slow throughout or stalls now and then."""
@@ -245,7 +255,7 @@ def main() -> None:
                              num_experts_per_tok=2, moe_intermediate_size=128,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                              vocab_size=512)
-    results = {}
+    results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
         with reference_kernel("gather_matmul", "-refgather" in variant), \
@@ -257,7 +267,8 @@ def main() -> None:
             if gaps is None:
                 return
             building, evaluating = split_ms(model)
-        results[variant] = tps = tokens_per_second(gaps)
+        tps = tokens_per_second(gaps)
+        results.setdefault(variant, []).append(tps)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
               f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)
@@ -267,9 +278,9 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-    if "affine4" in results:
-        for v, tps in results.items():
-            print(f"{v:>8} / affine4 = {tps / results['affine4']:.2f}x")
+    for v, ratios in round_ratios(results).items():
+        print(f"{v:>8} / affine4 = {', '.join(f'{r:.2f}' for r in ratios)}x by round "
+              f"(median {statistics.median(ratios):.2f}x)")
     print("reproduce: python benchmarks/decode.py (GPU machine, MLX CUDA build)")
     if args.json:
         with open(args.json, "w") as f:

@@ -28,3 +28,11 @@ def test_describe_gaps_gives_percentiles_and_counts_the_stalls():
     text = decode.describe_gaps(gaps)
     assert "p50 4.00" in text and "max 12.00" in text
     assert "2/10 over 1.25x the median" in text
+
+
+def test_round_ratios_pair_each_round_with_the_peers_own():
+    results = {"affine4": [100.0, 150.0, 120.0], "tq3": [150.0, 165.0, 180.0], "bf16": [90.0]}
+    ratios = decode.round_ratios(results)
+    assert ratios["tq3"] == [1.5, 1.1, 1.5] and ratios["bf16"] == [0.9]
+    assert ratios["affine4"] == [1.0, 1.0, 1.0]
+    assert decode.round_ratios({"tq3": [1.0]}) == {}  # no peer measured
