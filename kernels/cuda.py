@@ -428,19 +428,22 @@ def _bind_pairs(x, codes, scales, indices, bits, group_size, out_features, padde
         launch = cuda_linear.launch(
             n=x.shape[-1], a=a, padded=padded64, bits=kernel_bits(bits),
             group_size=group_size, ends=(out_features,), lead=(pairs * m,), in_dtype=x.dtype,
-            out_dtype=out_dtype, add_bias=False, gather=True).bound()
+            out_dtype=out_dtype, add_bias=False, gather=True)
         rotation = (signs, mix)
     else:
         launch = cuda_gemv.launch(
             bits=kernel_bits(bits), group_size=group_size, out_features=out_features,
             padded=padded64, nscales=seen[1][2].shape[-1], pairs=pairs * m,
-            out_dtype=out_dtype).bound()
+            out_dtype=out_dtype)
+    shape = (*batch, m, out_features)
+    # the output in the caller's shape, declared by the launch: the kernel writes the
+    # (pair, row)s' rows in order either way, so no reshape follows
+    launch = dataclasses.replace(launch, shapes=[shape]).bound()
     pad = [(0, 0), (0, padded64 - padded_in)] if padded64 > padded_in else None
     pair_row = _pair_rows(tuple(x.shape[:-2]), batch, m)
     levels, no_bias = _levels(bits), cuda_gemv._no_bias()
     broadcast = tuple(indices.shape) != batch
     cast = indices.dtype not in (mx.int32, mx.uint32)
-    shape = (*batch, m, out_features)
 
     def run(x, codes, scales, indices):
         nonlocal seen
@@ -451,9 +454,9 @@ def _bind_pairs(x, codes, scales, indices, bits, group_size, out_features, padde
         experts = mx.broadcast_to(indices, batch) if broadcast else indices
         if cast:
             experts = experts.astype(mx.int32)
-        pair_expert = experts.reshape(-1)
-        if m > 1:  # each row of a pair reads the pair's expert
-            pair_expert = mx.repeat(pair_expert, m)
+        # the kernel reads the experts in row-major order whatever their shape (MLX makes
+        # a broadcast contiguous); with m rows a pair each row reads its pair's expert
+        pair_expert = experts if m == 1 else mx.repeat(experts, m)
         low, high, scales64 = seen[1]
         if seed is not None:  # x as it comes: the kernel rotates, casts and pads its rows
             y = launch(inputs=[x, *rotation, low, high, scales64, levels, no_bias,
@@ -464,7 +467,7 @@ def _bind_pairs(x, codes, scales, indices, bits, group_size, out_features, padde
                 x = mx.pad(x, pad)
             y = launch(inputs=[x, low, high, scales64, levels, pair_expert, pair_row,
                                no_bias])[0]
-        return y.reshape(shape)  # in out_dtype already, as the kernel wrote it
+        return y  # in `shape` and out_dtype already, as the launch declared them
 
     return run
 

@@ -12,6 +12,7 @@ for every configuration the tests launch. The kernels' results are checked on th
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 
@@ -451,7 +452,7 @@ def _emulated_gemv(call, codes, scales, bits, padded):
 
     x, experts, rows = call["inputs"][0], call["inputs"][5], call["inputs"][6]
     w = reference.dequantize(codes, scales, bits, 64, padded)  # (E, out, padded)
-    picked = w[experts.astype(mx.int32)]  # (P, out, padded)
+    picked = w[experts.reshape(-1).astype(mx.int32)]  # (P, out, padded): read row-major
     xs = x.astype(mx.float32)[rows.astype(mx.int32)]  # (P, padded)
     return (picked @ xs[:, :, None])[..., 0]
 
@@ -466,7 +467,8 @@ def test_compact_gather_reads_each_tokens_row_through_pair_row(kernels, compact)
     assert y.shape == (1, 2, 3, 1, 64) and y.dtype == mx.bfloat16
     call = _only(kernels, "cuda_gemv").calls[0]
     assert call["inputs"][0].shape == (2, padded)  # x's own rows, not one per pair
-    assert call["inputs"][5].dtype == mx.uint32 and call["inputs"][5].tolist() == [3, 0, 2, 1, 1, 0]
+    experts = call["inputs"][5]  # the router's indices as they come, read row-major
+    assert experts.dtype == mx.uint32 and experts.reshape(-1).tolist() == [3, 0, 2, 1, 1, 0]
     assert call["inputs"][6].tolist() == [0, 0, 0, 1, 1, 1]
     assert call["dtypes"] == [mx.bfloat16]  # the kernel writes the caller's dtype
     want = reference.tq_gather_matmul(x, codes, scales, indices, 3, 64, 64, padded)
@@ -550,12 +552,16 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
 
 def _same_gather_launch(plain: dict, bound: dict) -> None:
     """An unbound gather's launch and a bound one's: the same kernel arguments, the same
-    layout and constant arrays, rows and routing of the same values and dtypes."""
-    assert {k: v for k, v in plain.items() if k != "inputs"} == {
-        k: v for k, v in bound.items() if k != "inputs"}
+    layout and constant arrays, rows and routing of the same values and dtypes (the
+    bound routing in the router's shape, read row-major), the same output sizes (the
+    bound launch declares its output in the caller's shape: no reshape after it)."""
+    same = ("inputs", "shapes")
+    assert {k: v for k, v in plain.items() if k not in same} == {
+        k: v for k, v in bound.items() if k not in same}
+    assert [math.prod(s) for s in plain["shapes"]] == [math.prod(s) for s in bound["shapes"]]
     for i, (a, b) in enumerate(zip(plain["inputs"], bound["inputs"], strict=True)):
         if i in (0, 5):  # x's rows and the pairs' experts: built per call
-            assert a.dtype == b.dtype and mx.array_equal(a, b).item(), i
+            assert a.dtype == b.dtype and mx.array_equal(a, b.reshape(a.shape)).item(), i
         else:
             assert a is b, i
 
@@ -580,7 +586,8 @@ def test_a_bound_gather_launches_what_gather_launches(kernels, compact, x_shape,
     assert got.shape == want.shape and got.dtype == want.dtype == mx.bfloat16
     plain, bound = _only(kernels, "cuda_gemv").calls
     _same_gather_launch(plain, bound)
-    assert bound["inputs"][5].shape == (len(plain["inputs"][6].tolist()),)
+    assert bound["inputs"][5].size == len(plain["inputs"][6].tolist())
+    assert bound["shapes"] == [got.shape]  # declared by the launch
 
 
 def test_a_bound_gather_pads_rows_and_follows_other_codes(kernels, compact):
@@ -647,12 +654,13 @@ def test_a_fused_gather_rotates_the_unrotated_x_in_its_one_launch(kernels, fused
     assert x_in is x
     assert signs.shape == (1, 256) and mix.shape == (1, 1, 1)
     assert low is cuda.prepared_experts(codes, scales, 3, 64, padded)[0]
-    assert pair_expert.tolist() == [3, 0, 2, 1, 1, 0] and pair_expert.dtype == mx.uint32
+    # the router's indices as they come: the kernel reads them row-major
+    assert pair_expert is idx and pair_expert.dtype == mx.uint32
     assert pair_row.tolist() == [0, 0, 0, 1, 1, 1]  # each pair's token row
     t = call["constants"]
     assert (t["N"], t["PADDED"], t["OUT"], t["SEGS"], t["BITS"], t["HAS_BIAS"]) == (
         256, 256, 64, 1, 3, False)
-    assert call["grid"][1] == 6 and call["shapes"] == [(6, 64)]
+    assert call["grid"][1] == 6 and call["shapes"] == [(1, 2, 3, 1, 64)]  # the caller's
     body = rec.name[4]
     assert "const int expert = pair_expert[pair];" in body and "pair_row[pair]" in body
 
