@@ -55,11 +55,11 @@ def _time(fn, reps: int = 10) -> float:
 
 
 def _time_pipelined(fn, reps: int = 10, windows: int = 3, per_batch: int = PER_EVAL) -> float:
-    """Seconds per GEMV of `fn()` (`per_batch` GEMVs) with evaluations overlapped as a decode loop overlaps its
-    tokens (mlx-lm's `generate_step`): the next batch is built and submitted
-    (`mx.async_eval`) before the current one is waited on, so the host's work per call
-    hides behind the device's, for every method alike. Median over `windows` windows of
-    `reps` batches, each window timed from its first batch's building to its last's end."""
+    """Seconds per GEMV of `fn()` (`per_batch` GEMVs) with evaluations overlapped as a
+    decode loop overlaps its tokens (mlx-lm's `generate_step`): the next batch is built and
+    submitted (`mx.async_eval`) before the current one is waited on, so the host's work per
+    call hides behind the device's, for every method alike. Median over `windows` windows
+    of `reps` batches, each window timed from its first batch's building to its last's end."""
     mx.eval(fn())
     samples = []
     for _ in range(windows):
@@ -339,17 +339,12 @@ def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
         mx.eval(outs)
         rows.append(((time.perf_counter() - t0) / per_eval, (t1 - t0) / per_eval))
     total, build = sorted(rows)[len(rows) // 2]
-    pipelined = _pipelined_loop(call, per_eval, evals)
+    pipelined = _time_pipelined(lambda: [call(i) for i in range(per_eval)], reps=evals,
+                                per_batch=per_eval)
     print(f"{label}, {per_eval} per eval: {total * 1e6:7.1f} us per GEMV "
           f"({build * 1e6:.1f} us of graph building per call); "
           f"pipelined {pipelined * 1e6:7.1f} us per GEMV", flush=True)
 
-
-def _pipelined_loop(call, per_eval: int, evals: int) -> float:
-    """Seconds per call with the next evaluation's `per_eval` calls built and submitted
-    while the current one runs (`_time_pipelined`)."""
-    return _time_pipelined(lambda: [call(i) for i in range(per_eval)], reps=evals,
-                           per_batch=per_eval)
 
 
 def main() -> None:

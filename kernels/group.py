@@ -170,7 +170,12 @@ def viewed(run, views: tuple | None):
     """f(x, extras) returning `run`'s outputs reshaped to `views` (`run` itself for None)."""
     if views is None:
         return run
-    return lambda x, extras: [y.reshape(v) for y, v in zip(run(x, extras), views)]
+    return lambda x, extras: reshaped(run(x, extras), views)
+
+
+def reshaped(ys: list[mx.array], views: tuple | None) -> list[mx.array]:
+    """Each output in its view's shape (the outputs themselves for None)."""
+    return ys if views is None else [y.reshape(v) for y, v in zip(ys, views)]
 
 
 def check_views(x: mx.array, members: tuple[Member, ...], views: tuple) -> None:

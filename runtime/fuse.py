@@ -192,14 +192,11 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
         q, k = attn["q_norm"](q), attn["k_norm"](k)
     rope, offset = attn["rope"], cache.offset
     k, v = cache.update_and_fetch(rope(k, offset=offset), v)
-    o = _sdpa(block)(rope(q, offset=offset), k, v, cache=cache, scale=attn.scale, mask=mask)
+    # the attention function of the block's mlx-lm module, looked up each call as mlx-lm's
+    # own code does (a KV cache's hook replaces what it routes to)
+    sdpa = block.mlx_module.scaled_dot_product_attention
+    o = sdpa(rope(q, offset=offset), k, v, cache=cache, scale=attn.scale, mask=mask)
     return attn["o_proj"]._alone.outputs(o.reshape(b, 1, -1), Extras(residual=x))[0]
-
-
-def _sdpa(block):
-    """The attention function the block's mlx-lm module calls (looked up each call, as
-    mlx-lm's own code does: a KV cache's hook replaces what it routes to)."""
-    return _BLOCK_MODULES[type(block)].scaled_dot_product_attention
 
 
 def _mlp_half(block, h: mx.array) -> mx.array:
@@ -210,20 +207,14 @@ def _mlp_half(block, h: mx.array) -> mx.array:
     return mlp["down_proj"]._alone.outputs(gate, Extras(up=up, residual=h))[0]
 
 
-# fused block class -> the mlx-lm module its block class came from
-_BLOCK_MODULES: dict[type, object] = {}
-
-
 @functools.cache
 def _fused_class(cls: type, moe_name: str | None = None) -> type:
     """`cls` with FusedDecoderBlock's step, or FusedAttentionBlock's when the block's
-    sparse MLP is `moe_name`."""
+    sparse MLP is `moe_name`; `mlx_module` is the mlx-lm module `cls` comes from."""
+    attrs = {"mlx_module": importlib.import_module(cls.__module__)}
     if moe_name is None:
-        fused = type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), {})
-    else:
-        fused = type(f"Fused{cls.__name__}", (FusedAttentionBlock, cls), {"moe_name": moe_name})
-    _BLOCK_MODULES[fused] = importlib.import_module(cls.__module__)
-    return fused
+        return type(f"Fused{cls.__name__}", (FusedDecoderBlock, cls), attrs)
+    return type(f"Fused{cls.__name__}", (FusedAttentionBlock, cls), {**attrs, "moe_name": moe_name})
 
 
 def _set_heads(block) -> None:
@@ -242,13 +233,12 @@ def _set_heads(block) -> None:
 
 
 @functools.cache
-def _family_classes(family: str) -> tuple[type, type, type] | None:
-    """(TransformerBlock, Attention, MLP) of an mlx-lm model module, if it has them."""
+def _family_classes(family: str, names=("TransformerBlock", "Attention", "MLP")) -> tuple | None:
+    """The classes `names` of an mlx-lm model module, if it has them all."""
     try:
         module = importlib.import_module(f"mlx_lm.models.{family}")
     except ImportError:
         return None
-    names = ("TransformerBlock", "Attention", "MLP")
     if not all(hasattr(module, n) for n in names):
         return None
     return tuple(getattr(module, n) for n in names)
@@ -291,14 +281,10 @@ def attention_fusable_block(block) -> str | None:
     """The sparse MLP's attribute name if `block` is an ATTENTION_FAMILIES decoder block
     whose attention `_attention_half` can run; None otherwise."""
     for family, (block_name, attention_name, moe_name) in ATTENTION_FAMILIES.items():
-        try:
-            module = importlib.import_module(f"mlx_lm.models.{family}")
-        except ImportError:
-            continue
-        if type(block) is getattr(module, block_name, None):
-            attention_class = getattr(module, attention_name, None)
-            fits = attention_class is not None and _attention_fusable(block, attention_class)
-            return moe_name if fits and moe_name in block else None
+        classes = _family_classes(family, (block_name, attention_name))
+        if classes is not None and type(block) is classes[0]:
+            fits = _attention_fusable(block, classes[1]) and moe_name in block
+            return moe_name if fits else None
     return None
 
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from turboquant import kernels
 from turboquant.kernels import dispatch
-from turboquant.kernels.group import bind_rotate_padded, rotate_padded
+from turboquant.kernels.group import bind_rotate_padded, reshaped, rotate_padded
 from turboquant.kernels.reference import check_bits, words_per_row
 from turboquant.stages import unrotate
 
@@ -222,8 +222,8 @@ class LinearGroup:
             self._check_members()
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
-            ys = kernels.tq_linear_group(x, self.members, self.prepared, extras)
-            return ys if views is None else [y.reshape(v) for y, v in zip(ys, views)]
+            return reshaped(kernels.tq_linear_group(x, self.members, self.prepared, extras),
+                            views)
         # what `bind_linear_group` chose depends on the device and the registered kernels
         # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
         on_gpu = mx.default_device().type == mx.gpu

@@ -8,6 +8,9 @@ with the reference in tests/test_kernels_cuda_linear.py.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -25,6 +28,10 @@ from turboquant.runtime.fuse import (
     fuse_blocks,
     group_linears,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from kv import graph_ops  # noqa: E402  (the benchmark script's graph count)
 
 PROMPT = mx.array([[1, 5, 70, 33, 200, 9, 12, 250, 3, 4]])  # 10 tokens: prefill path
 
@@ -272,16 +279,12 @@ def test_the_loader_groups_where_a_kernel_runs_groups(tmp_path):
 
 
 def _step_ops(model, cache) -> dict:
-    """Operations by name in the unevaluated graph of one single-token decode step."""
-    import io
-    import re
-
-    buf = io.StringIO()
+    """Operations by name in the unevaluated graph of one single-token decode step (the
+    benchmarks' `kv.graph_ops`)."""
     logits = model(PROMPT[:, :1], cache=cache)
-    mx.export_to_dot(buf, logits)
+    ops = graph_ops([logits])
     mx.eval(logits)  # the cache too: the next step's graph starts from evaluated arrays
-    names = re.findall(r'label ="([^"]+)"', buf.getvalue())
-    return {n: names.count(n) for n in set(names)}
+    return ops
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
