@@ -122,13 +122,25 @@ def reference_kernel(op: str, on: bool):
 @contextlib.contextmanager
 def switched(module, name: str, value: bool | None):
     """While inside, the runtime switch `module.name` (cuda.COMPACT_GATHER,
-    fuse.COMPILE_MLP) is `value`; None leaves it as the environment set it."""
+    fuse.COMPILE_STEP) is `value`; None leaves it as the environment set it."""
     saved = getattr(module, name)
     setattr(module, name, saved if value is None else value)
     try:
         yield
     finally:
         setattr(module, name, saved)
+
+
+@contextlib.contextmanager
+def variant_switches(variant: str):
+    """While inside, the runtime switches a variant's suffixes name (see --variants)."""
+    with reference_kernel("gather_matmul", "-refgather" in variant), \
+            switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
+                     else False if "-broadcast" in variant else None), \
+            switched(fuse, "COMPILE_STEP", True if "-compiled" in variant
+                     else False if "-eager" in variant else None), \
+            switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None):
+        yield
 
 
 def token_gaps(model, tokens: int, prompt_len: int = 16) -> list[float]:
@@ -227,7 +239,8 @@ def main() -> None:
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
                          "-compact / -broadcast through the compact / broadcast gathered "
                          "path (COMPACT_GATHER), "
-                         "-compiled with fused blocks' MLP half compiled (COMPILE_MLP), "
+                         "-compiled / -eager with fused blocks' single-token step compiled "
+                         "or built op by op (COMPILE_STEP), "
                          "-mlxattn with their single-token attention through mlx-lm's "
                          "Attention (ATTENTION off)")
     ap.add_argument("--token-times", action="store_true",
@@ -258,11 +271,7 @@ def main() -> None:
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     for variant in args.variants.split(","):
         model = build(variant, moe=args.moe)
-        with reference_kernel("gather_matmul", "-refgather" in variant), \
-                switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
-                         else False if "-broadcast" in variant else None), \
-                switched(fuse, "COMPILE_MLP", True if "-compiled" in variant else None), \
-                switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None):
+        with variant_switches(variant):
             gaps = run_variant(model, args)
             if gaps is None:
                 return

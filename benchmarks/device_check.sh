@@ -58,12 +58,12 @@ for s in "$@"; do
         --variants affine4,tq3,affine4,tq3 --tokens 96 ;;
     decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
     session9)  # the bound group calls and the compiled MLP half on the GPU, then decode
-      # with and without COMPILE_MLP beside affine-4, kv-decode with the new KV defaults
+      # with and without the compiled step (COMPILE_STEP) beside affine-4, kv-decode with the new KV defaults
       step tests-session9 200 python3 -P -m pytest -q -k \
-        "loaded_model or compiled_mlp or extras or bias_and_batch or ternary_group" \
+        "loaded_model or compiled_step or extras or bias_and_batch or ternary_group" \
         tests/test_kernels_cuda_linear.py
       step decode-compiled 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
-        --variants affine4,tq3,tq3-compiled,affine4,tq3,tq3-compiled
+        --variants affine4,tq3-eager,tq3-compiled,affine4,tq3-eager,tq3-compiled
       step kv-decode-defaults 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     kv-fp-chunks)  # session 9's ncu: at 1K the partial kernel took 92 us with the fp16 tail

@@ -84,8 +84,15 @@ def _on_fake_cuda(patch=setattr) -> None:
 
 
 def step_cost(variant: str, layers: int, moe: bool, steps: int) -> dict:
-    """Median graph-building seconds of a decode step, its ops by name and kernel calls."""
+    """Median graph-building seconds of a decode step, its ops by name and kernel calls,
+    with the runtime switches the variant's suffixes name (`decode.variant_switches`)."""
     import decode
+
+    with decode.variant_switches(variant):
+        return _step_cost(decode, variant, layers, moe, steps)
+
+
+def _step_cost(decode, variant: str, layers: int, moe: bool, steps: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     # a small vocabulary: embedding and lm_head cancel out of the per-layer figures

@@ -15,6 +15,11 @@ its RMSNorms to the q/k/v and gate/up calls, its SwiGLU to down_proj's and its t
 residual adds to o_proj's and down_proj's (`kernels.Extras`), so on CUDA a layer's norms,
 gate and adds cost no launches of their own. Attention itself (RoPE, the cache, the
 softmax) is mlx-lm's, unchanged.
+
+Where kernels are graph nodes (CUDA, Metal) a fused block's single-token step with a cache
+runs as two `mx.compile`d halves around the cache (`COMPILE_STEP`): the norm, q/k/v and
+RoPE before it; o_proj, the residual and the MLP half after it. The host then replays
+each half's traced launches instead of building them in Python every token.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import mlx.nn as nn
 from turboquant.kernels import dispatch, group
 from turboquant.kernels.group import NO_EXTRAS, Extras
 
+from . import layers
 from .layers import LinearGroup, TQLinear
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -89,14 +95,15 @@ BLOCKS = os.environ.get("TURBOQUANT_FUSE_BLOCKS", "1") != "0"
 # Attention (with the head transposes) instead of `_attention_half` (for comparison)
 ATTENTION = os.environ.get("TURBOQUANT_FUSE_ATTENTION", "1") != "0"
 
-# TURBOQUANT_COMPILE_MLP=1: a fused block's decode step runs its MLP half (norm, gate/up,
-# SwiGLU, down, residual: two launches on CUDA) as one `mx.compile`d function, so the host
-# replays the traced launches instead of building them each token. Off: on the H200 it
-# showed no gain (session 9, alternating rounds, `benchmarks/decode.py` variant
-# tq3-compiled: 142.3 / 155.0 tok/s against 181.7 / 103.7 uncompiled).
-COMPILE_MLP = os.environ.get("TURBOQUANT_COMPILE_MLP", "0") == "1"
+# TURBOQUANT_COMPILE_STEP=0: a fused block's single-token step is built op by op in Python
+# every token instead of replaying its two compiled halves (`_compiled_halves`)
+COMPILE_STEP = os.environ.get("TURBOQUANT_COMPILE_STEP", "1") != "0"
 # where kernels are nodes of MLX's graph (the CPU's numba kernels evaluate: no tracing)
 GRAPH_KERNEL_BACKENDS = ("cuda", "metal")
+
+# mlx-lm's RoPE classes that take their offset as an array into `mx.fast.rope` untouched, so
+# one trace serves every position (DynamicNTKScalingRoPE computes its base from the offset)
+TRACEABLE_ROPES = ("RoPE", "SuScaledRoPE", "Llama3RoPE", "YarnRoPE", "ProportionalRoPE")
 
 # mlx-lm modules whose TransformerBlock is x + attn(norm(x)), then h + mlp(norm(h)), with
 # MLP down(swiglu(gate(x), up(x))): the structure FusedDecoderBlock reproduces
@@ -119,13 +126,12 @@ class FusedDecoderBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
             return super().__call__(x, mask, cache)
-        if ATTENTION and x.shape[1] == 1 and cache is not None:
-            h = _attention_half(self, x, mask, cache)
-        else:
-            h = self._grouped_attention(x, mask, cache)
-        if COMPILE_MLP and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
-            return self._compiled_mlp_half()(h)
-        return _mlp_half(self, h)
+        if not (ATTENTION and x.shape[1] == 1 and cache is not None):
+            return _mlp_half(self, self._grouped_attention(x, mask, cache))
+        if COMPILE_STEP and self.compiles and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
+            before, after = _compiled_halves(self)
+            return after(_attend(self, before(x, _offset_array(cache.offset)), mask, cache), x)
+        return _mlp_half(self, _attention_half(self, x, mask, cache))
 
     def _grouped_attention(self, x: mx.array, mask, cache) -> mx.array:
         """x + o_proj(attention(rms_norm(x))) through mlx-lm's Attention, its q/k/v calls
@@ -144,19 +150,6 @@ class FusedDecoderBlock:
             qkv.extras = out.extras = NO_EXTRAS
             qkv.ready = None
 
-    def _compiled_mlp_half(self):
-        """`_mlp_half` compiled for this block, traced again when a weight it read has been
-        replaced since (the trace holds them as constants)."""
-        mlp = self.mlp
-        arrays = [self.post_attention_layernorm["weight"]]
-        for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            arrays += [layer["codes"], layer["scales"], layer.get("bias")]
-        hit = self.__dict__.get("_mlp_compiled")
-        if hit is None or any(a is not b for a, b in zip(arrays, hit[1])):
-            hit = self.__dict__["_mlp_compiled"] = (
-                mx.compile(functools.partial(_mlp_half, self)), arrays)
-        return hit[0]
-
 
 class FusedAttentionBlock:
     """Mixed into an ATTENTION_FAMILIES block's class (MoE layers): a single-token step
@@ -169,7 +162,11 @@ class FusedAttentionBlock:
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not (ATTENTION and x.shape[1] == 1 and cache is not None):
             return super().__call__(x, mask, cache)
-        h = _attention_half(self, x, mask, cache)
+        if COMPILE_STEP and self.compiles and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
+            before, after = _compiled_halves(self)
+            h = after(_attend(self, before(x, _offset_array(cache.offset)), mask, cache), x)
+        else:
+            h = _attention_half(self, x, mask, cache)
         return h + self[self.moe_name](self["post_attention_layernorm"](h))
 
 
@@ -182,6 +179,12 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
     the attention's output takes one reshape instead of two; every value is the same.
     Each operation saved is host time on a GPU (MLX encodes every one). The head counts
     and sizes are the block's (`_set_heads`)."""
+    return _attention_out(block, _attend(block, _queries(block, x, cache.offset), mask, cache), x)
+
+
+def _queries(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+    """(q, k, v) of one token as (B, heads, 1, D), q and k rotated by RoPE at `offset`
+    (an int, or an array: the compiled step's, traced once for every position)."""
     attn, norm = block["self_attn"], block["input_layernorm"]
     b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
     # q/k/v as (B, heads, 1, D): on CUDA the launch declares these shapes (no reshapes)
@@ -190,13 +193,70 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
         ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv)))
     if "q_norm" in attn:  # Qwen3: each head's query and key normalised first
         q, k = attn["q_norm"](q), attn["k_norm"](k)
-    rope, offset = attn["rope"], cache.offset
-    k, v = cache.update_and_fetch(rope(k, offset=offset), v)
+    rope = attn["rope"]
+    return rope(q, offset=offset), rope(k, offset=offset), v
+
+
+def _attend(block, qkv: tuple, mask, cache) -> mx.array:
+    """The attention's output (B, heads, 1, D) for `_queries`' q/k/v, k and v stored in the
+    cache first: mlx-lm's cache and attention function, never compiled (a cache's arrays
+    and length change every token)."""
+    q, k, v = qkv
+    k, v = cache.update_and_fetch(k, v)
     # the attention function of the block's mlx-lm module, looked up each call as mlx-lm's
     # own code does (a KV cache's hook replaces what it routes to)
     sdpa = block.mlx_module.scaled_dot_product_attention
-    o = sdpa(rope(q, offset=offset), k, v, cache=cache, scale=attn.scale, mask=mask)
-    return attn["o_proj"]._alone.outputs(o.reshape(b, 1, -1), Extras(residual=x))[0]
+    return sdpa(q, k, v, cache=cache, scale=block["self_attn"].scale, mask=mask)
+
+
+def _attention_out(block, o: mx.array, x: mx.array) -> mx.array:
+    """x + o_proj(o) for the attention's output o (B, heads, 1, D): one reshape to the
+    token's row, the residual in o_proj's call."""
+    out = block["self_attn"]["o_proj"]._alone
+    return out.outputs(o.reshape(x.shape[0], 1, -1), Extras(residual=x))[0]
+
+
+def _step_after(block, o: mx.array, x: mx.array) -> mx.array:
+    """A fused dense block's step after its attention: o_proj with the residual, then the
+    MLP half."""
+    return _mlp_half(block, _attention_out(block, o, x))
+
+
+def _compiled_halves(block):
+    """(before, after): `_queries` and the step after the attention (`_step_after` for a
+    dense block, `_attention_out` for an MoE block, whose sparse MLP stays uncompiled)
+    compiled for this block. A trace holds what it read as constants: traced again once a
+    TurboQuant linear's arrays were replaced (`layers._arrays_version`), a norm's weight
+    was, or the kernels registered changed."""
+    attn = block["self_attn"]
+    norms = (block["input_layernorm"]["weight"], attn["q_norm"]["weight"] if "q_norm" in attn
+             else None, attn["k_norm"]["weight"] if "k_norm" in attn else None)
+    if isinstance(block, FusedDecoderBlock):
+        norms += (block["post_attention_layernorm"]["weight"],)
+    key = (layers._arrays_version, dispatch.GENERATION[0], dispatch.backend())
+    hit = block.__dict__.get("_step_compiled")
+    if hit is not None and hit[0] == key and all(a is b for a, b in zip(norms, hit[1])):
+        return hit[2]
+    after = _step_after if isinstance(block, FusedDecoderBlock) else _attention_out
+    halves = (mx.compile(functools.partial(_queries, block)),
+              mx.compile(functools.partial(after, block)))
+    block.__dict__["_step_compiled"] = (key, norms, halves)
+    return halves
+
+
+# the last int offset given to a compiled step as an array, shared by a token's layers
+_OFFSET: list = [None, None]
+
+
+def _offset_array(offset):
+    """A cache's offset as the array RoPE takes in a compiled step (traced once for every
+    position); an array offset (batched caches) as it is."""
+    if type(offset) is not int:
+        return offset
+    last = _OFFSET
+    if last[0] != offset:
+        last[0], last[1] = offset, mx.array(offset, dtype=mx.int32)
+    return last[1]
 
 
 def _mlp_half(block, h: mx.array) -> mx.array:
@@ -301,5 +361,7 @@ def fuse_blocks(model: nn.Module) -> int:
         else:
             continue
         _set_heads(module)
+        # whether its single-token step may run compiled (`_compiled_halves`)
+        object.__setattr__(module, "compiles", type(module.self_attn.rope).__name__ in TRACEABLE_ROPES)
         fused += 1
     return fused

@@ -286,21 +286,23 @@ def test_loaded_model_matches_the_cpu(tmp_path):
     assert err < 2e-2, err
 
 
-def test_a_compiled_mlp_half_matches_the_uncompiled_step(tmp_path, monkeypatch):
-    """TURBOQUANT_COMPILE_MLP on CUDA: the traced gate/up and down launches replayed give
-    the logits of the step built launch by launch, token after token with a cache."""
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_a_compiled_step_matches_the_step_built_op_by_op(tmp_path, monkeypatch, kind):
+    """COMPILE_STEP on CUDA: a fused block's single-token step as two compiled halves around
+    the cache (traced launches replayed, RoPE's offset an input) gives the logits of the
+    step built op by op, token after token with a cache."""
     from test_runtime_fixtures import make_checkpoint, write_repo
 
     from turboquant.runtime import fuse, load
 
-    config, weights = make_checkpoint("llama", seed=6)
-    write_repo(tmp_path / "m", config, weights, bits=3)
-    model, _ = load(tmp_path / "m")
+    config, weights = make_checkpoint(kind, seed=6)
+    write_repo(tmp_path / kind, config, weights, bits=3)
+    model, _ = load(tmp_path / kind)
     runs = []
     for compiled in (False, True):
-        monkeypatch.setattr(fuse, "COMPILE_MLP", compiled)
-        runs.append(_cached_steps(model))
-    assert all("_mlp_compiled" in layer.__dict__ for layer in model.layers)
+        monkeypatch.setattr(fuse, "COMPILE_STEP", compiled)
+        runs.append(_cached_steps(model, steps=6))
+    assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
     for plain, traced in zip(*runs):
         err = float(mx.max(mx.abs(plain - traced)) / mx.max(mx.abs(plain)))
         assert err < 1e-3, err
@@ -336,6 +338,7 @@ def test_the_attention_half_matches_mlx_lms_attention(tmp_path, monkeypatch, kin
     fused = (fuse.FusedDecoderBlock, fuse.FusedAttentionBlock)
     assert all(isinstance(layer, fused) for layer in model.layers)
     runs = []
+    monkeypatch.setattr(fuse, "COMPILE_STEP", False)  # the compiled step has its own test
     for attention in (False, True):
         monkeypatch.setattr(fuse, "ATTENTION", attention)
         runs.append(_cached_steps(model))

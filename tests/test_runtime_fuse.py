@@ -188,37 +188,85 @@ def _reference_kernels(monkeypatch) -> None:
     dispatch._changed()
 
 
-def test_a_compiled_mlp_half_keeps_the_logits_and_follows_new_weights(tmp_path, monkeypatch):
-    """TURBOQUANT_COMPILE_MLP: the MLP half of a fused decode step as one compiled function
-    gives the uncompiled step's logits (MLX may fuse the CPU's elementwise ops: close, not
-    equal), and weights loaded afterwards are traced again, not served from the old trace."""
+def _compiling(monkeypatch, compiled: bool) -> None:
+    """The reference kernels as graph nodes on the CPU (as a GPU's are), the fused blocks'
+    single-token step compiled or not."""
     from turboquant.runtime import fuse
 
+    _reference_kernels(monkeypatch)
+    monkeypatch.setattr(fuse, "GRAPH_KERNEL_BACKENDS", ("cpu",))
+    monkeypatch.setattr(fuse, "COMPILE_STEP", compiled)
+
+
+def _close(want: list, got: list) -> None:
+    """MLX may fuse the CPU's elementwise ops in a compiled step: close, not equal."""
+    for a, b in zip(want, got):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_a_compiled_step_keeps_the_logits_and_is_traced_once(tmp_path, monkeypatch, kind):
+    """COMPILE_STEP: a fused block's single-token step runs as two compiled halves around
+    the cache (MoE blocks: their attention's), with the logits of the step built op by op.
+    Python runs each half once per block, then MLX replays it at every position (RoPE's
+    offset is an input of the trace, not a constant)."""
+    from turboquant.runtime import fuse
+
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
+    group_linears(model)
+    assert fuse_blocks(model) == 2
+    _compiling(monkeypatch, False)
+    want = _decode(model, steps=5)
+    traced = []
+    queries = fuse._queries
+    monkeypatch.setattr(fuse, "_queries", lambda *a: traced.append(a[0]) or queries(*a))
+    _compiling(monkeypatch, True)
+    _close(want, _decode(model, steps=5))
+    assert traced == list(model.layers)  # once per block, not once per token
+    assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
+
+
+def test_a_compiled_step_follows_new_weights(tmp_path, monkeypatch):
+    """A trace holds the weights it read as constants: replacing a TurboQuant linear's
+    arrays or a norm's weight traces the step again, never serving the old weights."""
     model, _ = load(_repo(tmp_path, "llama"), fuse=False)
     config, weights = make_checkpoint("llama", seed=4)  # other weights, same shapes
     write_repo(tmp_path / "other", config, weights, bits=3)
     other, _ = load(tmp_path / "other", fuse=False)
     for m in (model, other):
         group_linears(m), fuse_blocks(m)
-    _reference_kernels(monkeypatch)
-    monkeypatch.setattr(fuse, "GRAPH_KERNEL_BACKENDS", ("cpu",))
+    _compiling(monkeypatch, True)
     before = _decode(model)
-    monkeypatch.setattr(fuse, "COMPILE_MLP", True)
-    compiled = _decode(model)
-    for a, b in zip(before, compiled):
-        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
-    assert all("_mlp_compiled" in layer.__dict__ for layer in model.layers)
-    down = "model.layers.0.mlp.down_proj."
-    swapped = [(k, v) for k, v in tree_flatten(other.parameters()) if k.startswith(down)]
-    assert swapped
-    model.load_weights(swapped, strict=False)
-    monkeypatch.setattr(fuse, "COMPILE_MLP", False)
+    for prefix in ("model.layers.0.mlp.down_proj.", "model.layers.1.input_layernorm."):
+        swapped = [(k, v) for k, v in tree_flatten(other.parameters()) if k.startswith(prefix)]
+        assert swapped
+        model.load_weights(swapped, strict=False)
+        _compiling(monkeypatch, False)
+        want = _decode(model)
+        _compiling(monkeypatch, True)
+        assert not mx.allclose(want[-1], before[-1], rtol=1e-4, atol=1e-4).item()
+        _close(want, _decode(model))
+        before = want
+
+
+def test_a_step_whose_rope_reads_its_offset_is_not_compiled(tmp_path, monkeypatch):
+    """DynamicNTKScalingRoPE computes its base from the offset in Python: such a block
+    keeps the step built op by op (a trace would fix one position), same logits."""
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
+    group_linears(model)
+    for layer in model.layers:
+        rope = layer.self_attn.rope
+        layer.self_attn.rope = DynamicNTKScalingRoPE(rope.dims, 64, False, rope.base, 2.0)
     want = _decode(model)
-    monkeypatch.setattr(fuse, "COMPILE_MLP", True)
+    fuse_blocks(model)
+    assert not any(layer.compiles for layer in model.layers)
+    _compiling(monkeypatch, True)
     got = _decode(model)
-    assert not mx.allclose(want[-1], before[-1], rtol=1e-4, atol=1e-4).item()
+    assert not any("_step_compiled" in layer.__dict__ for layer in model.layers)
     for a, b in zip(want, got):
-        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+        assert mx.array_equal(a, b)
 
 
 def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):
@@ -308,10 +356,13 @@ def test_a_fused_single_token_step_skips_the_head_transposes(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_the_attention_half_keeps_the_logits_with_turboquants_kv_cache(tmp_path, kind):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_attention_half_keeps_the_logits_with_turboquants_kv_cache(
+        tmp_path, monkeypatch, kind, compiled):
     """The fused attention half calls the cache and the attention function as mlx-lm's
     Attention does, so TurboQuant's compressed KV cache (its attention hook included) sees
-    the same calls: the same logits over steps that compress blocks of the cache."""
+    the same calls: the same logits over steps that compress blocks of the cache; with the
+    step compiled too (the cache stays between the compiled halves)."""
     from turboquant.runtime.kvcache import make_turboquant_cache
 
     def decode(model):
@@ -327,7 +378,13 @@ def test_the_attention_half_keeps_the_logits_with_turboquants_kv_cache(tmp_path,
 
     model, _ = load(_repo(tmp_path, kind), fuse=False)
     group_linears(model)
+    _compiling(monkeypatch, compiled)
     before = decode(model)
     assert fuse_blocks(model) == 2
-    for a, b in zip(before, decode(model)):
-        assert mx.array_equal(a, b)
+    after = decode(model)
+    assert all(("_step_compiled" in layer.__dict__) == compiled for layer in model.layers)
+    if compiled:
+        _close(before, after)
+    else:
+        for a, b in zip(before, after):
+            assert mx.array_equal(a, b)
