@@ -16,10 +16,11 @@ residual adds to o_proj's and down_proj's (`kernels.Extras`), so on CUDA a layer
 gate and adds cost no launches of their own. Attention itself (RoPE, the cache, the
 softmax) is mlx-lm's, unchanged.
 
-Where kernels are graph nodes (CUDA, Metal) a fused block's single-token step with a cache
-runs as two `mx.compile`d halves around the cache (`COMPILE_STEP`): the norm, q/k/v and
-RoPE before it; o_proj, the residual and the MLP half after it. The host then replays
-each half's traced launches instead of building them in Python every token.
+Where kernels are graph nodes (CUDA, where `load` fuses blocks) a fused block's
+single-token step with a cache runs as two `mx.compile`d halves around the cache
+(`COMPILE_STEP`): the norm, q/k/v and RoPE before it; o_proj, the residual and the MLP
+half (an MoE block's sparse one too, unless its experts stream) after it. The host then
+replays each half's traced launches instead of building them in Python every token.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class FusedAttentionBlock:
     """Mixed into an ATTENTION_FAMILIES block's class (MoE layers): a single-token step
     with a cache runs its attention half as a fused block does (`_attention_half`: the
     norm in the q/k/v launch, the residual in o_proj's); the sparse MLP half, and every
-    other step, stay mlx-lm's."""
+    other step, stay mlx-lm's. Compiled, the step's second half takes the sparse MLP in
+    too, unless its experts stream from disk (`moe_compiles`: streaming evaluates)."""
 
     moe_name = "mlp"  # the sparse MLP's attribute (the fused class sets its family's)
 
@@ -165,9 +167,11 @@ class FusedAttentionBlock:
         if COMPILE_STEP and self.compiles and dispatch.backend() in GRAPH_KERNEL_BACKENDS:
             before, after = _compiled_halves(self)
             h = after(_attend(self, before(x, _offset_array(cache.offset)), mask, cache), x)
+            if self.moe_compiles:  # `after` ran the sparse MLP half too
+                return h
         else:
             h = _attention_half(self, x, mask, cache)
-        return h + self[self.moe_name](self["post_attention_layernorm"](h))
+        return _moe_half(self, h)
 
 
 def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
@@ -216,32 +220,46 @@ def _attention_out(block, o: mx.array, x: mx.array) -> mx.array:
     return out.outputs(o.reshape(x.shape[0], 1, -1), Extras(residual=x))[0]
 
 
+def _moe_half(block, h: mx.array) -> mx.array:
+    """h + moe(rms_norm(h)): an MoE block's sparse MLP half, mlx-lm's."""
+    return h + block[block.moe_name](block["post_attention_layernorm"](h))
+
+
 def _step_after(block, o: mx.array, x: mx.array) -> mx.array:
-    """A fused dense block's step after its attention: o_proj with the residual, then the
-    MLP half."""
-    return _mlp_half(block, _attention_out(block, o, x))
+    """A block's step after its attention: o_proj with the residual, then the MLP half
+    (the sparse one of an MoE block)."""
+    h = _attention_out(block, o, x)
+    return _mlp_half(block, h) if isinstance(block, FusedDecoderBlock) else _moe_half(block, h)
 
 
 def _compiled_halves(block):
-    """(before, after): `_queries` and the step after the attention (`_step_after` for a
-    dense block, `_attention_out` for an MoE block, whose sparse MLP stays uncompiled)
-    compiled for this block. A trace holds what it read as constants: traced again once a
-    TurboQuant linear's arrays were replaced (`layers._arrays_version`), a norm's weight
-    was, or the kernels registered changed."""
-    attn = block["self_attn"]
-    norms = (block["input_layernorm"]["weight"], attn["q_norm"]["weight"] if "q_norm" in attn
-             else None, attn["k_norm"]["weight"] if "k_norm" in attn else None)
-    if isinstance(block, FusedDecoderBlock):
-        norms += (block["post_attention_layernorm"]["weight"],)
+    """(before, after): `_queries` and the step after the attention (`_step_after`; for an
+    MoE block whose sparse MLP cannot be traced, `_attention_out`) compiled for this block.
+    A trace holds what it read as constants: traced again once a TurboQuant layer's arrays
+    were replaced (`layers._arrays_version`), any other array of the block was (a norm's
+    weight, a router's: `_watched`), or the kernels registered changed."""
     key = (layers._arrays_version, dispatch.GENERATION[0], dispatch.backend())
     hit = block.__dict__.get("_step_compiled")
-    if hit is not None and hit[0] == key and all(a is b for a, b in zip(norms, hit[1])):
-        return hit[2]
-    after = _step_after if isinstance(block, FusedDecoderBlock) else _attention_out
+    if hit is not None and hit[0] == key:
+        for module, name, array in hit[1]:
+            if module.get(name) is not array:
+                break
+        else:
+            return hit[2]
+    whole = isinstance(block, FusedDecoderBlock) or block.moe_compiles
     halves = (mx.compile(functools.partial(_queries, block)),
-              mx.compile(functools.partial(after, block)))
-    block.__dict__["_step_compiled"] = (key, norms, halves)
+              mx.compile(functools.partial(_step_after if whole else _attention_out, block)))
+    block.__dict__["_step_compiled"] = (key, _watched(block), halves)
     return halves
+
+
+def _watched(block) -> tuple:
+    """(module, name, array) for every array item of `block`'s modules other than its
+    TurboQuant layers (whose changes `layers._arrays_version` follows): the norms' weights,
+    a router's, RoPE's frequencies."""
+    return tuple((m, name, v) for _, m in block.named_modules()
+                 if not isinstance(m, layers._TQBase)
+                 for name, v in m.items() if isinstance(v, mx.array))
 
 
 # the last int offset given to a compiled step as an array, shared by a token's layers
@@ -352,8 +370,11 @@ def fuse_blocks(model: nn.Module) -> int:
     """Give every fusable decoder block (after `group_linears`) the fused decode step, and
     every MoE block of ATTENTION_FAMILIES the fused attention half, in place; returns how
     many blocks were fused."""
+    from .experts import StreamedExperts, StreamedSwitchLinear
+
     fused = 0
     for _, module in model.named_modules():
+        moe_name = None
         if fusable_block(module):
             module.__class__ = _fused_class(type(module))
         elif (moe_name := attention_fusable_block(module)) is not None:
@@ -361,7 +382,12 @@ def fuse_blocks(model: nn.Module) -> int:
         else:
             continue
         _set_heads(module)
-        # whether its single-token step may run compiled (`_compiled_halves`)
+        # whether its single-token step may run compiled (`_compiled_halves`), and an MoE
+        # block's sparse MLP with it (not while its experts stream from disk)
         object.__setattr__(module, "compiles", type(module.self_attn.rope).__name__ in TRACEABLE_ROPES)
+        if moe_name is not None:
+            object.__setattr__(module, "moe_compiles", not any(
+                isinstance(m, (StreamedExperts, StreamedSwitchLinear))
+                for _, m in module[moe_name].named_modules()))
         fused += 1
     return fused

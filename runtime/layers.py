@@ -30,18 +30,22 @@ class _TQBase(nn.Module):
 
     # A Module keeps its arrays as dict items, and MLX sets and removes them through these
     # (`layer.codes = ...`, `update`, `load_weights`, `layer.bias = None`, `del layer.bias`):
-    # each tells the layer (`_arrays_changed`) that what it derived from them is stale.
+    # each tells the layer (`_arrays_changed`) that what it derived from them is stale, and
+    # everyone else (`_arrays_version`: linear groups, compiled decode steps).
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self._arrays_changed()
+        _bump_arrays_version()
 
     def __delitem__(self, key):
         super().__delitem__(key)
         self._arrays_changed()
+        _bump_arrays_version()
 
     def pop(self, key, *default):
         if key in self:  # Module.__setattr__ pops every plain attribute's name
             self._arrays_changed()
+            _bump_arrays_version()
         return super().pop(key, *default)
 
     def _arrays_changed(self) -> None:
@@ -101,8 +105,9 @@ class _TQBase(nn.Module):
         )
 
 
-# Changes whenever a TQLinear's arrays are set or removed: a LinearGroup compares its
-# members with their layers' arrays only after it changed, not on every decode call.
+# Changes whenever a TurboQuant layer's arrays are set or removed: a LinearGroup compares
+# its members with their layers' arrays, and a compiled decode step (`fuse`) traces again,
+# only after it changed, not on every decode call.
 _arrays_version = 0
 
 
@@ -145,10 +150,6 @@ class TQLinear(_TQBase):
         if bias is not None:
             layer.bias = bias
         return layer
-
-    def _arrays_changed(self) -> None:
-        """The linear groups look at their members again (all of them: a version number)."""
-        _bump_arrays_version()
 
     @property
     def weight(self) -> mx.array:

@@ -44,9 +44,11 @@ def test_kv_host_cost_counts_a_steady_steps_calls():
     assert 8 <= tq["py_calls"] <= 11 and tq["kernels_per_step"] == 2
 
 
-def _fake_cuda_layer(monkeypatch, shape: str, moe: bool, **small) -> dict:
+def _fake_cuda_layer(monkeypatch, shape: str, moe: bool, variant: str = "tq3-eager",
+                     **small) -> dict:
     """host_ops.per_layer for one small TQ3 decoder layer of decode.py's `shape` (its
-    fields overridden by `small`), the CUDA path faked on the CPU."""
+    fields overridden by `small`), the CUDA path faked on the CPU; built op by op unless
+    `variant` says otherwise (the compiled step replays its kernel calls: none to count)."""
     import decode
 
     # host_ops sets the layers and the vocabulary itself
@@ -55,7 +57,7 @@ def _fake_cuda_layer(monkeypatch, shape: str, moe: bool, **small) -> dict:
     device = mx.default_device()
     mx.set_default_device(mx.cpu)
     try:
-        return host_ops.per_layer("tq3", layers=1, moe=moe, steps=2)
+        return host_ops.per_layer(variant, layers=1, moe=moe, steps=2)
     finally:
         mx.set_default_device(device)
 
@@ -106,3 +108,25 @@ def test_a_fused_gather_moe_layer_drops_the_rotations_ops(monkeypatch):
     assert "Hadamard" not in fused["ops"] and plain["ops"]["Hadamard"] == 3
     assert sum(fused["ops"].values()) <= sum(plain["ops"].values()) - 15
     assert fused["py_calls"] <= plain["py_calls"]
+
+
+def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
+    """The compiled single-token step (the default, `fuse.COMPILE_STEP`): no kernel call
+    made in Python (MLX replays the traced launches) and a few Python calls a layer (the
+    block, the cache, the attention function): dense 7 against 23 built op by op, MoE 7
+    against 41 (its sparse MLP in the trace). The dense graph is the same; the MoE one
+    smaller (compile fuses the router's elementwise ops and drops its stop_gradients)."""
+    dense = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
+    moe = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64)
+    for shape, is_moe, small in (("LLAMA3_8B", False, dense), ("QWEN3_30B_A3B", True, moe)):
+        eager = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-eager", **small)
+        compiled = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3", **small)
+        assert compiled["calls"] == 0 and eager["calls"] == (6 if is_moe else 4)
+        assert compiled["py_calls"] <= 8 and eager["py_calls"] >= (40 if is_moe else 20)
+        if is_moe:
+            assert sum(compiled["ops"].values()) < sum(eager["ops"].values())
+        else:
+            assert compiled["ops"] == eager["ops"]

@@ -207,8 +207,8 @@ def _close(want: list, got: list) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_compiled_step_keeps_the_logits_and_is_traced_once(tmp_path, monkeypatch, kind):
     """COMPILE_STEP: a fused block's single-token step runs as two compiled halves around
-    the cache (MoE blocks: their attention's), with the logits of the step built op by op.
-    Python runs each half once per block, then MLX replays it at every position (RoPE's
+    the cache (MoE blocks: with their sparse MLP), with the logits of the step built op by
+    op. Python runs each half once per block, then MLX replays it at every position (RoPE's
     offset is an input of the trace, not a constant)."""
     from turboquant.runtime import fuse
 
@@ -217,36 +217,63 @@ def test_a_compiled_step_keeps_the_logits_and_is_traced_once(tmp_path, monkeypat
     assert fuse_blocks(model) == 2
     _compiling(monkeypatch, False)
     want = _decode(model, steps=5)
-    traced = []
-    queries = fuse._queries
+    traced, after = [], []
+    queries, step_after = fuse._queries, fuse._step_after
     monkeypatch.setattr(fuse, "_queries", lambda *a: traced.append(a[0]) or queries(*a))
+    monkeypatch.setattr(fuse, "_step_after", lambda *a: after.append(a[0]) or step_after(*a))
     _compiling(monkeypatch, True)
     _close(want, _decode(model, steps=5))
-    assert traced == list(model.layers)  # once per block, not once per token
+    assert traced == after == list(model.layers)  # once per block, not once per token
     assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
 
 
-def test_a_compiled_step_follows_new_weights(tmp_path, monkeypatch):
-    """A trace holds the weights it read as constants: replacing a TurboQuant linear's
-    arrays or a norm's weight traces the step again, never serving the old weights."""
-    model, _ = load(_repo(tmp_path, "llama"), fuse=False)
-    config, weights = make_checkpoint("llama", seed=4)  # other weights, same shapes
+@pytest.mark.parametrize("kind, prefixes", [
+    ("llama", ("model.layers.0.mlp.down_proj.", "model.layers.1.input_layernorm.")),
+    ("qwen3_moe", ("model.layers.0.mlp.gate.", "model.layers.1.mlp.switch_mlp.down_proj."))])
+def test_a_compiled_step_follows_new_weights(tmp_path, monkeypatch, kind, prefixes):
+    """A trace holds the weights it read as constants: replacing a TurboQuant layer's
+    arrays (a linear's, an expert stack's), a norm's weight or a router's traces the step
+    again, never serving the old weights."""
+    from turboquant.runtime import fuse
+
+    model, _ = load(_repo(tmp_path, kind), fuse=False)
+    config, weights = make_checkpoint(kind, seed=4)  # other weights, same shapes
     write_repo(tmp_path / "other", config, weights, bits=3)
     other, _ = load(tmp_path / "other", fuse=False)
     for m in (model, other):
         group_linears(m), fuse_blocks(m)
     _compiling(monkeypatch, True)
     before = _decode(model)
-    for prefix in ("model.layers.0.mlp.down_proj.", "model.layers.1.input_layernorm."):
+    for prefix in prefixes:
         swapped = [(k, v) for k, v in tree_flatten(other.parameters()) if k.startswith(prefix)]
         assert swapped
         model.load_weights(swapped, strict=False)
-        _compiling(monkeypatch, False)
+        # the switch alone: re-registering the kernels would trace again anyway
+        monkeypatch.setattr(fuse, "COMPILE_STEP", False)
         want = _decode(model)
-        _compiling(monkeypatch, True)
+        monkeypatch.setattr(fuse, "COMPILE_STEP", True)
         assert not mx.allclose(want[-1], before[-1], rtol=1e-4, atol=1e-4).item()
         _close(want, _decode(model))
         before = want
+
+
+def test_streamed_experts_stay_out_of_the_compiled_step(tmp_path, monkeypatch):
+    """Expert streaming evaluates the router's choice to read experts from disk, which a
+    trace cannot: an MoE block whose experts stream compiles its attention half only, and
+    decodes as it does built op by op."""
+    from turboquant.runtime.experts import StreamedExperts
+
+    path = _repo(tmp_path, "qwen3_moe")
+    model, _ = load(path, fuse=False, expert_budget="100%")
+    group_linears(model)
+    assert fuse_blocks(model) == 2
+    assert any(isinstance(m, StreamedExperts) for _, m in model.named_modules())
+    assert not any(layer.moe_compiles for layer in model.layers)
+    _compiling(monkeypatch, False)
+    want = _decode(model)
+    _compiling(monkeypatch, True)
+    _close(want, _decode(model))
+    assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
 
 
 def test_a_step_whose_rope_reads_its_offset_is_not_compiled(tmp_path, monkeypatch):
