@@ -257,6 +257,32 @@ def test_a_compiled_step_follows_new_weights(tmp_path, monkeypatch, kind, prefix
         before = want
 
 
+def test_a_model_with_compiled_steps_is_freed_when_let_go(tmp_path, monkeypatch):
+    """Each block holds its compiled halves, which hold the block (a cycle) and MLX's trace
+    of its weights: letting the model go (a server switching models) frees all of it."""
+    import gc
+    import weakref
+
+    path = _repo(tmp_path, "llama")
+    _compiling(monkeypatch, True)
+
+    def decode_and_let_go():
+        model, _ = load(path, fuse=False)
+        group_linears(model), fuse_blocks(model)
+        _decode(model)
+        assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
+        return weakref.ref(model)
+
+    first = decode_and_let_go()  # the process's own caches filled (kernels, offsets)
+    gc.collect()
+    assert first() is None
+    before = mx.get_active_memory()
+    gone = decode_and_let_go()
+    gc.collect()
+    assert gone() is None
+    assert mx.get_active_memory() == before  # no weights kept by a trace
+
+
 def test_streamed_experts_stay_out_of_the_compiled_step(tmp_path, monkeypatch):
     """Expert streaming evaluates the router's choice to read experts from disk, which a
     trace cannot: an MoE block whose experts stream compiles its attention half only, and
