@@ -262,18 +262,20 @@ def _watched(block) -> tuple:
                  for name, v in m.items() if isinstance(v, mx.array))
 
 
-# the last int offset given to a compiled step as an array, shared by a token's layers
-_OFFSET: list = [None, None]
+# (offset, the array of it) last given to a compiled step, shared by a token's layers; one
+# tuple swapped whole, so a reader never pairs one offset with another's array
+_last_offset: tuple = (None, None)
 
 
 def _offset_array(offset):
     """A cache's offset as the array RoPE takes in a compiled step (traced once for every
     position); an array offset (batched caches) as it is."""
+    global _last_offset
     if type(offset) is not int:
         return offset
-    last = _OFFSET
+    last = _last_offset
     if last[0] != offset:
-        last[0], last[1] = offset, mx.array(offset, dtype=mx.int32)
+        last = _last_offset = (offset, mx.array(offset, dtype=mx.int32))
     return last[1]
 
 
@@ -384,7 +386,8 @@ def fuse_blocks(model: nn.Module) -> int:
         _set_heads(module)
         # whether its single-token step may run compiled (`_compiled_halves`), and an MoE
         # block's sparse MLP with it (not while its experts stream from disk)
-        object.__setattr__(module, "compiles", type(module.self_attn.rope).__name__ in TRACEABLE_ROPES)
+        rope = type(module.self_attn.rope).__name__
+        object.__setattr__(module, "compiles", rope in TRACEABLE_ROPES)
         if moe_name is not None:
             object.__setattr__(module, "moe_compiles", not any(
                 isinstance(m, (StreamedExperts, StreamedSwitchLinear))

@@ -287,6 +287,7 @@ def test_streamed_experts_stay_out_of_the_compiled_step(tmp_path, monkeypatch):
     """Expert streaming evaluates the router's choice to read experts from disk, which a
     trace cannot: an MoE block whose experts stream compiles its attention half only, and
     decodes as it does built op by op."""
+    from turboquant.runtime import fuse
     from turboquant.runtime.experts import StreamedExperts
 
     path = _repo(tmp_path, "qwen3_moe")
@@ -296,10 +297,13 @@ def test_streamed_experts_stay_out_of_the_compiled_step(tmp_path, monkeypatch):
     assert any(isinstance(m, StreamedExperts) for _, m in model.named_modules())
     assert not any(layer.moe_compiles for layer in model.layers)
     _compiling(monkeypatch, False)
-    want = _decode(model)
+    want = _decode(model, steps=5)
+    traced = []
+    queries = fuse._queries
+    monkeypatch.setattr(fuse, "_queries", lambda *a: traced.append(a[0]) or queries(*a))
     _compiling(monkeypatch, True)
-    _close(want, _decode(model))
-    assert all("_step_compiled" in layer.__dict__ for layer in model.layers)
+    _close(want, _decode(model, steps=5))
+    assert traced == list(model.layers)  # streaming changes no traced array: traced once
 
 
 def test_a_step_whose_rope_reads_its_offset_is_not_compiled(tmp_path, monkeypatch):
