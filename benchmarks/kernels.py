@@ -346,7 +346,6 @@ def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
           f"pipelined {pipelined * 1e6:7.1f} us per GEMV", flush=True)
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")

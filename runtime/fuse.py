@@ -237,8 +237,9 @@ def _compiled_halves(block):
     MoE block whose sparse MLP cannot be traced, `_attention_out`) compiled for this block.
     A trace holds what it read as constants: traced again once a TurboQuant layer's arrays
     were replaced (`layers._arrays_version`), any other array of the block was (a norm's
-    weight, a router's: `_watched`), or the kernels registered changed."""
-    key = (layers._arrays_version, dispatch.GENERATION[0], dispatch.backend())
+    weight, a router's: `_watched`), or the kernels registered changed. (The backend is
+    the caller's check: a process has one GPU backend, the only kind that compiles.)"""
+    key = (layers._arrays_version, dispatch.GENERATION[0])
     hit = block.__dict__.get("_step_compiled")
     if hit is not None and hit[0] == key:
         for module, name, array in hit[1]:
