@@ -139,7 +139,8 @@ def variant_switches(variant: str):
                      else False if "-broadcast" in variant else None), \
             switched(fuse, "COMPILE_STEP", True if "-compiled" in variant
                      else False if "-eager" in variant else None), \
-            switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None):
+            switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None), \
+            switched(fuse, "ROPE", False if "-mlxrope" in variant else None):
         yield
 
 
@@ -242,7 +243,9 @@ def main() -> None:
                          "-compiled / -eager with fused blocks' single-token step compiled "
                          "or built op by op (COMPILE_STEP), "
                          "-mlxattn with their single-token attention through mlx-lm's "
-                         "Attention (ATTENTION off)")
+                         "Attention (ATTENTION off), "
+                         "-mlxrope with RoPE as mlx-lm's op after the q/k/v launch "
+                         "(ROPE off)")
     ap.add_argument("--token-times", action="store_true",
                     help="also print each variant's per-token time percentiles")
     ap.add_argument("--json")
@@ -270,8 +273,8 @@ def main() -> None:
                              vocab_size=512)
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     for variant in args.variants.split(","):
-        model = build(variant, moe=args.moe)
-        with variant_switches(variant):
+        with variant_switches(variant):  # the model built inside: `load` reads some
+            model = build(variant, moe=args.moe)
             gaps = run_variant(model, args)
             if gaps is None:
                 return

@@ -14,7 +14,7 @@ from .dispatch import (
     tq_gather,
     tq_linear,
 )
-from .group import NO_EXTRAS, Extras, Member, bind_linear_group, tq_linear_group
+from .group import NO_EXTRAS, Extras, Member, Rope, bind_linear_group, tq_linear_group
 from .reference import (
     dequantize,
     tq_embedding,
@@ -29,6 +29,7 @@ __all__ = [
     "NO_EXTRAS",
     "Extras",
     "Member",
+    "Rope",
     "add_op",
     "backend",
     "bind_linear_group",

@@ -4,7 +4,8 @@
   a few tokens, in one launch (`cuda_linear`: each block rotates x with its member's seed,
   then runs the GEMV over its rows of the members' stacked weights) that writes each
   member's output in x's dtype, bias added; the launch also does the call's
-  `group.Extras` (RMSNorm or SwiGLU on the row, a residual on the output). With
+  `group.Extras` (RMSNorm or SwiGLU on the row, a residual on the output, RoPE on a
+  q/k/v group's queries and keys when its rows are in pairs, `pair_order`). With
   TURBOQUANT_CUDA_FUSED=0 (for comparison) it is two launches, `cuda_rotate` for all
   members then one `cuda_gemv`, and the extras are MLX ops.
 - "matvec": the GEMV alone on activations the caller rotated (2, 3 and 4 bits).
@@ -40,9 +41,10 @@ from . import cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group,
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
 
-# Extras modes (norm, gate, residual) that `_Plan.bind` launches without a helper call
-_PLAIN, _NORM = (False, False, False), (True, False, False)
-_RESIDUAL, _GATE_RESIDUAL = (False, False, True), (False, True, True)
+# Extras modes (norm, gate, residual, rope) that `_Plan.bind` launches without a helper call
+_PLAIN, _NORM = (False, False, False, False), (True, False, False, False)
+_RESIDUAL, _GATE_RESIDUAL = (False, False, True, False), (False, True, True, False)
+_NORM_ROPE = (True, False, False, True)
 
 # id(sources) -> (weak refs to the arrays it was built from, prepared value); an entry
 # goes when any of its sources is freed, so a dropped model takes its layouts with it
@@ -96,6 +98,18 @@ def prepared(codes: mx.array, scales: mx.array, bits: int, group_size: int, padd
     return _cached("matvec", (codes,), build)
 
 
+def pair_order(ends: tuple[int, ...], head: int) -> np.ndarray:
+    """The stacked rows in the order the fused kernel stores RoPE pairs from
+    (`cuda_linear._PAIRED_STORE`): in the first two members (queries, keys), row 2i + h of
+    each head of `head` rows is the head's row i + h * head / 2; the others in order."""
+    rows = np.arange(ends[-1])
+    for start, stop in ((0, ends[0]), (ends[0], ends[1])):
+        local = np.arange(stop - start)
+        j = local % head
+        rows[start:stop] = start + local - j + j // 2 + (j % 2) * (head // 2)
+    return rows
+
+
 def _repack_group(members):
     """The members' kernel layouts stacked by rows, and their biases (or None)."""
     parts = [_repack_one(m.codes, m.scales, m.bits, m.group_size, m.padded_in) for m in members]
@@ -128,25 +142,34 @@ class _Plan:
     every token reuses, so a call is one kernel launch (two unfused) and a few lines of
     Python."""
 
-    def __init__(self, members):
+    def __init__(self, members, pairs: int = 0):
         first = members[0]
         self.n = first.in_features
         seeds = tuple(m.seed for m in members)
         self.signs, self.mix, self.a, self.p = cuda_rotate.operands(seeds, self.n)
         self.low, self.high, self.scales, bias = _repack_group(members)
-        self.has_bias = bias is not None
-        self.bias = cuda_memory.device_constant(bias) if bias is not None else cuda_gemv._no_bias()
         self.levels = _levels(first.bits)
         self.bits, self.group_size = first.bits, first.group_size
         self.ends = tuple(itertools.accumulate(m.out_features for m in members))
         self.widths = tuple(m.out_features for m in members)
         self.width = _padded64(first.padded_in)
         self.fused = FUSED and cuda_linear.fits(self.n, self.width, self.a)
+        # the head size whose RoPE pairs the first two members' rows are in (0: in order)
+        self.pairs = pairs if self.fused and cuda_linear.pairable(
+            self.ends, pairs, cuda_linear.rows_per_warp_for(self.ends)) else 0
+        if self.pairs:
+            rows = mx.array(pair_order(self.ends, self.pairs))
+            self.low, self.scales = self.low[rows], self.scales[rows]
+            if first.bits == 3:
+                self.high = self.high[rows]
+            bias = None if bias is None else bias[rows]
+        self.has_bias = bias is not None
+        self.bias = cuda_memory.device_constant(bias) if bias is not None else cuda_gemv._no_bias()
         self.launches: dict[tuple, object] = {}
         self.norms: dict[int, tuple] = {}  # id(norm weight) -> (weight, eps, kernel operand)
         mx.eval(self.signs, self.mix, self.low, self.high, self.scales, self.bias)
 
-    def _launches(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
+    def _launches(self, lead: tuple, dtype, mode: tuple[bool, bool, bool, bool]):
         tokens = math.prod(lead)
         grouped = len(self.ends) > 1
         out_dtype = dtype if dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
@@ -154,7 +177,7 @@ class _Plan:
             return cuda_linear.launch(
                 n=self.n, a=self.a, padded=self.width, bits=self.bits,
                 group_size=self.group_size, ends=self.ends, lead=lead, in_dtype=dtype,
-                out_dtype=out_dtype, add_bias=self.has_bias, mode=mode)
+                out_dtype=out_dtype, add_bias=self.has_bias, mode=mode, pairs=self.pairs)
         rotate = cuda_rotate.launch(self.n, self.a, self.p, self.width, len(self.ends), tokens,
                                     dtype, squeeze=True)
         gemv = cuda_gemv.launch(
@@ -169,7 +192,7 @@ class _Plan:
         expert, row = _pair_arrays(tokens)
         return rotate, gemv, expert, row, grouped
 
-    def _launch(self, lead: tuple, dtype, mode: tuple[bool, bool, bool]):
+    def _launch(self, lead: tuple, dtype, mode: tuple[bool, bool, bool, bool]):
         key = (lead, dtype, mode)
         hit = self.launches.get(key)
         if hit is None:
@@ -180,14 +203,19 @@ class _Plan:
         """The fused launch's inputs after the row's (`cuda_linear.WEIGHTS`' order)."""
         return [self.signs, self.mix, self.low, self.high, self.scales, self.levels, self.bias]
 
-    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool], views=None):
+    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool, bool], views=None):
         """f(x, extras) for inputs of leading shape `lead` and `dtype`, extras of `mode`:
         the fused launch with the weights bound (the two-launch path: this plan's call).
         For the modes a fused decoder block uses, f reads the extras' arrays itself and
         launches: one Python call a token, where each costs the GPU's host time. Inputs
-        in `cuda_linear.inputs(mode)`'s order: x, up, norm weight + eps, residual, weights.
-        `views`: the outputs' shapes (`group.bind_linear_group`), which the fused launch
-        declares itself: the kernel writes each output row-major in either shape."""
+        in `cuda_linear.inputs(mode)`'s order: x, up, norm weight + eps, residual, RoPE's
+        position and inverse frequencies, weights. `views`: the outputs' shapes
+        (`group.bind_linear_group`), which the fused launch declares itself: the kernel
+        writes each output row-major in either shape. RoPE needs the rows in pairs of its
+        head size (NotImplementedError otherwise: the caller rotates with MLX's op)."""
+        if mode[3] and (not self.fused or views is None
+                        or any(v[-1] != self.pairs for v in views[:2])):
+            raise NotImplementedError
         if not self.fused:
             return group.viewed(self.__call__, views)
         launch = self._launch(lead, dtype, mode)
@@ -198,23 +226,28 @@ class _Plan:
             return lambda x, extras: launch(inputs=[x, *weights])
         if mode == _NORM:  # q/k/v, gate/up
             return self._bind_norm(launch, weights)
+        if mode == _NORM_ROPE:  # q/k/v with RoPE
+            return self._bind_norm(launch, weights, rope=True)
         if mode == _RESIDUAL:  # o_proj
             return lambda x, extras: launch(inputs=[x, extras.residual, *weights])
         if mode == _GATE_RESIDUAL:  # down_proj
             return lambda x, extras: launch(inputs=[x, extras.up, extras.residual, *weights])
-        extra_inputs = self._extra_inputs
-        return lambda x, extras: launch(inputs=[x, *extra_inputs(extras), *weights])
+        extra_inputs, rope = self._extra_inputs, mode[3]
+        return lambda x, extras: launch(inputs=[x, *extra_inputs(extras, rope), *weights])
 
-    def _bind_norm(self, launch, weights: list[mx.array]):
-        """The normed launch, its norm operand looked up again only when the extras bring
-        another norm weight or eps than the last call's (a block brings the same one every
-        token)."""
+    def _bind_norm(self, launch, weights: list[mx.array], rope: bool = False):
+        """The normed launch (with `rope`, RoPE's position and inverse frequencies after the
+        norm), its norm operand looked up again only when the extras bring another norm
+        weight or eps than the last call's (a block brings the same one every token)."""
         seen = (None, None, None)  # the last call's norm weight, eps and operand
 
         def run(x: mx.array, extras: group.Extras) -> list[mx.array]:
             nonlocal seen
             if extras.norm is not seen[0] or extras.eps != seen[1]:
                 seen = (extras.norm, extras.eps, self._norm_operand(extras.norm, extras.eps))
+            if rope:
+                r = extras.rope
+                return launch(inputs=[x, seen[2], r.offset, r.inverse, *weights])
             return launch(inputs=[x, seen[2], *weights])
 
         return run
@@ -224,18 +257,23 @@ class _Plan:
             x, residual, extras = group.input_of(x, extras), extras, group.NO_EXTRAS
         hit = self._launch(x.shape[:-1], x.dtype, extras.mode)
         if self.fused:
-            return hit(x, *self._extra_inputs(extras), *self._weights())
+            return hit(x, *self._extra_inputs(extras, extras.mode[3]), *self._weights())
         rotate, gemv, expert, row, grouped = hit
         xr = rotate(x, self.signs, self.mix)
         ys = gemv(xr, self.low, self.high, self.scales, self.levels, expert, row, self.bias)
         return group.with_residual(ys if grouped else [ys], residual)
 
-    def _extra_inputs(self, extras: group.Extras) -> list[mx.array]:
-        """The up row, norm weight + eps and residual inputs `cuda_linear.inputs` names."""
+    def _extra_inputs(self, extras: group.Extras, rope: bool = False) -> list[mx.array]:
+        """The up row, norm weight + eps, residual and (with `rope`) RoPE inputs
+        `cuda_linear.inputs` names."""
         arrays = [] if extras.up is None else [extras.up]
         if extras.norm is not None:
             arrays.append(self._norm_operand(extras.norm, extras.eps))
-        return arrays if extras.residual is None else [*arrays, extras.residual]
+        if extras.residual is not None:
+            arrays.append(extras.residual)
+        if rope:
+            arrays += [extras.rope.offset, extras.rope.inverse]
+        return arrays
 
     def _norm_operand(self, weight: mx.array, eps: float) -> mx.array:
         """The norm's weight then eps, float32: built once per norm (a layer's own)."""
@@ -250,17 +288,18 @@ class _Plan:
 _UNFUSABLE = object()  # members one stacked GEMV cannot serve: the reference runs them
 
 
-def _plan(members):
+def _plan(members, pairs: int = 0):
     if not group.fusable(members):
         return _UNFUSABLE
     try:
-        return _Plan(members)
+        return _Plan(members, pairs)
     except NotImplementedError:  # a rotation the kernel does not cover (cuda_rotate.operands)
         return _UNFUSABLE
 
 
 def _group_plan(x, members, prepared):
-    """The members' _Plan (NotImplementedError where the reference must run)."""
+    """The members' _Plan (NotImplementedError where the reference must run); its rows in
+    RoPE pairs where the caller's `prepared` names the head size ("rope_dims")."""
     if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
         raise NotImplementedError  # prefill: the reference GEMM
     plan = None if prepared is None else prepared.get("cuda")
@@ -268,7 +307,7 @@ def _group_plan(x, members, prepared):
         if prepared is None:  # no caller-held cache: one per set of weights, freed with them
             plan = _cached("group", tuple(m.codes for m in members), lambda: _plan(members))
         else:
-            plan = prepared["cuda"] = _plan(members)
+            plan = prepared["cuda"] = _plan(members, prepared.get("rope_dims", 0))
     if plan is _UNFUSABLE:
         raise NotImplementedError
     return plan

@@ -135,8 +135,8 @@ __device__ __forceinline__ __half2 tq_block16(const uint32_t t[8], const uint4* 
 
 # The rows of one warp, shared with the fused linear kernel (`cuda_linear`): rows
 # [row0, row0 + ROWS_PER_WARP) of `expert` (those below OUT) against the activations
-# TQ_X(g, i) (uint4 i of 64-code group g), each finished row v stored by TQ_STORE; needs
-# lane, pair, seg, t.
+# TQ_X(g, i) (uint4 i of 64-code group g), each finished row v stored by TQ_STORE (which
+# may read the warp's other sums total[r'], bias not added); needs lane, pair, seg, t.
 #
 # Each lane runs 64-code groups g = lane, lane + 32, ...; the weights of a group (code
 # words, high bits, scales of every row) are fetched one group ahead, into one of two
@@ -202,11 +202,15 @@ ROWS_LOOP = r"""
     if (g + 64 < GROUPS) TQ_FETCH(cwA, hwA, scA, g + 64);
     TQ_DECODE(cwB, hwB, scB, g + 32);
   }
+  // every lane gets every row's sum, so a store may read the warp's other rows (total[r ^ 1])
+  #pragma unroll
+  for (int r = 0; r < ROWS_PER_WARP; ++r) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total[r] += __shfl_xor_sync(0xffffffffu, total[r], o);
+  }
   #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) {
     float v = total[r];
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int row = wrow + r;
     if (lane == 0 && row >= row0 && row < OUT) {
       if (HAS_BIAS) v += static_cast<float>(bias[row]);

@@ -71,6 +71,35 @@ _LOAD = {
 }
 _RESIDUAL = "v += static_cast<float>(res[(size_t)pair * OUT + row]);\n      "
 
+# A q/k/v group with its first two members' rows in RoPE pairs (`cuda.pair_order`): the
+# stacked row 2i + h of a head of PAIRS rows is that head's row i + h * PAIRS / 2, so
+# both rows of a pair are one warp's (an even number of rows a warp, from an even row).
+# Each is stored at its own row; TQ_ROPE may rotate it first.
+_PAIRED_STORE = r"""if (PAIRS && seg < 2) {
+        const int local = row - (seg ? END0 : 0), j = local % PAIRS;
+        const int dst = local - j + (j >> 1) + (j & 1) * (PAIRS / 2);
+        TQ_ROPE
+        if (seg == 0) out0[(size_t)pair * END0 + dst] = (OutT)v;
+        else out1[(size_t)pair * (END1 - END0) + dst] = (OutT)v;
+      } else {
+        TQ_STORE
+      }"""
+
+# RoPE (non-traditional) of the pair (i, i + PAIRS / 2) at position rope_pos[0]: the angle
+# rope_pos * rope_inv[i], taken to [-pi, pi] in two steps (exact enough for any position)
+# before the fast sine and cosine; x_i' = x_i cos - x_{i+P/2} sin, x_{i+P/2}' = x_{i+P/2} cos
+# + x_i sin, the partner being the warp's other row of the pair.
+_ROPE = r"""{
+          float partner = total[r ^ 1];
+          if (HAS_BIAS) partner += static_cast<float>(bias[row ^ 1]);
+          const float theta = static_cast<float>(rope_pos[0]) * rope_inv[j >> 1];
+          const float turns = rintf(theta * 0.15915494309189535f);
+          const float angle = fmaf(-turns, -1.7484555e-7f, fmaf(-turns, 6.28318548f, theta));
+          float sn, cs;
+          __sincosf(angle, &sn, &cs);
+          v = v * cs + ((j & 1) ? partner : -partner) * sn;
+        }"""
+
 # Inputs: x (tokens, N) in any float dtype, signs (S, N), mix (S, A, A), code planes,
 # scales (OUT, PADDED / GS), levels, bias (OUT,) float32 (unread without HAS_BIAS).
 _SOURCE = r"""
@@ -130,27 +159,34 @@ WEIGHTS = ["signs", "mix", "codes", "hplane", "scales", "levels", "bias"]
 
 GATHER = ["pair_expert", "pair_row"]
 
+PLAIN = (False, False, False, False)
 
-def inputs(mode: tuple[bool, bool, bool] = (False, False, False),
-           gather: bool = False) -> list[str]:
-    """The kernel's inputs for `group.Extras.mode` (norm, gate, residual): the row x, the
-    up row (gate), the norm weight + eps (norm), the residual, then the weights; `gather`
-    (experts): then each output row's expert and x row."""
-    norm, gate, residual = mode
+
+def inputs(mode: tuple[bool, bool, bool, bool] = PLAIN, gather: bool = False) -> list[str]:
+    """The kernel's inputs for `group.Extras.mode` (norm, gate, residual, rope): the row x,
+    the up row (gate), the norm weight + eps (norm), the residual, RoPE's position (int32)
+    and inverse frequencies (float32), then the weights; `gather` (experts): then each
+    output row's expert and x row."""
+    norm, gate, residual, rope = mode
     return ["x", *(["up"] if gate else []), *(["nw"] if norm else []),
-            *(["res"] if residual else []), *WEIGHTS, *(GATHER if gather else [])]
+            *(["res"] if residual else []), *(["rope_pos", "rope_inv"] if rope else []),
+            *WEIGHTS, *(GATHER if gather else [])]
 
 
-def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False),
-           gather: bool = False, a: int = 1) -> tuple[str, str]:
+def source(segments: int, mode: tuple[bool, bool, bool, bool] = PLAIN,
+           gather: bool = False, a: int = 1, pairs: bool = False) -> tuple[str, str]:
     """(header, body) of the kernel for a group of `segments` members doing `mode`'s
     extras, its constants not yet defined (`launch` writes them in front). `gather`: the
     experts of a switch layer, stacked by rows, output row p reading expert
     pair_expert[p]'s rows against x row pair_row[p]. `a`: the rotation's segments
-    (`cuda_rotate.rotate_row`)."""
-    norm, gate, residual = mode
+    (`cuda_rotate.rotate_row`). `pairs`: the first two members' rows are in RoPE pairs
+    (`_PAIRED_STORE`), which mode's rope rotates."""
+    norm, gate, residual, rope = mode
     load = _LOAD["norm" if norm else "gate" if gate else "plain"]
     store = (_RESIDUAL if residual else "") + cuda_gemv.STORES[segments]
+    if pairs:
+        store = (_PAIRED_STORE.replace("TQ_ROPE", _ROPE if rope else "")
+                 .replace("TQ_STORE", store))
     return _HEADER, (_SOURCE.replace("TQ_LOAD_ROW", load)
                      .replace("TQ_ROTATE_ROW", cuda_rotate.rotate_row(a))
                      .replace("TQ_STORE", store)
@@ -159,7 +195,7 @@ def source(segments: int, mode: tuple[bool, bool, bool] = (False, False, False),
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool], body: str,
+def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool, bool], body: str,
             gather: bool = False):
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256((_HEADER + body).encode()).hexdigest()[:12]
@@ -197,6 +233,14 @@ def tiles_for(ends: tuple[int, ...], rows_per_warp: int) -> int:
     return 1
 
 
+def pairable(ends: tuple[int, ...], head: int, rows_per_warp: int) -> bool:
+    """Whether the first two members' rows can be stored in RoPE pairs of heads of `head`
+    rows: whole even heads, and a warp's rows (from an even row) holding whole pairs."""
+    widths = (ends[0], ends[1] - ends[0]) if len(ends) > 1 else ()
+    return (len(widths) == 2 and head > 0 and head % 2 == 0 and rows_per_warp % 2 == 0
+            and all(w % head == 0 for w in widths))
+
+
 def fits(n: int, padded: int, a: int) -> bool:
     """Whether one block holds the row (the mix keeps A values per thread in registers)."""
     return (shared_bytes(n, padded) <= cuda_rotate.MAX_SHARED_BYTES
@@ -231,18 +275,22 @@ class Launch:
 
 def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tuple[int, ...],
            lead: tuple[int, ...], in_dtype, out_dtype, add_bias: bool,
-           mode: tuple[bool, bool, bool] = (False, False, False),
+           mode: tuple[bool, bool, bool, bool] = PLAIN,
            rows_per_warp: int | None = None, tiles: int | None = None,
-           gather: bool = False) -> Launch:
+           gather: bool = False, pairs: int = 0) -> Launch:
     """The launch for members with stacked row ends `ends` on inputs of leading shape
     `lead` (tokens = its product) and last axis n, rotated as A segments of n / A, doing
     the extras of `mode` (`group.Extras.mode`). A block runs `tiles` tiles of
     WARPS_PER_BLOCK * rows_per_warp rows after one rotation (`rows_per_warp_for` and
     `tiles_for` unless given); member boundaries must fall between blocks. `gather`: a
     switch layer's experts (one member, no extras, lead = its (pair, row) count), inputs
-    then `GATHER`."""
+    then `GATHER`. `pairs`: the head size of the first two members' rows, stored in RoPE
+    pairs (`_PAIRED_STORE`; 0: in their order), which mode's rope rotates."""
     if mode[2] and len(ends) > 1:
         raise ValueError("a residual is added to the output of a single member")
+    if (mode[3] and not pairs) or (pairs and len(ends) < 2):
+        raise ValueError(f"RoPE needs a group's first two members' rows in pairs, "
+                         f"got {pairs=} for {len(ends)} members")
     if len(ends) > len(cuda_gemv.STORES):
         raise ValueError(f"at most {len(cuda_gemv.STORES)} members in a group, got {len(ends)}")
     if n % a or padded % 64 or padded < n:
@@ -254,16 +302,20 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     block_rows = WARPS_PER_BLOCK * rpw * tiles
     if any(e % block_rows for e in ends[:-1]):
         raise ValueError(f"member ends {ends} must be multiples of a block's {block_rows} rows")
+    if pairs and not pairable(ends, pairs, rpw):
+        raise ValueError(f"rows {ends} cannot be stored in RoPE pairs of heads of {pairs} "
+                         f"rows at {rpw} rows a warp")
     constants = [
         ("InT", in_dtype), ("OutT", out_dtype), ("N", n), ("A", a), ("PADDED", padded),
         ("BITS", bits), ("GS", group_size), ("OUT", out), ("ROWS_PER_WARP", rpw),
         ("WARPS", WARPS_PER_BLOCK), ("TILES", tiles), ("SEGS", len(ends)), ("END0", bounds[0]),
-        ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)),
+        ("END1", bounds[1]), ("HAS_BIAS", bool(add_bias)), ("PAIRS", pairs),
     ]
     widths = [e - b for b, e in zip([0, *ends[:-1]], ends)]
     if gather and (len(ends) > 1 or any(mode)):
         raise ValueError("gathered experts are one member without extras")
-    body = cuda_gemv.constants_source(constants) + source(len(ends), mode, gather, a)[1]
+    body = (cuda_gemv.constants_source(constants)
+            + source(len(ends), mode, gather, a, pairs=bool(pairs))[1])
     return Launch(
         kernel=_kernel(len(ends), shared_bytes(n, padded), tuple(mode), body, gather),
         body=body,

@@ -8,8 +8,9 @@ rotate for all members in one launch and run one GEMV over their stacked rows
 
 `Extras` is the work a decoder layer does right around its linears, which a kernel can do
 on the row it loads and the value it stores instead of in launches of their own: the
-RMSNorm before q/k/v and gate/up, the SwiGLU gate before down, and the residual add after
-o_proj and down. The reference does it with the same MLX ops as mlx-lm's layers.
+RMSNorm before q/k/v and gate/up, the SwiGLU gate before down, the residual add after
+o_proj and down, and RoPE on one token's queries and keys (`Rope`). The reference does it
+with the same MLX ops as mlx-lm's layers.
 """
 
 from __future__ import annotations
@@ -26,23 +27,49 @@ from turboquant.stages.rotate import single_transform
 from . import dispatch
 
 
+class Rope:
+    """RoPE on the outputs of a q/k/v group's first two members (the queries and keys of
+    one token, in their views' shape (B, heads, 1, dims)): `module`, mlx-lm's RoPE of the
+    attention, at position `offset` (an int32 array: one trace serves every position).
+    `inverse` holds what a kernel rotates pair (i, i + dims / 2) of every head by: the
+    angle offset * inverse[i] (float32, dims / 2), the module's frequencies (`module` is
+    what the reference calls). Not to be changed once made."""
+
+    __slots__ = ("module", "inverse", "offset")
+
+    def __init__(self, module, inverse: mx.array, offset: mx.array):
+        self.module, self.inverse, self.offset = module, inverse, offset
+
+    @property
+    def dims(self) -> int:
+        return 2 * self.inverse.shape[0]
+
+
 class Extras:
     """What a group call does around its product. The input is x, or rms_norm(x, norm,
     eps) with `norm`, or silu(x) * up with `up` (x is then the gate); `residual` (the
-    output's shape) is added to the output of a single-member group. Not to be changed
+    output's shape) is added to the output of a single-member group; `rope` (`Rope`)
+    rotates the first two members' outputs (a call with views only). Not to be changed
     once made.
 
-    `mode` is (norm, gate, residual): which of them a call does, the key of its kernel.
+    `mode` is (norm, gate, residual, rope): which of them a call does, the key of its
+    kernel.
     A field, not a property, and a plain class, not a dataclass (whose `__post_init__`
     would be one more call): a decoder layer makes a few of these and reads their mode on
     every decode step, where each Python call costs the GPU's host time."""
 
-    __slots__ = ("norm", "eps", "up", "residual", "mode")
+    __slots__ = ("norm", "eps", "up", "residual", "rope", "mode")
 
     def __init__(self, norm: mx.array | None = None, eps: float = 0.0,
-                 up: mx.array | None = None, residual: mx.array | None = None):
+                 up: mx.array | None = None, residual: mx.array | None = None,
+                 rope: Rope | None = None):
         self.norm, self.eps, self.up, self.residual = norm, eps, up, residual
-        self.mode = (norm is not None, up is not None, residual is not None)
+        self.rope = rope
+        self.mode = (norm is not None, up is not None, residual is not None, rope is not None)
+
+    def unroped(self) -> "Extras":
+        """These extras without the RoPE (for a kernel that leaves it to MLX's op)."""
+        return Extras(self.norm, self.eps, self.up, self.residual)
 
 
 NO_EXTRAS = Extras()
@@ -66,6 +93,15 @@ def with_residual(ys: list[mx.array], extras: Extras) -> list[mx.array]:
     return ys if extras.residual is None else [extras.residual + ys[0]]
 
 
+def with_rope(ys: list[mx.array], rope: Rope | None) -> list[mx.array]:
+    """The outputs (in their views' shapes) with the queries and keys rotated by `rope`:
+    the attention's own RoPE module, as mlx-lm calls it."""
+    if rope is None:
+        return ys
+    module, offset = rope.module, rope.offset
+    return [module(ys[0], offset=offset), module(ys[1], offset=offset), *ys[2:]]
+
+
 def check_extras(x: mx.array, members: tuple["Member", ...], extras: Extras) -> None:
     if extras.norm is not None and extras.up is not None:
         raise ValueError("a linear group's input is normalised or gated, not both")
@@ -79,6 +115,16 @@ def check_extras(x: mx.array, members: tuple["Member", ...], extras: Extras) -> 
         if len(members) != 1 or extras.residual.shape != want:
             raise ValueError(f"a residual {tuple(extras.residual.shape)} needs one member "
                              f"with output {want}")
+
+
+def check_rope(members: tuple["Member", ...], rope: Rope, views: tuple | None) -> None:
+    """RoPE rotates the first two members' outputs of one token, viewed as heads of its
+    size: (B, heads, 1, dims)."""
+    heads = tuple(views or ())[:2]
+    if len(members) < 2 or len(heads) < 2 or any(
+            len(v) != 4 or v[2] != 1 or v[3] != rope.dims for v in heads):
+        raise ValueError(f"RoPE of head size {rope.dims} needs the outputs of a group's first "
+                         f"two members viewed as (B, heads, 1, {rope.dims}), got views {views}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,11 +197,15 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
 
     `views`: a shape per member to return its output in (the same values, reshaped: an
     attention's heads), for a caller that would reshape them at once. A backend's launch
-    may declare them as its outputs' shapes, saving the reshapes; otherwise f reshapes."""
+    may declare them as its outputs' shapes, saving the reshapes; otherwise f reshapes.
+    Extras with a `Rope` need views; a backend's launch may rotate as it stores (CUDA's
+    fused one), otherwise f applies the attention's RoPE module to the views."""
     check_members(x, members)
     check_extras(x, members, extras)
     if views is not None:
         check_views(x, members, views)
+    if extras.rope is not None:
+        check_rope(members, extras.rope, views)
     fn = dispatch.get("linear_group")
     binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
@@ -163,6 +213,11 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
             return binder(x, members, prepared, extras, views)
         except NotImplementedError:  # the kernel does not cover these: it falls back per call
             pass
+    if extras.rope is not None:
+        # the call bound without RoPE (which it ignores in the extras it is given), then
+        # mlx-lm's RoPE on the viewed queries and keys
+        run = bind_linear_group(x, members, prepared, extras.unroped(), views)
+        return lambda x, extras: with_rope(run(x, extras), extras.rope)
     return viewed(lambda x, extras: fn(x, members, prepared, extras), views)
 
 
@@ -222,7 +277,10 @@ def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | N
 
     `prepared`: a dict the caller keeps with these members (and clears when their arrays
     change), where a backend keeps what it derived from them (kernel layouts, launches);
-    without it the backend keeps them in a cache of its own, keyed on the arrays."""
+    without it the backend keeps them in a cache of its own, keyed on the arrays. (RoPE
+    needs the outputs' views: `bind_linear_group`.)"""
     check_members(x, members)
     check_extras(x, members, extras)
+    if extras.rope is not None:
+        raise ValueError("a linear group's RoPE needs its outputs' views: bind_linear_group")
     return dispatch.get("linear_group")(x, members, prepared, extras)

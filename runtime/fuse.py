@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from turboquant.kernels import dispatch, group
-from turboquant.kernels.group import NO_EXTRAS, Extras
+from turboquant.kernels.group import NO_EXTRAS, Extras, Rope
 
 from . import layers
 from .layers import LinearGroup, TQLinear
@@ -188,7 +188,10 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
 
 def _queries(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
     """(q, k, v) of one token as (B, heads, 1, D), q and k rotated by RoPE at `offset`
-    (an int, or an array: the compiled step's, traced once for every position)."""
+    (an int, or an array: the compiled step's, traced once for every position); by the
+    q/k/v call itself where it can (`_queries_roped`)."""
+    if block.rope_inverse is not None and (type(offset) is int or offset.ndim == 0):
+        return _queries_roped(block, x, offset)
     attn, norm = block["self_attn"], block["input_layernorm"]
     b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
     # q/k/v as (B, heads, 1, D): on CUDA the launch declares these shapes (no reshapes)
@@ -199,6 +202,18 @@ def _queries(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         q, k = attn["q_norm"](q), attn["k_norm"](k)
     rope = attn["rope"]
     return rope(q, offset=offset), rope(k, offset=offset), v
+
+
+def _queries_roped(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+    """`_queries` with RoPE done by the q/k/v group call (`block.rope_inverse`; on CUDA
+    the launch rotates as it stores: two operations fewer a layer); `offset` an int or
+    a one-element array."""
+    attn, norm = block["self_attn"], block["input_layernorm"]
+    b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
+    rope = Rope(attn["rope"], block.rope_inverse, _offset_array(offset))
+    return tuple(attn["q_proj"]._group.outputs(
+        x, Extras(norm=norm["weight"], eps=norm.eps, rope=rope),
+        ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv))))
 
 
 def _attend(block, qkv: tuple, mask, cache) -> mx.array:
@@ -313,6 +328,40 @@ def _set_heads(block) -> None:
     object.__setattr__(block, "kv_heads", (hkv, widths[1] // hkv, widths[2] // hkv))
 
 
+# TURBOQUANT_FUSE_ROPE=0: RoPE stays mlx-lm's op after the q/k/v call (for comparison)
+ROPE = os.environ.get("TURBOQUANT_FUSE_ROPE", "1") != "0"
+
+
+def rope_inverse(rope, head: int) -> mx.array | None:
+    """The inverse frequencies (float32, head / 2) by which mlx-lm's RoPE module `rope`
+    turns each pair (i, i + head / 2) of a head per position, for the RoPEs a q/k/v call
+    can do itself (`kernels.Rope`): `nn.RoPE` and `Llama3RoPE`, non-traditional, over
+    whole heads. None for the others (YaRN's and SuScaled's scale the values too)."""
+    if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != head:
+        return None
+    half = mx.arange(0, head, 2, dtype=mx.float32) / head
+    if type(rope) is nn.RoPE:
+        return rope.scale * mx.power(mx.array(rope.base, mx.float32), -half)
+    if type(rope).__name__ == "Llama3RoPE":
+        return 1.0 / rope["_freqs"].astype(mx.float32)
+    return None
+
+
+def _set_rope(block) -> None:
+    """`rope_inverse` of the block's RoPE where its q/k/v call can do RoPE (queries and
+    keys of one head size, no norm between them and RoPE), else None; the q/k/v group
+    told to lay its rows out for it (`LinearGroup.pair_rows`)."""
+    attn = block.self_attn
+    (_, dq), (_, dk, _) = block.q_heads, block.kv_heads
+    inverse = None
+    if ROPE and dq == dk and "q_norm" not in attn:
+        inverse = rope_inverse(attn.rope, dq)
+    if inverse is not None:
+        mx.eval(inverse)
+        attn.q_proj._group.pair_rows(dq)
+    object.__setattr__(block, "rope_inverse", inverse)  # not a parameter
+
+
 @functools.cache
 def _family_classes(family: str, names=("TransformerBlock", "Attention", "MLP")) -> tuple | None:
     """The classes `names` of an mlx-lm model module, if it has them all."""
@@ -385,6 +434,7 @@ def fuse_blocks(model: nn.Module) -> int:
         else:
             continue
         _set_heads(module)
+        _set_rope(module)
         # whether its single-token step may run compiled (`_compiled_halves`), and an MoE
         # block's sparse MLP with it (not while its experts stream from disk)
         rope = type(module.self_attn.rope).__name__

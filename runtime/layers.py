@@ -186,12 +186,14 @@ class LinearGroup:
     `extras` (`kernels.Extras`) is what the members' calls do around the product while a
     fused decoder block (`runtime.fuse`) has it set: the norm before, the residual after.
     `ready` holds the outputs such a block computed before its attention calls the members.
+    `rope_dims` (`pair_rows`): the head size of a q/k/v group whose calls will ask for RoPE,
+    told to the backend (its "rope_dims" in `prepared`) so its kernel may do it.
     """
 
     def __init__(self, layers: list[TQLinear]):
         self.layers = layers
         self.members: tuple[kernels.Member, ...] = ()
-        self.prepared: dict = {}
+        self.prepared: dict = {}  # the backend's; "rope_dims" is ours (`pair_rows`)
         self.bound: dict = {}  # (x's shape and dtype, extras' mode, kernel choice) -> f(x, extras)
         self.checked = -1  # the `_arrays_version` at which the members were last checked
         # [x, outputs, bit mask of the members yet to take theirs]: ints, not a set, whose
@@ -201,6 +203,17 @@ class LinearGroup:
         self.extras = kernels.NO_EXTRAS
         # (x, outputs) that a fused decoder block computed for its attention's calls on x
         self.ready: tuple[mx.array, list[mx.array]] | None = None
+        self.rope_dims = 0
+
+    def pair_rows(self, head: int) -> None:
+        """Tell the backend that calls will ask for RoPE over heads of `head` (a fused
+        block's q/k/v): what it prepared so far is let go, to be built for it."""
+        self.rope_dims = head
+        self.prepared, self.bound = self._fresh(), {}
+
+    def _fresh(self) -> dict:
+        """An empty `prepared`, but for the RoPE head size the backend is told."""
+        return {"rope_dims": self.rope_dims} if self.rope_dims else {}
 
     def output(self, x: mx.array, index: int) -> mx.array:
         """Member `index`'s output for x."""
@@ -241,7 +254,7 @@ class LinearGroup:
         from the old ones."""
         if not self._current():
             self.members = tuple(layer.member() for layer in self.layers)
-            self.prepared, self.bound = {}, {}
+            self.prepared, self.bound = self._fresh(), {}
         self.checked = _arrays_version
 
     def _current(self) -> bool:

@@ -130,3 +130,22 @@ def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
             assert sum(compiled["ops"].values()) < sum(eager["ops"].values())
         else:
             assert compiled["ops"] == eager["ops"]
+
+
+def test_rope_in_the_q_k_v_launch_drops_a_layers_two_rope_ops(monkeypatch):
+    """host_ops.py on a small Llama, CUDA path faked, 4 rows a warp (so the q/k/v rows fit
+    in RoPE pairs, as a Llama-3-8B layer's do): with RoPE in the q/k/v launch (the default)
+    a fused layer's step has no RoPE op and two operations fewer than with mlx-lm's RoPE
+    after the launch (`-mlxrope`), with the same 4 kernel calls."""
+    from turboquant.kernels import cuda_gemv
+
+    monkeypatch.setattr(cuda_gemv, "WARPS_WANTED", 1)
+    small = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
+    apart = _fake_cuda_layer(monkeypatch, "LLAMA3_8B", moe=False, variant="tq3-eager-mlxrope",
+                             **small)
+    fused = _fake_cuda_layer(monkeypatch, "LLAMA3_8B", moe=False, **small)
+    # one node each (`Depends`, host_ops' stand-ins): the 4 launches, sdpa and 2 RoPEs
+    assert (apart["ops"]["Depends"], fused["ops"]["Depends"]) == (7, 5)
+    assert sum(apart["ops"].values()) - sum(fused["ops"].values()) == 2  # 12 against 10
+    assert apart["calls"] == fused["calls"] == 4

@@ -20,6 +20,8 @@ import mlx.core as mx
 import pytest
 
 from cuda_source import compile_with_nvcc, kernel_source
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, group
 from turboquant.stages import encode
 
@@ -104,7 +106,7 @@ def test_a_group_is_one_launch(kernels):
     assert {k[0] for k in kernels} == {"cuda_linear"}
     rec = _only(kernels, "cuda_linear")
     # 3 outputs; float row + fp16 row; no extras
-    assert rec.name[1:4] == (3, 4 * 256 + 2 * 256, (False, False, False))
+    assert rec.name[1:4] == (3, 4 * 256 + 2 * 256, (False, False, False, False))
     call = rec.calls[0]
     x_in, signs, mix, low, high, scales, levels, bias = call["inputs"]
     assert x_in is x  # no reshape, cast or copy before the kernel
@@ -115,7 +117,7 @@ def test_a_group_is_one_launch(kernels):
     # 256 rows want 1 row per warp (cuda_gemv.rows_per_warp_for); blocks of 8 warps = 8 rows
     assert t == dict(InT=mx.bfloat16, OutT=mx.bfloat16, N=256, A=1, PADDED=256, BITS=3, GS=64,
                      OUT=256, ROWS_PER_WARP=1, WARPS=8, TILES=1, SEGS=3, END0=128,
-                     END1=192, HAS_BIAS=True)
+                     END1=192, HAS_BIAS=True, PAIRS=0)
     body = rec.name[4]
     assert "constexpr int END1 = 192;" in body and "using InT = __nv_bfloat16;" in body
     assert call["grid"] == (32 * cuda_linear.THREADS, 1, 1)
@@ -160,17 +162,17 @@ def test_extras_are_inputs_of_the_same_launch(kernels):
     (y,) = cuda.linear_group(gate, down, prepared_down, group.Extras(up=up, residual=res))
     assert y.shape == (1, 1, 256)
     by_mode = {k[3]: r for k, r in kernels.items()}
-    assert set(by_mode) == {(True, False, False), (False, True, True)}
-    norm_calls = by_mode[(True, False, False)].calls
+    assert set(by_mode) == {(True, False, False, False), (False, True, True, False)}
+    norm_calls = by_mode[(True, False, False, False)].calls
     assert len(norm_calls) == 2
     nw = norm_calls[0]["inputs"][1]
     assert nw is norm_calls[1]["inputs"][1]  # packed once per norm weight
     assert nw.dtype == mx.float32 and nw.shape == (257,)
     assert mx.array_equal(nw[:256], weight.astype(mx.float32)).item()
     assert abs(nw[256].item() - 1e-5) < 1e-12
-    (call,) = by_mode[(False, True, True)].calls
+    (call,) = by_mode[(False, True, True, False)].calls
     assert call["inputs"][0] is gate and call["inputs"][1] is up and call["inputs"][2] is res
-    assert cuda_linear.inputs((False, True, True)) == ["x", "up", "res", *cuda_linear.WEIGHTS]
+    assert cuda_linear.inputs((False, True, True, False)) == ["x", "up", "res", *cuda_linear.WEIGHTS]
 
 
 def _same_launch(rec, ys) -> None:
@@ -269,7 +271,7 @@ def test_a_residual_needs_a_single_member():
     with pytest.raises(ValueError, match="single member"):
         cuda_linear.launch(n=256, a=1, padded=256, bits=3, group_size=64, ends=(128, 256),
                            lead=(1,), in_dtype=mx.float16, out_dtype=mx.float16,
-                           add_bias=False, mode=(False, False, True))
+                           add_bias=False, mode=(False, False, True, False))
 
 
 def test_fused_rows_per_warp_keep_members_in_whole_blocks():
@@ -386,13 +388,14 @@ def test_without_a_cache_the_plan_lives_as_long_as_the_weights(kernels):
 
 
 _NVCC_CASES = [  # (in_features, outs, bits, bias, x dtype, extras mode)
-    (4096, (4096, 1024, 1024), 3, False, mx.bfloat16, (False, False, False)),
-    (4096, (4096, 1024, 1024), 3, True, mx.bfloat16, (True, False, False)),
-    (4096, (14336, 14336), 4, False, mx.float16, (True, False, False)),
-    (4096, (4096,), 3, False, mx.bfloat16, (False, False, True)),
-    (14336, (4096,), 2, True, mx.float32, (False, False, False)),
-    (14336, (4096,), 3, False, mx.bfloat16, (False, True, True)),
-    (992, (40,), 3, False, mx.bfloat16, (False, False, False)),
+    (4096, (4096, 1024, 1024), 3, False, mx.bfloat16, (False, False, False, False)),
+    (4096, (4096, 1024, 1024), 3, True, mx.bfloat16, (True, False, False, False)),
+    (4096, (4096, 1024, 1024), 3, True, mx.bfloat16, (True, False, False, True)),  # RoPE
+    (4096, (14336, 14336), 4, False, mx.float16, (True, False, False, False)),
+    (4096, (4096,), 3, False, mx.bfloat16, (False, False, True, False)),
+    (14336, (4096,), 2, True, mx.float32, (False, False, False, False)),
+    (14336, (4096,), 3, False, mx.bfloat16, (False, True, True, False)),
+    (992, (40,), 3, False, mx.bfloat16, (False, False, False, False)),
 ]
 
 
@@ -521,15 +524,17 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
         launch = cuda_linear.launch(
             n=in_f, a=a, padded=cuda._padded64(s.padded_in), bits=bits, group_size=64,
             ends=tuple(sum(outs[: j + 1]) for j in range(len(outs))), lead=(1,),
-            in_dtype=dtype, out_dtype=dtype, add_bias=bias, mode=mode)
-        extra_dtypes = {"up": dtype, "nw": mx.float32, "res": dtype}
+            in_dtype=dtype, out_dtype=dtype, add_bias=bias, mode=mode,
+            pairs=128 if mode[3] else 0)
+        extra_dtypes = {"up": dtype, "nw": mx.float32, "res": dtype, "rope_pos": mx.int32,
+                        "rope_inv": mx.float32}
         names = cuda_linear.inputs(mode)
         in_dtypes = [dtype, *(extra_dtypes[n] for n in names[1:-7]), mx.float32, mx.float32,
                      mx.uint32, mx.uint32, mx.float16, mx.float32, mx.float32]
         src += kernel_source(f"tq_linear_{i}", names, [f"out{j}" for j in range(len(outs))],
                              launch.body, in_dtypes, launch.dtypes, [])
         seen.add((len(outs), mode))
-    assert {segs for segs, _ in seen} == {1, 2, 3} and len({m for _, m in seen}) == 4
+    assert {segs for segs, _ in seen} == {1, 2, 3} and len({m for _, m in seen}) == 5
     # the unfused pair: the GEMV for 1-3 members, the rotation with a static/dynamic row
     gemv_in = [mx.float16, mx.uint32, mx.uint32, mx.float16, mx.float32, mx.int32, mx.int32,
                mx.float32]
@@ -693,3 +698,62 @@ def test_gathered_linear_sources_compile_with_nvcc(tmp_path, kernels):
         src += kernel_source(f"tq_gather_linear_{i}", cuda_linear.inputs(gather=True), ["out0"],
                              launch.body, in_dtypes, launch.dtypes, [])
     compile_with_nvcc(src, tmp_path, "gather_linear")
+
+
+@settings(max_examples=60, deadline=None)
+@given(q_heads=st.integers(1, 6), kv_heads=st.integers(1, 3), half=st.integers(1, 24),
+       v_rows=st.integers(0, 40))
+def test_pair_order_puts_each_rope_pair_in_two_neighbouring_rows(q_heads, kv_heads, half,
+                                                                 v_rows):
+    """`cuda.pair_order`: a permutation of the stacked rows in which, in the queries' and
+    the keys' members, stacked row 2i + h of each head is the head's row i + h * D / 2
+    (the pair the kernel rotates together, as `_PAIRED_STORE` maps it back); other rows
+    stay where they are."""
+    head = 2 * half
+    ends = (q_heads * head, (q_heads + kv_heads) * head, (q_heads + kv_heads) * head + v_rows)
+    rows = cuda.pair_order(ends, head)
+    assert sorted(rows) == list(range(ends[-1]))
+    for start, stop in ((0, ends[0]), (ends[0], ends[1])):
+        for first in range(start, stop, head):
+            pairs = rows[first:first + head].reshape(-1, 2) - first
+            assert pairs[:, 0].tolist() == list(range(half))
+            assert (pairs[:, 1] - pairs[:, 0]).tolist() == [half] * half
+    assert rows[ends[1]:].tolist() == list(range(ends[1], ends[-1]))
+
+
+def test_a_q_k_v_plan_told_its_heads_pairs_its_rows_and_rotates_in_its_launch(kernels):
+    """A plan built for RoPE over heads of 128 (`prepared["rope_dims"]`, what a fused
+    block's q/k/v group tells it) holds the queries' and keys' rows (codes, high bits,
+    scales, bias) in `pair_order`, and a RoPE call is its one launch with the position
+    and inverse frequencies as inputs and PAIRS set. Without pairs (no rope_dims, or one
+    row a warp) the launch declines RoPE (`group.bind_linear_group` then calls the
+    module on the viewed outputs)."""
+    import mlx.nn as nn
+
+    members = _members(256, (1024, 512, 512), bias=True)  # 4 rows a warp: pairs fit
+    plain, paired = cuda._Plan(members), cuda._Plan(members, 128)
+    assert (plain.pairs, paired.pairs) == (0, 128)
+    rows = mx.array(cuda.pair_order(plain.ends, 128))
+    for before, after in ((plain.low, paired.low), (plain.high, paired.high),
+                          (plain.scales, paired.scales), (plain.bias, paired.bias)):
+        assert mx.array_equal(before[rows], after)
+    x = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    rope = group.Rope(nn.RoPE(128), mx.arange(64, dtype=mx.float32), mx.array(5, mx.int32))
+    extras = group.Extras(norm=mx.ones((256,), dtype=mx.bfloat16), eps=1e-5, rope=rope)
+    views = ((1, 8, 1, 128), (1, 4, 1, 128), (1, 4, 1, 128))
+    ys = cuda.bind_linear_group(x, members, {"rope_dims": 128}, extras, views)(x, extras)
+    call = _only(kernels, "cuda_linear").calls[-1]
+    names = cuda_linear.inputs(extras.mode)
+    assert call["constants"]["PAIRS"] == 128 and call["shapes"] == list(views)
+    assert call["inputs"][names.index("rope_pos")] is rope.offset
+    assert call["inputs"][names.index("rope_inv")] is rope.inverse
+    assert [y.shape for y in ys] == [tuple(v) for v in views]
+    for prepared, kept, head in (({}, members, 128),
+                                 ({"rope_dims": 16}, _members(256, (64, 32, 32)), 16)):
+        # 64 + 32 + 32 rows run 1 row a warp: no pairs
+        rope = group.Rope(nn.RoPE(head), mx.arange(head // 2, dtype=mx.float32), rope.offset)
+        extras = group.Extras(norm=extras.norm, eps=1e-5, rope=rope)
+        views = tuple((1, m.out_features // head, 1, head) for m in kept)
+        with pytest.raises(NotImplementedError):  # `group.bind_linear_group` rotates then
+            cuda.bind_linear_group(x, kept, prepared, extras, views)
+        assert prepared["cuda"].pairs == 0

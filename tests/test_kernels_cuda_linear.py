@@ -308,14 +308,18 @@ def test_a_compiled_step_matches_the_step_built_op_by_op(tmp_path, monkeypatch, 
         assert err < 1e-3, err
 
 
-def _cached_steps(model, steps: int = 4) -> list[mx.array]:
-    """Logits of `steps` greedy single-token steps after a 4-token prompt, with a cache."""
+def _cached_steps(model, steps: int = 4, tokens: list[int] | None = None) -> list[mx.array]:
+    """Logits of `steps` greedy single-token steps after a 4-token prompt, with a cache;
+    of the steps that feed `tokens` instead, if given (runs whose logits differ in
+    rounding would otherwise part where two tokens' logits nearly tie)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     model(mx.array([[1, 5, 70, 33]]), cache=cache)
     tok, logits = mx.array([[7]]), []
-    for _ in range(steps):
+    for i in range(len(tokens) if tokens else steps):
+        if tokens:
+            tok = mx.array([[tokens[i]]])
         out = model(tok, cache=cache)
         logits.append(out)
         tok = mx.argmax(out[:, -1:], axis=-1)
@@ -348,3 +352,104 @@ def test_the_attention_half_matches_mlx_lms_attention(tmp_path, monkeypatch, kin
     for theirs, ours in zip(*runs):
         err = float(mx.max(mx.abs(theirs - ours)) / mx.max(mx.abs(theirs)))
         assert err < tolerance, err
+
+
+def _rope_extras(in_f, rope, offset, key):
+    """Extras of a q/k/v call with its norm and `rope` at `offset`."""
+    from turboquant.runtime.fuse import rope_inverse
+
+    norm = mx.random.uniform(0.5, 1.5, (in_f,), key=key).astype(mx.bfloat16)
+    inverse = rope_inverse(rope, rope.dims)
+    return group.Extras(norm=norm, eps=1e-5,
+                        rope=group.Rope(rope, inverse, mx.array(offset, dtype=mx.int32)))
+
+
+@pytest.mark.parametrize("bits, bias, rope_kind", [(3, False, "llama3"), (3, True, "plain"),
+                                                   (2, True, "llama3"), (4, False, "plain")])
+def test_rope_in_the_q_k_v_launch_matches_mlx_rope(bits, bias, rope_kind):
+    """A q/k/v group whose rows are in RoPE pairs (`cuda.pair_order`): one launch normalises,
+    multiplies, rotates queries and keys and stores them in their heads' order, against
+    the reference product rotated by mlx-lm's RoPE module, at positions far and near; the
+    same plan without RoPE (3 tokens) stores every row where it belongs."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    head = 128
+    rope = (Llama3RoPE(head, scaling_config={"factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192})
+            if rope_kind == "llama3" else nn.RoPE(head, base=500000.0, scale=0.5))
+    members = _members(4096, (4096, 1024, 1024), bits, bias=bias, seed=3)
+    prepared = {"rope_dims": head}
+    views = ((1, 32, 1, head), (1, 8, 1, head), (1, 8, 1, head))
+    x = (mx.random.normal((1, 1, 4096), key=mx.random.key(11)) * 3).astype(mx.bfloat16)
+    for offset in (0, 7, 4097, 131000):
+        extras = _rope_extras(4096, rope, offset, mx.random.key(12))
+        run = kernels.bind_linear_group(x, members, prepared, extras, views)
+        got = run(x, extras)
+        assert prepared["cuda"].pairs == head
+        flat = _reference(group.input_of(x, extras), members)
+        want = group.with_rope(group.reshaped(flat, views), extras.rope)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == mx.bfloat16
+            err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
+            print(f"{rope_kind} {bits}-bit at {offset}, {g.shape}: {err:.2e}")
+            assert err < 1e-2, err
+        # in float32 the launch's RoPE is the module's on the launch's own product, to
+        # float32's rounding (the angle's grows with the position): the rotation alone,
+        # apart from the product's error
+        tolerance = 1e-4 + 4 * offset * float(extras.rope.inverse.max()) * 2**-24
+        x32 = x.astype(mx.float32)
+        plain = kernels.bind_linear_group(x32, members, prepared, extras.unroped(), views)
+        turned = group.with_rope(plain(x32, extras), extras.rope)
+        fused = kernels.bind_linear_group(x32, members, prepared, extras, views)(x32, extras)
+        for g, w in zip(fused, turned):
+            assert g.dtype == mx.float32
+            err = float(mx.max(mx.abs(g - w)) / mx.max(mx.abs(w)))
+            print(f"  float32, against the module on the launch's product: {err:.2e}")
+            assert err < tolerance, (err, tolerance)
+    x3 = mx.random.normal((3, 1, 4096), key=mx.random.key(13)).astype(mx.bfloat16)
+    for g, w in zip(kernels.tq_linear_group(x3, members, prepared), _reference(x3, members)):
+        err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
+        assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("llama", {}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}}),
+    ("qwen2", {}),
+    ("mixtral", {}),
+])
+def test_a_step_with_rope_in_the_launch_matches_mlx_rope(tmp_path, monkeypatch, kind, overrides):
+    """Blocks whose q/k/v launch does RoPE (`fuse.ROPE`, rows in pairs: 4 rows a warp even
+    for these small layers) give the logits of blocks that leave RoPE to mlx-lm's module,
+    compiled and op by op, token after token (the same tokens) with a cache."""
+    from test_runtime_fixtures import make_checkpoint, write_repo
+
+    from turboquant.kernels import cuda_gemv
+    from turboquant.runtime import fuse, load
+
+    monkeypatch.setattr(cuda_gemv, "WARPS_WANTED", 1)  # 4 rows a warp: pairs fit
+    config, weights = make_checkpoint(kind, seed=8, **overrides)
+    write_repo(tmp_path / kind, config, weights, bits=3)
+    runs = {}
+    for rope in (False, True):
+        monkeypatch.setattr(fuse, "ROPE", rope)
+        model, _ = load(tmp_path / kind)
+        assert all((layer.rope_inverse is not None) == rope for layer in model.layers)
+        for compiled in (False, True):
+            monkeypatch.setattr(fuse, "COMPILE_STEP", compiled)
+            runs[rope, compiled] = _cached_steps(model, tokens=[7, 90, 3, 250, 41, 18, 66])
+        plan = model.layers[0].self_attn.q_proj._group.prepared["cuda"]
+        assert plan.pairs == (16 if rope else 0)
+    # the launch rounds q and k to bf16 once, after RoPE; mlx-lm's module rounds them
+    # before and after: logits a few 1e-3 apart (H200: 4.6e-3 and 6.7e-3 on llama's first
+    # two steps), the bound of test_loaded_model_matches_the_cpu (the kernels themselves:
+    # test_rope_in_the_q_k_v_launch_matches_mlx_rope)
+    for key in ((True, False), (True, True)):
+        for plain, roped in zip(runs[False, key[1]], runs[key]):
+            err = float(mx.max(mx.abs(plain - roped)) / mx.max(mx.abs(plain)))
+            print(f"{kind} {overrides and 'llama3'} compiled={key[1]}: {err:.2e}")
+            assert err < 2e-2, err

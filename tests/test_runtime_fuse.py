@@ -334,13 +334,16 @@ def test_a_fused_decode_step_is_four_calls_per_layer(tmp_path, monkeypatch):
     modes = []
     calls = _count_calls(monkeypatch, modes)
     mx.eval(model(PROMPT, cache=cache))  # prefill: mlx-lm's block, each linear alone
-    assert calls == [1] * 15 and set(modes) == {(False, False, False)}
+    assert calls == [1] * 15 and set(modes) == {(False, False, False, False)}
     calls.clear(), modes.clear()
     mx.eval(model(PROMPT[:, :1], cache=cache))
     assert calls == [3, 1, 2, 1] * 2 + [1]  # qkv, o, gate/up, down; lm_head
-    norm, residual, gate_residual, plain = ((True, False, False), (False, False, True),
-                                            (False, True, True), (False, False, False))
-    assert modes == [norm, residual, norm, gate_residual] * 2 + [plain]
+    norm, residual, gate_residual, plain = ((True, False, False, False),
+                                            (False, False, True, False),
+                                            (False, True, True, False), (False, False, False, False))
+    # q/k/v's extras bring RoPE too (the CPU's kernel leaves it to the module after it)
+    norm_rope = (True, False, False, True)
+    assert modes == [norm_rope, residual, norm, gate_residual] * 2 + [plain]
     groups = [m.__dict__.get(k) for _, m in model.named_modules() for k in ("_alone", "_group")]
     assert all(g.extras is kernels.NO_EXTRAS for g in groups if g is not None)  # reset
     assert all(g.ready is None and g.pending is None for g in groups if g is not None)
@@ -445,3 +448,58 @@ def test_the_attention_half_keeps_the_logits_with_turboquants_kv_cache(
     else:
         for a, b in zip(before, after):
             assert mx.array_equal(a, b)
+
+
+def test_rope_inverse_turns_pairs_as_mlx_lms_rope():
+    """`fuse.rope_inverse`: the angle a q/k/v launch turns pair (i, i + D / 2) of a head by
+    is offset * inverse[i]; turned so, a head equals mlx-lm's RoPE module's output, for
+    nn.RoPE (base, position scale) and Llama3RoPE; None where a launch cannot do the
+    module's RoPE (traditional pairs, part of a head, YaRN's value scale)."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
+
+    from turboquant.runtime.fuse import rope_inverse
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 256}
+    q = mx.random.normal((1, 3, 1, 32), key=mx.random.key(4))
+    x1, x2 = q[..., :16], q[..., 16:]
+    for rope in (nn.RoPE(32, base=10000.0, scale=0.25), nn.RoPE(32, base=500000.0),
+                 Llama3RoPE(32, base=500000.0, scaling_config=llama3)):
+        inverse = rope_inverse(rope, 32)
+        assert inverse.shape == (16,) and inverse.dtype == mx.float32
+        for offset in (0, 9, 3000):
+            angle = offset * inverse
+            c, s = mx.cos(angle), mx.sin(angle)
+            turned = mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+            want = rope(q, offset=mx.array(offset, dtype=mx.int32))
+            assert mx.allclose(turned, want, atol=2e-3).item(), (rope, offset)
+    assert rope_inverse(nn.RoPE(32, traditional=True), 32) is None
+    assert rope_inverse(nn.RoPE(16), 32) is None
+    assert rope_inverse(YarnRoPE(32), 32) is None
+
+
+@pytest.mark.parametrize("kind, head", [("llama", 16), ("qwen2", 16), ("mixtral", 16),
+                                        ("qwen3", 0)])
+def test_a_fused_block_asks_its_q_k_v_call_for_rope(tmp_path, monkeypatch, kind, head):
+    """A fused block whose RoPE a q/k/v launch can do hands it to its group call
+    (`kernels.Rope` in the extras; the group told the head size, so a GPU's plan lays its
+    rows out for it): on the CPU the call rotates with the module (every logit the same:
+    test_fused_blocks_keep_every_logit). Qwen3 normalises q and k between the call and
+    RoPE: its blocks keep their RoPE; so does every block with TURBOQUANT_FUSE_ROPE=0."""
+    from turboquant.runtime import fuse
+
+    rotated = []
+    with_rope = group.with_rope
+    monkeypatch.setattr(group, "with_rope", lambda ys, r: rotated.append(r) or with_rope(ys, r))
+    for on in (True, False):
+        monkeypatch.setattr(fuse, "ROPE", on)
+        model, _ = load(_repo(tmp_path, kind), fuse=False)
+        group_linears(model)
+        assert fuse_blocks(model) == 2
+        qkv = model.layers[0].self_attn.q_proj._group
+        assert qkv.rope_dims == (head if on else 0)
+        assert qkv.prepared == ({"rope_dims": head} if on and head else {})
+        rotated.clear()
+        _decode(model, steps=3)
+        assert len(rotated) == (3 * 2 if on and head else 0)  # 3 steps, 2 layers
