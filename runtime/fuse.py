@@ -13,8 +13,9 @@ as before.
 Llama, Qwen2 and Qwen3 (and the families mapped onto them): when decoding, the block hands
 its RMSNorms to the q/k/v and gate/up calls, its SwiGLU to down_proj's and its two
 residual adds to o_proj's and down_proj's (`kernels.Extras`), so on CUDA a layer's norms,
-gate and adds cost no launches of their own. Attention itself (RoPE, the cache, the
-softmax) is mlx-lm's, unchanged.
+gate and adds cost no launches of their own. A single-token step hands RoPE to the q/k/v
+call too where the launch can do it (`rope_inverse`, `ROPE`: its rows laid out in RoPE
+pairs). The cache and the softmax are mlx-lm's, unchanged.
 
 Where kernels are graph nodes (CUDA, where `load` fuses blocks) a fused block's
 single-token step with a cache runs as two `mx.compile`d halves around the cache
