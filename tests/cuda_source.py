@@ -3,6 +3,7 @@ source without a GPU (tests skip when nvcc is not installed)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import mlx.core as mx
@@ -53,17 +54,41 @@ def kernel_source(func: str, inputs, outputs, source: str, input_dtypes, output_
     return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
 
 
+# how `kernel_source` begins a kernel and ends it
+_KERNEL_START = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;"
+_KERNEL_END = "} // namespace mlx::core::cu"
+
+
+def split_kernels(source: str, parts: int) -> list[str]:
+    """`source` as up to `parts` sources that each hold what precedes its first kernel (the
+    headers) and every `parts`-th of its `kernel_source` kernels (neighbours, often alike,
+    apart); `source` whole where anything but kernels follows the first kernel."""
+    first = source.find(_KERNEL_START)
+    if first < 0 or parts < 2:
+        return [source]
+    header, kernels = source[:first], source[first:].split(_KERNEL_START)[1:]
+    if any(not k.rstrip().endswith(_KERNEL_END) for k in kernels):
+        return [source]
+    count = min(parts, len(kernels))
+    return [header + "".join(_KERNEL_START + k for k in kernels[i::count]) for i in range(count)]
+
+
 def compile_with_nvcc(source: str, tmp_path, name: str = "kernels") -> None:
-    """Compile MLX's default header + `source` for sm_90; fail on errors or register spills."""
-    path = tmp_path / f"{name}.cu"
-    path.write_text(MLX_DEFAULT_HEADER + source)
-    res = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / f"{name}.o"),
-         "-Xptxas", "-warn-spills"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, f"nvcc failed:\n{res.stderr[-4000:]}"
-    assert "spill" not in res.stderr, res.stderr[-2000:]
+    """Compile MLX's default header + `source` for sm_90; fail on errors or register spills.
+    Its kernels are compiled in as many nvcc processes at once as there are cores
+    (`split_kernels`): ptxas, the slow part, runs on one core a process."""
+    runs = []
+    for i, part in enumerate(split_kernels(source, os.cpu_count() or 1)):
+        path = tmp_path / f"{name}{i}.cu"
+        path.write_text(MLX_DEFAULT_HEADER + part)
+        runs.append(subprocess.Popen(
+            ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o",
+             str(tmp_path / f"{name}{i}.o"), "-Xptxas", "-warn-spills"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for run in runs:
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, f"nvcc failed:\n{stderr[-4000:]}"
+        assert "spill" not in stderr, stderr[-2000:]
 
 
 def nvcc_registers(source: str, tmp_path, name: str = "kernel") -> int:

@@ -757,3 +757,21 @@ def test_a_q_k_v_plan_told_its_heads_pairs_its_rows_and_rotates_in_its_launch(ke
         with pytest.raises(NotImplementedError):  # `group.bind_linear_group` rotates then
             cuda.bind_linear_group(x, kept, prepared, extras, views)
         assert prepared["cuda"].pairs == 0
+
+
+def test_split_kernels_gives_every_part_the_headers_and_each_kernel_once():
+    """`cuda_source.split_kernels` (nvcc runs on a core per part): every part starts with
+    what precedes the first kernel, each kernel lands in exactly one part, and a source
+    with anything but kernels after its first one stays whole."""
+    from cuda_source import split_kernels
+
+    header = "#include <x>\n__device__ int helper() { return 1; }\n"
+    kernels = [kernel_source(f"k{i}", ["x"], ["out"], f"out[0] = x[0] + {i};", [mx.float32],
+                             [mx.float32], []) for i in range(5)]
+    parts = split_kernels(header + "".join(kernels), 2)
+    assert len(parts) == 2 and all(p.startswith(header) for p in parts)
+    assert sorted(k for p in parts for k in kernels if k in p) == sorted(kernels)
+    assert sum(p.count("__global__") for p in parts) == 5
+    assert split_kernels(header + kernels[0] + "__device__ int late();\n" + kernels[1], 2) == [
+        header + kernels[0] + "__device__ int late();\n" + kernels[1]]
+    assert split_kernels(header, 4) == [header]
