@@ -30,8 +30,12 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python -m turboquant.demo
 
+# test files run on this many processes at once (pytest-xdist, a file per worker: its
+# fixtures built once); TEST_WORKERS=0 runs them all in this one
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, os.cpu_count() or 1))')
+
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info
