@@ -119,12 +119,15 @@ def check_extras(x: mx.array, members: tuple["Member", ...], extras: Extras) -> 
 
 def check_rope(members: tuple["Member", ...], rope: Rope, views: tuple | None) -> None:
     """RoPE rotates the first two members' outputs of one token, viewed as heads of its
-    size: (B, heads, 1, dims)."""
+    size: (B, heads, 1, dims), every row at the one position."""
     heads = tuple(views or ())[:2]
     if len(members) < 2 or len(heads) < 2 or any(
             len(v) != 4 or v[2] != 1 or v[3] != rope.dims for v in heads):
         raise ValueError(f"RoPE of head size {rope.dims} needs the outputs of a group's first "
                          f"two members viewed as (B, heads, 1, {rope.dims}), got views {views}")
+    if rope.offset.size != 1:
+        raise ValueError(f"RoPE in a linear group takes one position, got offsets of shape "
+                         f"{tuple(rope.offset.shape)}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -372,6 +372,23 @@ def test_extras_are_checked():
     for members, extras, message in bad:
         with pytest.raises(ValueError, match=message):
             kernels.tq_linear_group(x, members, extras=extras)
+    # RoPE: only for a group's first two members viewed as heads, at one position
+    import mlx.nn as nn
+
+    x3 = mx.zeros((1, 1, 128))
+    heads = ((1, 4, 1, 16), (1, 1, 1, 16), (1, 1, 1, 16))
+    rope = group.Rope(nn.RoPE(16), mx.ones((8,)), mx.array(3, dtype=mx.int32))
+    rope_bad = [
+        (three, heads, group.Rope(rope.module, mx.ones((4,)), rope.offset), "head size 8"),
+        (three, ((1, 64), (1, 16), (1, 16)), rope, "viewed as"),
+        (one, ((1, 4, 1, 16),), rope, "viewed as"),
+        (three, heads, group.Rope(rope.module, rope.inverse, mx.array([3, 4])), "one position"),
+    ]
+    for members, views, r, message in rope_bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.bind_linear_group(x3, members, extras=group.Extras(rope=r), views=views)
+    with pytest.raises(ValueError, match="views"):
+        kernels.tq_linear_group(x3, three, extras=group.Extras(rope=rope))
 
 
 def test_the_loader_groups_where_a_kernel_runs_groups(tmp_path):
