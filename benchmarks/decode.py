@@ -13,6 +13,9 @@ TurboQuant 3-bit, every decoder Linear replaced by `TQLinear` with random codes.
 and lm_head stay bf16 in all three. Each variant decodes `--tokens` tokens after a short
 prompt through mlx-lm's `generate_step`; the figure is tokens/s after the first token
 (`--token-times` adds each variant's per-token percentiles: steady or stalling).
+`--prefill N` also times each variant's processing of an N-token prompt (prompt tokens/s,
+the median of 3 after one to warm up): prefill runs TurboQuant's "matmul" op (more than 8
+tokens a linear), not the decode kernels.
 
 Reproduce (GPU machine, MLX CUDA build):  python benchmarks/decode.py
 """
@@ -201,6 +204,21 @@ def split_ms(model, steps: int = 32, prompt_len: int = 16) -> tuple[float, float
     return 1e3 * build / steps, 1e3 * (total - build) / steps
 
 
+def prefill_tps(model, tokens: int, repeats: int = 3) -> float:
+    """Prompt tokens per second of one `tokens`-long prompt into a fresh cache: the median
+    of `repeats` timed runs after one that warms up (kernels compiled, layouts built)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array([[i % 250 + 1 for i in range(tokens)]])
+    seconds = []
+    for _ in range(repeats + 1):
+        cache = make_prompt_cache(model)
+        start = time.perf_counter()
+        mx.eval(model(prompt, cache=cache))
+        seconds.append(time.perf_counter() - start)
+    return tokens / statistics.median(seconds[1:])
+
+
 def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
     """Max relative difference of a TQLinear through the dispatched kernel vs the reference."""
     from turboquant.kernels import reference
@@ -246,6 +264,8 @@ def main() -> None:
                          "Attention (ATTENTION off), "
                          "-mlxrope with RoPE as mlx-lm's op after the q/k/v launch "
                          "(ROPE off)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also time each variant's prefill of an N-token prompt")
     ap.add_argument("--token-times", action="store_true",
                     help="also print each variant's per-token time percentiles")
     ap.add_argument("--json")
@@ -272,6 +292,7 @@ def main() -> None:
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                              vocab_size=512)
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
+    prefills: dict[str, list[float]] = {}  # variant -> prompt tokens/s of each round
     for variant in args.variants.split(","):
         with variant_switches(variant):  # the model built inside: `load` reads some
             model = build(variant, moe=args.moe)
@@ -279,6 +300,8 @@ def main() -> None:
             if gaps is None:
                 return
             building, evaluating = split_ms(model)
+            if args.prefill:
+                prefills.setdefault(variant, []).append(prefill_tps(model, args.prefill))
         tps = tokens_per_second(gaps)
         results.setdefault(variant, []).append(tps)
         print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
@@ -286,12 +309,18 @@ def main() -> None:
               f"ended {time.strftime('%H:%M:%S')})", flush=True)
         if args.token_times:
             print(f"{'':>8}  {describe_gaps(gaps)}", flush=True)
+        if args.prefill:
+            print(f"{'':>8}  prefill of {args.prefill} tokens: {prefills[variant][-1]:.1f} "
+                  f"prompt tok/s", flush=True)
         del model
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
     for v, ratios in round_ratios(results).items():
         print(f"{v:>8} / affine4 = {', '.join(f'{r:.2f}' for r in ratios)}x by round "
+              f"(median {statistics.median(ratios):.2f}x)")
+    for v, ratios in round_ratios(prefills).items():
+        print(f"prefill {v:>8} / affine4 = {', '.join(f'{r:.2f}' for r in ratios)}x by round "
               f"(median {statistics.median(ratios):.2f}x)")
     print("reproduce: python benchmarks/decode.py (GPU machine, MLX CUDA build)")
     if args.json:

@@ -36,3 +36,20 @@ def test_round_ratios_pair_each_round_with_the_peers_own():
     assert ratios["tq3"] == [1.5, 1.1, 1.5] and ratios["bf16"] == [0.9]
     assert ratios["affine4"] == [1.0, 1.0, 1.0]
     assert decode.round_ratios({"tq3": [1.0]}) == {}  # no peer measured
+
+
+def test_prefill_tps_times_one_prompt_into_a_fresh_cache():
+    """`--prefill N`: prompt tokens per second of an N-token prompt, the median of the
+    timed runs after a warm-up; each run starts from an empty cache."""
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=300))
+    model = llama.Model(args)
+    calls = []
+    forward = model.__call__
+    model.__class__ = type("Counted", (llama.Model,), {
+        "__call__": lambda self, x, cache=None: calls.append((x.shape, cache[0].offset))
+        or forward(x, cache=cache)})
+    tps = decode.prefill_tps(model, tokens=20, repeats=3)
+    assert tps > 0
+    assert calls == [((1, 20), 0)] * 4  # one warm-up and 3 timed, each from offset 0
