@@ -1,14 +1,14 @@
 """CPU kernels for the dispatch table; imported when MLX runs on the CPU.
 
-Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens),
-"linear_group" (the same for linears sharing an input: one evaluation of their rotated
-inputs) and "gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs
-x rows) when numba is available; prefill, embeddings and every call they do not cover run
-the pure-MLX reference. (The kernel handles any number of tokens and ran a 256-token prefill
-of a 4096x4096 3-bit matrix 25x faster than the reference GEMM, but MLX's measured peak
-for a 508-token prompt rose with it, 21.8 -> 24.1 MB on the reference dense model and
-19.1 -> 24.3 MB on the MoE one, past what `turboquant plan` projects: prefill stays on the
-reference until the projection covers it.)
+Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens), "matmul"
+(prefill: the same kernel on every row; 25x the reference GEMM at 256 tokens of a
+4096x4096 3-bit matrix, whose dense product is the CPU wheel's reference BLAS),
+"linear_group" (linears sharing an input: one evaluation of their rotated inputs) and
+"gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs x rows)
+when numba is available; embeddings, prefill's experts and every call they do not cover
+run the pure-MLX reference. These kernels compute inside the call (`dispatch.EAGER_BACKENDS`):
+a model's head gives way to the reference for prefill (`dispatch.graph_only`), as mlx-lm
+never evaluates a prefill chunk's logits.
 The kernel works on numpy views of the arrays, so a call evaluates its inputs first (the
 CPU backend computes in order anyway).
 """
@@ -68,5 +68,6 @@ def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
 
 if cpu_gemv.available():
     dispatch.register("cpu", "matvec", linear)
+    dispatch.register("cpu", "matmul", linear)
     dispatch.register("cpu", "gather_matmul", gather)
     dispatch.register("cpu", "linear_group", linear_group)

@@ -13,8 +13,10 @@ reference, after which backends can register it too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import threading
 from typing import Callable
 
 import mlx.core as mx
@@ -117,11 +119,33 @@ def _load_backend(name: str) -> None:
             raise
 
 
+# backends whose kernels compute inside the call (numba on numpy views) instead of adding a
+# node to MLX's graph: under `graph_only` they give way to the reference, whose result
+# MLX computes only if something evaluates it
+EAGER_BACKENDS = ("cpu",)
+_GRAPH_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def graph_only():
+    """While inside (this thread), `get` hands out only kernels that are nodes of MLX's
+    graph: for a result that may never be evaluated, such as a prefill chunk's logits
+    (mlx-lm evaluates only the cache), which an eager kernel would compute at once."""
+    before = getattr(_GRAPH_ONLY, "on", False)
+    _GRAPH_ONLY.on = True
+    try:
+        yield
+    finally:
+        _GRAPH_ONLY.on = before
+
+
 def get(op: str, device_backend: str | None = None) -> Callable:
     """The kernel for `op` on the current (or given) backend, else the reference."""
     if op not in _REFERENCE:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
     name = device_backend or backend()
+    if name in EAGER_BACKENDS and getattr(_GRAPH_ONLY, "on", False):
+        return _REFERENCE[op]
     _load_backend(name)
     wrapped = _WRAPPED.get((name, op))
     if wrapped is None:

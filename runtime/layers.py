@@ -204,6 +204,9 @@ class LinearGroup:
         # (x, outputs) that a fused decoder block computed for its attention's calls on x
         self.ready: tuple[mx.array, list[mx.array]] | None = None
         self.rope_dims = 0
+        # a model's head: its prefill logits may never be evaluated (mlx-lm evaluates only
+        # the cache), so its many-token calls take no eager kernel (`dispatch.graph_only`)
+        self.lazy = False
 
     def pair_rows(self, head: int) -> None:
         """Tell the backend that calls will ask for RoPE over heads of `head` (a fused
@@ -236,6 +239,10 @@ class LinearGroup:
             self._check_members()
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
+            if self.lazy:
+                with dispatch.graph_only():
+                    return reshaped(kernels.tq_linear_group(x, self.members, self.prepared,
+                                                            extras), views)
             return reshaped(kernels.tq_linear_group(x, self.members, self.prepared, extras),
                             views)
         # what `bind_linear_group` chose depends on the device and the registered kernels
@@ -455,6 +462,14 @@ class TQEmbedding(_TQBase):
         return f"{self.num_embeddings}, {self.dims}, bits={self.bits}, group_size={self.group_size}"
 
     def as_linear(self, x: mx.array) -> mx.array:
+        """x times the table's transpose: a tied head, whose prefill logits may never be
+        evaluated, so no eager kernel runs them (`dispatch.graph_only`)."""
+        if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
+            with dispatch.graph_only():
+                return self._product(x)
+        return self._product(x)
+
+    def _product(self, x: mx.array) -> mx.array:
         return kernels.tq_linear(
             self.rotate_input(x),
             self["codes"],

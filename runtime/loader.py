@@ -112,6 +112,9 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
         groups = fusing.group_linears(model)
         if fusing.BLOCKS and kernels.backend() == "cuda":  # norms and adds in its kernels
             blocks = fusing.fuse_blocks(model)
+    for name, module in model.named_modules():  # a head's prefill logits: no eager kernel
+        if isinstance(module, TQLinear) and name.rsplit(".", 1)[-1] == "lm_head":
+            module.group().lazy = True
     tq_types = (TQLinear, TQSwitchLinear, TQEmbedding)
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(

@@ -199,3 +199,42 @@ def test_a_group_call_matches_the_reference_group():
             assert err <= 1e-2 * float(mx.abs(w.astype(mx.float32)).max())
     with pytest.raises(NotImplementedError):  # prefill: the reference's GEMM
         cpu.linear_group(mx.zeros((1, 20, 192)), cases[1][0])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])  # a TurboQuant lm_head; a tied embedding
+def test_prefill_runs_the_kernel_but_leaves_the_heads_logits_lazy(tmp_path, kind):
+    """Prefill (more than 8 tokens a linear) runs the numba kernel ("matmul"; the CPU
+    wheel's GEMM is reference BLAS). The kernel computes inside the call, so a head's
+    product, whose prefill logits mlx-lm never evaluates (it evaluates the cache), stays
+    the reference's lazy graph (`dispatch.graph_only`): no head product is computed until
+    the logits are evaluated, and then they equal the reference's."""
+    from test_runtime_fixtures import VOCAB, make_checkpoint, write_repo
+
+    from turboquant.runtime import load
+
+    config, weights = make_checkpoint(kind, seed=4)
+    write_repo(tmp_path / kind, config, weights, bits=3)
+    model, _ = load(tmp_path / kind)
+    widths = []
+
+    def counting(x_rot, codes, scales, bits, group_size, out_features, padded_in, **kw):
+        widths.append(out_features)
+        return cpu.linear(x_rot, codes, scales, bits, group_size, out_features, padded_in)
+
+    tokens = mx.array([list(range(1, 21))])
+    dispatch.register("cpu", "matmul", counting)
+    try:
+        logits = model(tokens)  # built, not evaluated: the layers' kernels ran, not the head
+        assert widths and VOCAB not in widths
+        mx.eval(logits)
+        assert VOCAB not in widths
+    finally:
+        dispatch.register("cpu", "matmul", cpu.linear)
+    dispatch.unregister("cpu", "matmul")
+    try:
+        want = model(tokens)
+    finally:
+        dispatch.register("cpu", "matmul", cpu.linear)
+    np.testing.assert_allclose(np.asarray(logits.astype(mx.float32)),
+                               np.asarray(want.astype(mx.float32)), rtol=0,
+                               atol=2e-2 * float(mx.abs(want).max()))
