@@ -8,7 +8,9 @@ fall back for the rest by raising `NotImplementedError`.
 
 Ops: "matvec" (GEMV), "matmul" (GEMM), "gather_matmul" (experts), "embedding" (row decode);
 `add_op(op, reference_fn)` adds another (say, a KV-cache attention kernel) with its
-reference, after which backends can register it too.
+reference, after which backends can register it too. Inside `graph_only()` a backend whose
+kernels compute inside the call (`EAGER_BACKENDS`: the CPU's numba ones) gives way to the
+reference, for results that may never be evaluated.
 """
 
 from __future__ import annotations
