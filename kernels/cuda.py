@@ -213,9 +213,8 @@ class _Plan:
         (`group.bind_linear_group`), which the fused launch declares itself: the kernel
         writes each output row-major in either shape. RoPE needs the rows in pairs of its
         head size (NotImplementedError otherwise: the caller rotates with MLX's op)."""
-        if mode[3] and (not self.fused or views is None
-                        or any(v[-1] != self.pairs for v in views[:2])):
-            raise NotImplementedError
+        if mode[3] and (views is None or any(v[-1] != self.pairs for v in views[:2])):
+            raise NotImplementedError  # no pairs (0 unless fused) of the views' head size
         if not self.fused:
             return group.viewed(self.__call__, views)
         launch = self._launch(lead, dtype, mode)

@@ -288,9 +288,8 @@ def launch(*, n: int, a: int, padded: int, bits: int, group_size: int, ends: tup
     pairs (`_PAIRED_STORE`; 0: in their order), which mode's rope rotates."""
     if mode[2] and len(ends) > 1:
         raise ValueError("a residual is added to the output of a single member")
-    if (mode[3] and not pairs) or (pairs and len(ends) < 2):
-        raise ValueError(f"RoPE needs a group's first two members' rows in pairs, "
-                         f"got {pairs=} for {len(ends)} members")
+    if mode[3] and not pairs:
+        raise ValueError("RoPE needs a group's first two members' rows in pairs")
     if len(ends) > len(cuda_gemv.STORES):
         raise ValueError(f"at most {len(cuda_gemv.STORES)} members in a group, got {len(ends)}")
     if n % a or padded % 64 or padded < n:

@@ -125,7 +125,13 @@ def _load_backend(name: str) -> None:
 # node to MLX's graph: under `graph_only` they give way to the reference, whose result
 # MLX computes only if something evaluates it
 EAGER_BACKENDS = ("cpu",)
-_GRAPH_ONLY = threading.local()
+
+
+class _GraphOnly(threading.local):
+    on = False  # each thread starts outside `graph_only`
+
+
+_GRAPH_ONLY = _GraphOnly()
 
 
 @contextlib.contextmanager
@@ -133,7 +139,7 @@ def graph_only():
     """While inside (this thread), `get` hands out only kernels that are nodes of MLX's
     graph: for a result that may never be evaluated, such as a prefill chunk's logits
     (mlx-lm evaluates only the cache), which an eager kernel would compute at once."""
-    before = getattr(_GRAPH_ONLY, "on", False)
+    before = _GRAPH_ONLY.on
     _GRAPH_ONLY.on = True
     try:
         yield
@@ -146,7 +152,7 @@ def get(op: str, device_backend: str | None = None) -> Callable:
     if op not in _REFERENCE:
         raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
     name = device_backend or backend()
-    if name in EAGER_BACKENDS and getattr(_GRAPH_ONLY, "on", False):
+    if name in EAGER_BACKENDS and _GRAPH_ONLY.on:
         return _REFERENCE[op]
     _load_backend(name)
     wrapped = _WRAPPED.get((name, op))

@@ -93,11 +93,9 @@ def with_residual(ys: list[mx.array], extras: Extras) -> list[mx.array]:
     return ys if extras.residual is None else [extras.residual + ys[0]]
 
 
-def with_rope(ys: list[mx.array], rope: Rope | None) -> list[mx.array]:
+def with_rope(ys: list[mx.array], rope: Rope) -> list[mx.array]:
     """The outputs (in their views' shapes) with the queries and keys rotated by `rope`:
     the attention's own RoPE module, as mlx-lm calls it."""
-    if rope is None:
-        return ys
     module, offset = rope.module, rope.offset
     return [module(ys[0], offset=offset), module(ys[1], offset=offset), *ys[2:]]
 

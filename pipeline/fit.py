@@ -388,10 +388,11 @@ class _Tiles:
             gathered[layer] = gathered.get(layer, 0) + tile(k * n, bits)
             single = max(single, tile(k * n, bits))
         layers = set(attn) | set(mlp) | set(one_expert)
-        if backend_name == "cpu" and NUMBA:  # dense linears prefill through numba too
-            attn, mlp = {}, {}
-        self.prefill = max((max(attn.get(i, 0), mlp.get(i, 0) + one_expert.get(i, 0))
-                            for i in layers), default=0.0)
+        if backend_name == "cpu" and NUMBA:  # numba prefills the dense linears: no tiles
+            self.prefill = max(one_expert.values(), default=0.0)
+        else:
+            self.prefill = max((max(attn.get(i, 0), mlp.get(i, 0) + one_expert.get(i, 0))
+                                for i in layers), default=0.0)
         body = max((mlp.get(i, 0) + gathered.get(i, 0) for i in layers), default=0.0)
         # a tied lm_head is the coded embedding used as a linear layer; its decode was
         # seen to overlap the last layer's last MLP tile

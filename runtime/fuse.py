@@ -190,31 +190,20 @@ def _attention_half(block, x: mx.array, mask, cache) -> mx.array:
 def _queries(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
     """(q, k, v) of one token as (B, heads, 1, D), q and k rotated by RoPE at `offset`
     (an int, or an array: the compiled step's, traced once for every position); by the
-    q/k/v call itself where it can (`_queries_roped`)."""
-    if block.rope_inverse is not None and (type(offset) is int or offset.ndim == 0):
-        return _queries_roped(block, x, offset)
+    q/k/v call itself where it can (`block.rope_inverse`, one position: on CUDA the
+    launch rotates as it stores, two operations fewer a layer)."""
     attn, norm = block["self_attn"], block["input_layernorm"]
     b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
     # q/k/v as (B, heads, 1, D): on CUDA the launch declares these shapes (no reshapes)
-    q, k, v = attn["q_proj"]._group.outputs(
-        x, Extras(norm=norm["weight"], eps=norm.eps),
-        ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv)))
+    views = ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv))
+    qkv, rope = attn["q_proj"]._group, attn["rope"]
+    if block.rope_inverse is not None and (type(offset) is int or offset.ndim == 0):
+        turn = Rope(rope, block.rope_inverse, _offset_array(offset))
+        return tuple(qkv.outputs(x, Extras(norm=norm["weight"], eps=norm.eps, rope=turn), views))
+    q, k, v = qkv.outputs(x, Extras(norm=norm["weight"], eps=norm.eps), views)
     if "q_norm" in attn:  # Qwen3: each head's query and key normalised first
         q, k = attn["q_norm"](q), attn["k_norm"](k)
-    rope = attn["rope"]
     return rope(q, offset=offset), rope(k, offset=offset), v
-
-
-def _queries_roped(block, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-    """`_queries` with RoPE done by the q/k/v group call (`block.rope_inverse`; on CUDA
-    the launch rotates as it stores: two operations fewer a layer); `offset` an int or
-    a one-element array."""
-    attn, norm = block["self_attn"], block["input_layernorm"]
-    b, (hq, dq), (hkv, dk, dv) = x.shape[0], block.q_heads, block.kv_heads
-    rope = Rope(attn["rope"], block.rope_inverse, _offset_array(offset))
-    return tuple(attn["q_proj"]._group.outputs(
-        x, Extras(norm=norm["weight"], eps=norm.eps, rope=rope),
-        ((b, hq, 1, dq), (b, hkv, 1, dk), (b, hkv, 1, dv))))
 
 
 def _attend(block, qkv: tuple, mask, cache) -> mx.array:

@@ -9,6 +9,7 @@ calls the kernel `turboquant.kernels` dispatches for the device: W x = (W R)(R^T
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import mlx.core as mx
@@ -239,12 +240,9 @@ class LinearGroup:
             self._check_members()
         shape = x.shape
         if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
-            if self.lazy:
-                with dispatch.graph_only():
-                    return reshaped(kernels.tq_linear_group(x, self.members, self.prepared,
-                                                            extras), views)
-            return reshaped(kernels.tq_linear_group(x, self.members, self.prepared, extras),
-                            views)
+            with dispatch.graph_only() if self.lazy else contextlib.nullcontext():
+                return reshaped(kernels.tq_linear_group(x, self.members, self.prepared,
+                                                        extras), views)
         # what `bind_linear_group` chose depends on the device and the registered kernels
         # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
         on_gpu = mx.default_device().type == mx.gpu
@@ -464,21 +462,11 @@ class TQEmbedding(_TQBase):
     def as_linear(self, x: mx.array) -> mx.array:
         """x times the table's transpose: a tied head, whose prefill logits may never be
         evaluated, so no eager kernel runs them (`dispatch.graph_only`)."""
-        if x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]:
-            with dispatch.graph_only():
-                return self._product(x)
-        return self._product(x)
-
-    def _product(self, x: mx.array) -> mx.array:
-        return kernels.tq_linear(
-            self.rotate_input(x),
-            self["codes"],
-            self["scales"],
-            self.bits,
-            self.group_size,
-            self.num_embeddings,
-            self.padded_in,
-        ).astype(x.dtype)
+        prefill = x.size > dispatch.MATVEC_MAX_TOKENS * x.shape[-1]
+        with dispatch.graph_only() if prefill else contextlib.nullcontext():
+            return kernels.tq_linear(self.rotate_input(x), self["codes"], self["scales"],
+                                     self.bits, self.group_size, self.num_embeddings,
+                                     self.padded_in).astype(x.dtype)
 
 
 __all__ = ["LinearGroup", "TQEmbedding", "TQLinear", "TQSwitchLinear", "padded"]
