@@ -138,6 +138,7 @@ def switched(module, name: str, value: bool | None):
 def variant_switches(variant: str):
     """While inside, the runtime switches a variant's suffixes name (see --variants)."""
     with reference_kernel("gather_matmul", "-refgather" in variant), \
+            reference_kernel("matmul", "-refmatmul" in variant), \
             switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
                      else False if "-broadcast" in variant else None), \
             switched(fuse, "COMPILE_STEP", True if "-compiled" in variant
@@ -256,6 +257,7 @@ def main() -> None:
                          "tqN-grouped: grouped, mlx-lm's blocks; "
                          "tqN-single: one kernel per linear; "
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
+                         "-refmatmul prefill's products through the pure-MLX GEMM, "
                          "-compact / -broadcast through the compact / broadcast gathered "
                          "path (COMPACT_GATHER), "
                          "-compiled / -eager with fused blocks' single-token step compiled "
@@ -300,18 +302,21 @@ def main() -> None:
             if gaps is None:
                 return
             building, evaluating = split_ms(model)
+            peak = mx.get_peak_memory()
             if args.prefill:
+                mx.reset_peak_memory()
                 prefills.setdefault(variant, []).append(prefill_tps(model, args.prefill))
+                prefill_peak = mx.get_peak_memory()
         tps = tokens_per_second(gaps)
         results.setdefault(variant, []).append(tps)
-        print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {mx.get_peak_memory() / 1e9:.1f} GB; "
+        print(f"{variant:>8}: {tps:7.1f} tok/s  (peak memory {peak / 1e9:.1f} GB; "
               f"a token at a time: {building:.2f} ms building + {evaluating:.2f} evaluating; "
               f"ended {time.strftime('%H:%M:%S')})", flush=True)
         if args.token_times:
             print(f"{'':>8}  {describe_gaps(gaps)}", flush=True)
         if args.prefill:
             print(f"{'':>8}  prefill of {args.prefill} tokens: {prefills[variant][-1]:.1f} "
-                  f"prompt tok/s", flush=True)
+                  f"prompt tok/s (peak memory {prefill_peak / 1e9:.1f} GB)", flush=True)
         del model
         gc.collect()
         mx.clear_cache()

@@ -12,8 +12,12 @@
 - "gather_matmul": a decode step's MoE experts, one GEMV launch over the (token, expert)
   pairs. Ternary codes run everywhere as 2-bit codes against a 4-entry codebook.
 
-Prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens) falls back to the reference. The
-GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next to their
+- "matmul": prefill (more than `dispatch.MATVEC_MAX_TOKENS` tokens): the stored codes
+  decoded tile by tile to x's dtype (`cuda_dequant`), each tile multiplied by MLX's GEMM
+  on tensor cores. A group's prefill (`prefill_group`) rotates the input for all its
+  members in one `cuda_rotate` launch, in that dtype, then runs each member's product.
+
+Prefill's experts fall back to the reference. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next to their
 activations), prepared once per weight (or group, or switch layer) on first use and kept
 beside the stored codes: in the caller's `prepared` dict when it passes one (runtime
 layers do), else in a cache keyed on what was built and the code arrays, freed with them.
@@ -36,7 +40,8 @@ import numpy as np
 
 from turboquant.stages import codebook_values, unpack_codes
 
-from . import cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group, reference
+from . import (cuda_dequant, cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group,
+               reference)
 
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
@@ -313,7 +318,33 @@ def _group_plan(x, members, prepared):
 
 
 def linear_group(x, members, prepared=None, extras=group.NO_EXTRAS):
+    if x.size // max(1, x.shape[-1]) > dispatch.MATVEC_MAX_TOKENS:
+        return prefill_group(x, members, extras)
     return _group_plan(x, members, prepared)(x, extras)
+
+
+def prefill_group(x, members, extras=group.NO_EXTRAS):
+    """Prefill (more than `dispatch.MATVEC_MAX_TOKENS` rows): every member's rotation of
+    the (normalised or gated) input in one launch, written in the dtype the products run
+    in, then each member's tiled product ("matmul": `cuda_dequant.matmul`); the reference's
+    results.
+    NotImplementedError where one launch cannot rotate for all members (their padded
+    widths differ, or the rotation is too large for a block): the reference runs."""
+    widths = {m.padded_in for m in members}
+    if len(widths) != 1:
+        raise NotImplementedError
+    row = group.input_of(x, extras)
+    lead, n = row.shape[:-1], row.shape[-1]
+    dtype = cuda_dequant.compute_dtype(row.dtype)
+    rotated = cuda_rotate.rotate(row.reshape(-1, n), tuple(m.seed for m in members),
+                                 widths.pop(), dtype)
+    matmul = dispatch.get("matmul", "cuda")  # cuda_dequant's, unless a caller took it out
+    outs = []
+    for xr, m in zip(rotated, members):
+        y = matmul(xr, m.codes, m.scales, m.bits, m.group_size, m.out_features,
+                   m.padded_in).astype(x.dtype).reshape(*lead, m.out_features)
+        outs.append(y if m.bias is None else y + m.bias)
+    return group.with_residual(outs, extras)
 
 
 def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS, views=None):
@@ -524,5 +555,6 @@ def _pair_rows(x_batch: tuple, batch: tuple, m: int) -> mx.array:
 
 
 dispatch.register("cuda", "matvec", matvec)
+dispatch.register("cuda", "matmul", cuda_dequant.matmul)
 dispatch.register("cuda", "linear_group", linear_group)
 dispatch.register("cuda", "gather_matmul", gather)

@@ -1,7 +1,8 @@
 """CUDA activation side of a TurboQuant linear: sign flip, Hadamard, fp16 cast, zero pad.
 
 One kernel turns x (rows, n) in any float dtype into the GEMV's input: for each of S
-rotation seeds, T(s * x) in float16, zero-padded to a width the GEMV reads. It replaces
+rotation seeds, T(s * x) in float16 (or the dtype prefill multiplies in), zero-padded to a
+width the GEMV reads. It replaces
 the five to eight MLX ops (cast, multiply, hadamard_transform, pad, cast, ...) that each
 TurboQuant linear paid for on its activations, and rotates once for all the members of a
 group (q/k/v, gate/up), each with its own seed.
@@ -151,9 +152,9 @@ _SOURCE = r"""
   const InT* xr = x + (size_t)row * N;
   const float* sg = signs + (size_t)s * N;
   const float* mix_s = mix + (size_t)s * A * A;
-  __half* o = out + ((size_t)s * gridDim.x + row) * OUTW;
+  OutT* o = out + ((size_t)s * gridDim.x + row) * OUTW;
   #define TQ_LOAD(i) static_cast<float>(xr[i])
-  #define TQ_PUT(i, v) o[i] = __float2half_rn(v)
+  #define TQ_PUT(i, v) o[i] = static_cast<OutT>(v)
 """ + ROTATE_ROW
 
 
@@ -252,28 +253,34 @@ def _cached_operands(seeds: tuple[int, ...], n: int):
     return signs, mix, a, p
 
 
-def rotate(x: mx.array, seeds: tuple[int, ...], width: int) -> mx.array:
-    """x (rows, n) -> (S, rows, width) float16: each seed's rotation, zero-padded."""
+def rotate(x: mx.array, seeds: tuple[int, ...], width: int, out_dtype=mx.float16) -> mx.array:
+    """x (rows, n) -> (S, rows, width) in `out_dtype` (the GEMV's float16 unless given):
+    each seed's rotation, zero-padded."""
     rows, n = x.shape
     signs, mix, a, p = _cached_operands(tuple(seeds), n)
-    return launch(n, a, p, width, len(seeds), rows, x.dtype)(x, signs, mix)
+    return launch(n, a, p, width, len(seeds), rows, x.dtype, out_dtype=out_dtype)(x, signs, mix)
+
+
+OUT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def launch(n: int, a: int, p: int, width: int, seeds: int, rows: int, in_dtype,
-           squeeze: bool = False):
+           squeeze: bool = False, out_dtype=mx.float16):
     """The launch `rotate` makes, as a function of (x, signs, mix): built once by
     callers that keep it (a TurboQuant linear on every token). x may have any leading
     shape with `rows` rows in all; `squeeze` drops the seed axis of a single seed."""
     if width < n:
         raise ValueError(f"width {width} is narrower than the input ({n})")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     dynamic = dynamic_row_bytes(n, a)
     constants = (("InT", in_dtype), ("N", n), ("P", p), ("A", a), ("OUTW", width),
-                 ("THREADS", THREADS))
+                 ("THREADS", THREADS), ("OutT", out_dtype))
     # the constants go into the source: MLX spends host time on every template argument
     kernel = _kernel(dynamic, _body(dynamic > 0, constants))
     grid, threads = (rows * THREADS, seeds, 1), (THREADS, 1, 1)
     shapes = [(rows, width)] if squeeze and seeds == 1 else [(seeds, rows, width)]
-    dtypes = [mx.float16]
+    dtypes = [out_dtype]
 
     def run(x: mx.array, signs: mx.array, mix: mx.array) -> mx.array:
         return kernel(inputs=[x, signs, mix], grid=grid, threadgroup=threads,

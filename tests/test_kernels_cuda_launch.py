@@ -22,7 +22,7 @@ import pytest
 from cuda_source import compile_with_nvcc, kernel_source
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, group
+from turboquant.kernels import cuda, cuda_dequant, cuda_gemv, cuda_linear, cuda_rotate, group
 from turboquant.stages import encode
 
 
@@ -68,6 +68,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(cuda_gemv, "_kernel", fake(cuda_gemv))
     monkeypatch.setattr(cuda_rotate, "_kernel", fake(cuda_rotate))
     monkeypatch.setattr(cuda_linear, "_kernel", fake(cuda_linear))
+    monkeypatch.setattr(cuda_dequant, "_kernel", fake(cuda_dequant))
     return made
 
 
@@ -319,7 +320,7 @@ def test_unfused_a_group_is_one_rotation_and_one_gemv(kernels, unfused):
     assert r["inputs"][0] is x  # no reshape or copy before the kernel
     assert r["template"] == g["template"] == {}  # the constants are in the sources
     assert r["constants"] == dict(InT=mx.bfloat16, N=256, P=256, A=1, OUTW=256,
-                                 THREADS=cuda_rotate.THREADS)
+                                 THREADS=cuda_rotate.THREADS, OutT=mx.float16)
     assert r["grid"] == (cuda_rotate.THREADS, 3, 1) and r["shapes"] == [(3, 1, 256)]
     t = g["constants"]
     assert (t["SEGS"], t["END0"], t["END1"], t["OUT"], t["XROWS"]) == (3, 128, 192, 256, 1)
@@ -347,10 +348,22 @@ def test_unfused_a_single_linear_skips_the_seed_axis(kernels, unfused):
     assert gemv["inputs"][5].tolist() == [0, 0, 0] and gemv["inputs"][6].tolist() == [0, 1, 2]
 
 
-def test_prefill_and_unfusable_groups_are_left_to_the_reference(kernels):
-    members = _members(256, (64,))
-    with pytest.raises(NotImplementedError):
-        cuda.linear_group(mx.zeros((9, 256)), members, {})
+def test_prefill_is_one_rotation_then_each_members_tiles(kernels):
+    """More than 8 rows: one rotation launch for both members, written in x's dtype (what
+    the products multiply in), then each member's codes decoded (`cuda_dequant`)."""
+    members = _members(256, (64, 32))
+    ys = cuda.linear_group(mx.zeros((9, 256), dtype=mx.bfloat16), members, {})
+    assert [(y.shape, y.dtype) for y in ys] == [((9, 64), mx.bfloat16), ((9, 32), mx.bfloat16)]
+    calls = {name[0]: rec.calls for name, rec in kernels.items()}
+    assert set(calls) == {"cuda_rotate", "cuda_dequant"}
+    (rotation,) = calls["cuda_rotate"]
+    assert rotation["shapes"] == [(2, 9, 256)] and rotation["dtypes"] == [mx.bfloat16]
+    assert rotation["constants"]["OutT"] == mx.bfloat16
+    assert [(c["shapes"], c["dtypes"]) for c in calls["cuda_dequant"]] == [
+        ([(64, 256)], [mx.bfloat16]), ([(32, 256)], [mx.bfloat16])]
+
+
+def test_unfusable_groups_are_left_to_the_reference(kernels):
     wide = _members(1000, (64,))  # 125 x 8: more segments than the rotation kernel holds
     prepared = {}
     for _ in range(2):  # decided once, kept
@@ -548,7 +561,7 @@ def test_sources_compile_with_nvcc(tmp_path, kernels):
                              gemv_in, [mx.bfloat16] * segs, [])
     for dynamic, n, a in ((False, 4096, 1), (True, 14336, 28)):
         t = [("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
-             ("THREADS", cuda_rotate.THREADS)]
+             ("THREADS", cuda_rotate.THREADS), ("OutT", mx.float16)]
         src += kernel_source(f"tq_rotate_{n}", ["x", "signs", "mix"], ["out"],
                              cuda_rotate.kernel_source(dynamic, a),
                              [mx.bfloat16, mx.float32, mx.float32], [mx.float16], t)

@@ -70,7 +70,7 @@ def test_mixed_rotations_stage_their_mix_in_shared_memory():
     assert "mix_s[a * A + k]" not in mixed and f"tq_mix[{cuda_rotate.MAX_FACTOR} * " in mixed
     for n, a, dynamic in ((4096, 1, False), (14336, 28, True), (13824, 27, True)):
         constants = (("InT", mx.bfloat16), ("N", n), ("P", n // a), ("A", a), ("OUTW", n),
-                     ("THREADS", cuda_rotate.THREADS))
+                     ("THREADS", cuda_rotate.THREADS), ("OutT", mx.float16))
         body = cuda_rotate._body(dynamic, constants)
         assert ("tq_mix[" in body) == (a > 1), n
         fused = cuda_linear.source(1, a=a)[1]
@@ -96,11 +96,13 @@ def test_rows_beside_a_staged_mix_fit_the_static_shared_memory(tmp_path):
     from cuda_source import compile_with_nvcc, kernel_source
 
     src = ""
-    for n in (12288, 13824, 6144, 4096):
+    # float16 for the GEMV; prefill's rotations write the dtype its GEMM multiplies in
+    for n, out in ((12288, mx.float16), (13824, mx.float16), (6144, mx.float16),
+                   (4096, mx.float16), (4096, mx.bfloat16), (14336, mx.float32)):
         a, p = cuda_rotate.factors(n, 1)
         constants = [("InT", mx.bfloat16), ("N", n), ("P", p), ("A", a), ("OUTW", n),
-                     ("THREADS", cuda_rotate.THREADS)]
+                     ("THREADS", cuda_rotate.THREADS), ("OutT", out)]
         body = cuda_rotate.kernel_source(cuda_rotate.dynamic_row_bytes(n, a) > 0, a)
-        src += kernel_source(f"tq_rotate_{n}", ["x", "signs", "mix"], ["out"], body,
-                             [mx.bfloat16, mx.float32, mx.float32], [mx.float16], constants)
+        src += kernel_source(f"tq_rotate_{n}_{len(src)}", ["x", "signs", "mix"], ["out"], body,
+                             [mx.bfloat16, mx.float32, mx.float32], [out], constants)
     compile_with_nvcc(cuda_rotate.HEADER + src, tmp_path, "rotate")
