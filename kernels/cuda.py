@@ -17,7 +17,8 @@
   on tensor cores. A group's prefill (`prefill_group`) rotates the input for all its
   members in one `cuda_rotate` launch, in that dtype, then runs each member's product.
 
-Prefill's experts fall back to the reference. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next to their
+Prefill's experts (`prefill_gather`) run the reference's grouping by expert with that
+tiled product for each expert in use. The GEMV reads codes in its own layout (3-bit codes as two planes, codes placed next to their
 activations), prepared once per weight (or group, or switch layer) on first use and kept
 beside the stored codes: in the caller's `prepared` dict when it passes one (runtime
 layers do), else in a cache keyed on what was built and the code arrays, freed with them.
@@ -409,10 +410,13 @@ COMPACT_GATHER = os.environ.get("TURBOQUANT_CUDA_COMPACT_GATHER", "1") == "1"
 
 
 def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
-           out_dtype=None, **_):
-    """Experts chosen per token (the reference's signature), for a decode step's few pairs:
+           out_dtype=None, sorted_indices=False, **_):
+    """Experts chosen per token (the reference's signature). A decode step's few pairs:
     one GEMV launch whose every (pair, row) reads its expert's rows of the stacked layout
-    (ternary experts as 2-bit codes)."""
+    (ternary experts as 2-bit codes); prefill's many: `prefill_gather`."""
+    if _gathered_rows(x_rot, indices) > GATHER_MAX_PAIR_ROWS:
+        return prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features,
+                              padded_in, out_dtype=out_dtype, sorted_indices=sorted_indices)
     if COMPACT_GATHER:  # the launch `bind_gather` settles, made for this one call
         return bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features,
                            padded_in, out_dtype=out_dtype)(x_rot, codes, scales, indices)
@@ -430,6 +434,30 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
         out_dtype=mx.float32,
     )
     return y.reshape(*batch, m, out_features).astype(out_dtype or x_rot.dtype)
+
+
+def _gathered_rows(x_rot: mx.array, indices: mx.array) -> int:
+    """(token, expert) pairs x activation rows of a gathered call (0 where the shapes do
+    not broadcast: the reference names the error)."""
+    if x_rot.ndim < 2:
+        return 0
+    try:
+        batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    except ValueError:
+        return 0
+    return math.prod(batch) * x_rot.shape[-2]
+
+
+def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
+                   *, out_dtype=None, sorted_indices=False):
+    """Prefill's experts: the pairs grouped by expert as the reference groups them (one
+    host read of the routing), each expert in use one tiled product ("matmul":
+    `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores)."""
+    dtype = cuda_dequant.compute_dtype(out_dtype or x_rot.dtype)
+    return reference.tq_gather_matmul(
+        x_rot.astype(dtype), codes, scales, indices, bits, group_size, out_features,
+        padded_in, sorted_indices=sorted_indices, out_dtype=out_dtype or x_rot.dtype,
+        gemm=dispatch.get("matmul", "cuda"))
 
 
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,

@@ -212,13 +212,16 @@ def tq_gather_matmul(
     sorted_indices=False,
     chunk=None,
     out_dtype=None,
+    gemm=None,
 ):
     """Experts chosen per token, like `mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=...)`.
 
     x_rot (..., M, padded_in), codes (E, out, words), scales (E, out, groups), indices
     with a shape that broadcasts against x_rot.shape[:-2] -> (*batch, M, out_features),
     in `out_dtype` (x_rot's dtype unless given).
-    `sorted_indices` is a hint only (the grouped path sorts anyway).
+    `sorted_indices` is a hint only (the grouped path sorts anyway). `gemm`: what runs each
+    expert's rows in the grouped path (`tq_matmul`'s signature; a backend's tiled product),
+    `tq_matmul` unless given.
     """
     out_dtype = out_dtype or x_rot.dtype
     check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in, experts=True)
@@ -234,7 +237,8 @@ def tq_gather_matmul(
     if pairs * m <= GATHER_MAX_ROWS:
         y = _gather_rows(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk)
     else:
-        y = _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk)
+        y = _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk,
+                     gemm or tq_matmul)
     return y.reshape(*batch, m, out_features).astype(out_dtype)
 
 
@@ -269,8 +273,8 @@ def _gather_rows(x, codes, scales, idx, bits, group_size, out_features, padded_i
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-def _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk):
-    """Many pairs: one GEMM per expert in use, over the rows routed to it."""
+def _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, chunk, gemm):
+    """Many pairs: one GEMM per expert in use (`gemm`), over the rows routed to it."""
     pairs, m, _ = x.shape
     order = mx.argsort(idx)
     experts = idx[order].tolist()  # host read: which experts, and where their runs start
@@ -281,7 +285,7 @@ def _grouped(x, codes, scales, idx, bits, group_size, out_features, padded_in, c
         stop = start
         while stop < pairs and experts[stop] == e:
             stop += 1
-        y = tq_matmul(
+        y = gemm(
             xs[start * m : stop * m],
             codes[e],
             scales[e],

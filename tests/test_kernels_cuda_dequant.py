@@ -188,6 +188,41 @@ def test_prefill_group_leaves_mixed_widths_to_the_reference(rotated_by_reference
         few(mx.zeros((8, 100)), (wide, narrow))
 
 
+def _experts(bits=3, experts=4, out_f=48, in_f=100):
+    qts = [encode(mx.random.normal((out_f, in_f), key=mx.random.key(20 + e)) * 0.05, bits, 64,
+                  seed=3) for e in range(experts)]
+    return (mx.stack([q.codes for q in qts]), mx.stack([q.scales for q in qts]),
+            qts[0].spec.padded_in)
+
+
+@pytest.mark.parametrize("bits", [3, "ternary"])
+def test_prefill_experts_run_one_tiled_product_per_expert_in_use(decoded_by_reference, bits):
+    """Prefill's gathered experts on CUDA (more pairs x rows than the decode kernel takes):
+    the reference's grouping by expert, each expert in use one tiled product in the output
+    dtype; the reference's results."""
+    codes, scales, p = _experts(bits)
+    x = mx.random.normal((1, 40, 1, 1, p), key=mx.random.key(3))  # (B, L, 1, 1, K) as SwitchGLU
+    indices = mx.array([[[0, 2]] * 25 + [[2, 3]] * 15], dtype=mx.uint32)  # (B, L, k): 80 pairs
+    for out_dtype in (mx.float32, mx.bfloat16):
+        decoded_by_reference.clear()
+        y = cuda.gather(x, codes, scales, indices, bits, 64, 48, p, out_dtype=out_dtype)
+        want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, 48, p)
+        assert y.shape == want.shape == (1, 40, 2, 1, 48) and y.dtype == out_dtype
+        assert decoded_by_reference == [(48, out_dtype)] * 3  # experts 0, 2 and 3, once each
+        err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
+        assert err < (1e-5 if out_dtype == mx.float32 else 2e-2), err
+
+
+def test_few_pairs_stay_on_the_decode_kernel(decoded_by_reference, monkeypatch):
+    codes, scales, p = _experts()
+    calls = []
+    monkeypatch.setattr(cuda, "bind_gather", lambda *a, **k: calls.append(a) or (
+        lambda x, c, s, i: mx.zeros((1, 4, 2, 1, 48))))
+    x = mx.zeros((1, 4, 1, 1, p))
+    cuda.gather(x, codes, scales, mx.zeros((1, 4, 2), dtype=mx.uint32), 3, 64, 48, p)
+    assert len(calls) == 1 and decoded_by_reference == []  # 8 pairs: a decode step's launch
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_kernel_source_compiles(tmp_path):
     from cuda_source import compile_with_nvcc, kernel_source
@@ -260,6 +295,20 @@ def test_prefill_group_matches_the_reference_on_the_gpu(in_f, outs, kind, bias):
             g, w = g.astype(mx.float32), w.astype(mx.float32)
             err = mx.max(mx.abs(g - w)).item() / mx.max(mx.abs(w)).item()
             assert err < tol, (in_f, outs, dtype, err)
+
+
+@on_gpu
+@pytest.mark.parametrize("bits", [3, 4, "ternary"])
+def test_prefill_experts_match_the_reference_on_the_gpu(bits):
+    codes, scales, p = _experts(bits, experts=8, out_f=768, in_f=2048)
+    x = mx.random.normal((1, 256, 1, 1, p), key=mx.random.key(8))
+    indices = (mx.random.uniform(shape=(1, 256, 4)) * 8).astype(mx.uint32)
+    want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, 768, p)
+    for out_dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        y = cuda.gather(x, codes, scales, indices, bits, 64, 768, p, out_dtype=out_dtype)
+        assert y.shape == want.shape and y.dtype == out_dtype
+        err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
+        assert err < tol, (bits, out_dtype, err)
 
 
 @on_gpu

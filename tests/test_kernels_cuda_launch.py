@@ -505,12 +505,17 @@ def test_compact_gather_with_rows_per_pair_and_x_per_pair(kernels, compact):
     assert call["inputs"][5].dtype == mx.int32
 
 
-def test_gathered_experts_leave_prefill_to_the_reference(kernels):
+def test_gathered_experts_prefill_through_the_tiled_product(kernels):
+    """More pairs x rows than a decode step's launch takes: no GEMV launch, one tile decode
+    per expert in use (all pairs here route to expert 0)."""
     codes, scales, padded = _experts(2, 32, 256)
     many = mx.zeros((cuda.GATHER_MAX_PAIR_ROWS + 1, 1, 1, padded))
-    with pytest.raises(NotImplementedError):
-        cuda.gather(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32), 3, 64, 32, padded)
-    assert not kernels  # nothing was launched
+    y = cuda.gather(many, codes, scales, mx.zeros((many.shape[0], 1), mx.int32), 3, 64, 32,
+                    padded, out_dtype=mx.bfloat16)
+    assert y.shape == (many.shape[0], 1, 1, 32) and y.dtype == mx.bfloat16
+    assert {name[0] for name in kernels} == {"cuda_dequant"}
+    (decode,) = [rec.calls for rec in kernels.values()]
+    assert [c["shapes"] for c in decode] == [[(32, padded)]]
 
 
 def test_ternary_runs_as_two_bit_codes(kernels):
