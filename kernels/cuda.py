@@ -42,7 +42,7 @@ import numpy as np
 from turboquant.stages import codebook_values, unpack_codes
 
 from . import (cuda_dequant, cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group,
-               reference)
+               reference, tiles)
 
 # one launch per group (rotation inside the GEMV); "0" keeps the two-launch path
 FUSED = os.environ.get("TURBOQUANT_CUDA_FUSED", "1") != "0"
@@ -336,7 +336,7 @@ def prefill_group(x, members, extras=group.NO_EXTRAS):
         raise NotImplementedError
     row = group.input_of(x, extras)
     lead, n = row.shape[:-1], row.shape[-1]
-    dtype = cuda_dequant.compute_dtype(row.dtype)
+    dtype = tiles.compute_dtype(row.dtype)
     rotated = cuda_rotate.rotate(row.reshape(-1, n), tuple(m.seed for m in members),
                                  widths.pop(), dtype)
     matmul = dispatch.get("matmul", "cuda")  # cuda_dequant's, unless a caller took it out
@@ -453,7 +453,7 @@ def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features
     """Prefill's experts: the pairs grouped by expert as the reference groups them (one
     host read of the routing), each expert in use one tiled product ("matmul":
     `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores)."""
-    dtype = cuda_dequant.compute_dtype(out_dtype or x_rot.dtype)
+    dtype = tiles.compute_dtype(out_dtype or x_rot.dtype)
     return reference.tq_gather_matmul(
         x_rot.astype(dtype), codes, scales, indices, bits, group_size, out_features,
         padded_in, sorted_indices=sorted_indices, out_dtype=out_dtype or x_rot.dtype,

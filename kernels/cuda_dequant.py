@@ -1,19 +1,13 @@
-"""CUDA prefill for TurboQuant weights: stored codes decoded to x's dtype, tile by tile,
-each tile multiplied by MLX's GEMM (tensor cores in bf16/fp16).
+"""CUDA prefill for TurboQuant weights: the decode of `tiles.tiled_matmul`, stored codes
+to x's dtype a tile of rows at a time, each tile then multiplied by MLX's GEMM (cuBLASLt,
+tensor cores in bf16/fp16).
 
-Prefill is compute-bound: a 2048-token prompt does 2048 multiply-adds per weight, so what
-a code costs to decode is paid once per tile, not once per token, and the product is
-MLX's own tiled GEMM (cuBLASLt). The decode kernel reads the stored layout of
-docs/FORMAT.md directly (no second layout for prefill): each thread writes 8 consecutive
-weights of a row, levels[code] * scale rounded once to the output dtype, as one 16-byte
-store (two for float32). 8 codes never straddle a group (group sizes are multiples of 32),
-so a thread reads one scale; its codes lie in one word (2 and 4 bits), two adjacent words
-of a 96-bit block (3 bits: a 64-bit window) or up to two base-3 words (ternary).
-
-`matmul` has the reference `tq_matmul`'s signature and results (in x's dtype, float32
-accumulation): tiles of at most `CHUNK` weights, each tile's decode made to wait for x
-(the first) or the previous tile's product (`mx.depends`), so the decoded weights in
-memory stay at a tile or two, whatever the matrix or the model. The float32 path decodes exactly the reference's values.
+The kernel reads the stored layout of docs/FORMAT.md directly (no second layout for
+prefill): each thread writes 8 consecutive weights of a row, levels[code] * scale rounded
+once to the output dtype, as one 16-byte store (two for float32). 8 codes never straddle a
+group (group sizes are multiples of 32), so a thread reads one scale; its codes lie in one
+word (2 and 4 bits), two adjacent words of a 96-bit block (3 bits: a 64-bit window) or up
+to two base-3 words (ternary). In float32 it decodes exactly the reference's values.
 """
 
 from __future__ import annotations
@@ -24,11 +18,9 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 
-from . import reference
+from . import reference, tiles
 from .cuda_gemv import constants_source
 
-CHUNK = 1 << 26  # most weights decoded at once (128 MiB in bf16): 14336x4096 in one tile
-TILE_ROWS = 128  # a tile's rows are a multiple of this (GEMM shapes cuBLASLt runs well)
 SPAN = 8  # consecutive weights a thread writes
 THREADS = 256
 
@@ -151,45 +143,15 @@ def dequantize(codes: mx.array, scales: mx.array, bits, group_size: int, padded_
     )[0]
 
 
-def compute_dtype(dtype):
-    """What x and the decoded tiles are multiplied in: x's own dtype where MLX's GEMM runs
-    it on tensor cores (fp16, bf16), float32 otherwise."""
-    return dtype if dtype in (mx.float16, mx.bfloat16) else mx.float32
-
-
-def rows_per_tile(out_features: int, padded_in: int, chunk: int | None = None) -> int:
-    """Rows of a tile: the matrix in as few tiles of at most `chunk` weights as it takes,
-    of equal rows rounded up to a multiple of `TILE_ROWS` (a product of N = 1170 columns
-    ran at a third of the speed of N = 1024 on the H200), the last tile shorter."""
-    tiles = -(-out_features * padded_in // (chunk or CHUNK))
-    rows = -(-out_features // tiles)
-    if tiles > 1 and rows > TILE_ROWS:
-        rows = -(-rows // TILE_ROWS) * TILE_ROWS
-    return min(out_features, rows)
-
-
 def matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
            after=None, **_):
-    """`reference.tq_matmul` (prefill: x_rot (..., padded_in), many tokens) on CUDA."""
-    if codes.ndim != 2 or codes.shape[0] != out_features or x_rot.shape[-1] != padded_in:
-        raise NotImplementedError  # the reference raises the precise error
-    reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in)
-    lead = x_rot.shape[:-1]
-    dtype = compute_dtype(x_rot.dtype)
-    x = x_rot.reshape(-1, padded_in).astype(dtype)
-    rows = rows_per_tile(out_features, padded_in, chunk)
-    # the first tile's decode waits for x (MLX would otherwise decode every layer's first
-    # tile ahead of the whole model), each later one for the previous tile's product
-    parts, prev = [], x if after is None else after
-    for r0 in range(0, out_features, rows):
-        r1 = min(r0 + rows, out_features)
-        c = mx.depends(codes[r0:r1], prev)
-        w = dequantize(c, scales[r0:r1], bits, group_size, padded_in, dtype)
-        y = x @ w.T
-        parts.append(y)
-        prev = y
-    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-    return y.reshape(*lead, out_features).astype(x_rot.dtype)
+    """`reference.tq_matmul` (prefill) on CUDA: `tiles.tiled_matmul` with this kernel's
+    decode."""
+    def decode(codes_rows, scales_rows, dtype):
+        return dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype)
+
+    return tiles.tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
+                              decode, chunk=chunk, after=after)
 
 
 # ---------------------------------------------------------------------------- emulation
@@ -222,4 +184,4 @@ def emulate_codes8(words: np.ndarray, col: int, bits) -> list[int]:
     return out
 
 
-__all__ = ["CHUNK", "compute_dtype", "dequantize", "emulate_codes8", "matmul", "rows_per_tile"]
+__all__ = ["dequantize", "emulate_codes8", "matmul"]

@@ -7,8 +7,10 @@ reduce with `simd_sum`. Codes are unpacked in registers exactly as docs/FORMAT.m
 them out, so no dense weight ever exists. The gathered variant is the same kernel with
 the row block chosen per (token, expert) pair.
 
-Registered for "matvec" and, for few pairs, "gather_matmul"; GEMM (prefill) and large
-gathers fall back to the reference, which on a Metal device runs as MLX GPU ops.
+Registered for "matvec", "matmul" (prefill: `tiles.tiled_matmul`, whose tiles this
+module's `dequantize` kernel decodes to x's dtype, one thread a weight, for MLX's GEMM) and,
+for few pairs, "gather_matmul"; large gathers fall back to the reference, which on a Metal
+device runs as MLX GPU ops.
 Importing this module off macOS is harmless: nothing registers without Metal.
 """
 
@@ -18,7 +20,7 @@ import functools
 
 import mlx.core as mx
 
-from . import dispatch, reference
+from . import dispatch, reference, tiles
 
 HEADER = """
 template <int BITS, typename P>
@@ -70,6 +72,65 @@ SOURCE = """
         y[(size_t(t) * MROWS + m) * NROWS + row] = acc;
     }
 """
+
+
+# prefill's decode (`tiles.tiled_matmul`): one thread per weight of a tile,
+# levels[code] * scale rounded once to the product's dtype
+DEQUANT_SOURCE = """
+    uint col = thread_position_in_grid.x;
+    uint row = thread_position_in_grid.y;
+    if (col >= uint(KDIM)) {
+        return;
+    }
+    auto crow = codes + size_t(row) * NWORDS;
+    float s = float(scales[size_t(row) * NGROUPS + col / uint(GSIZE)]);
+    w[size_t(row) * KDIM + col] = T(float(levels[tq_code<BITS>(crow, col)]) * s);
+"""
+
+DEQUANT_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant_kernel():
+    return mx.fast.metal_kernel(
+        name="tq_dequant",
+        input_names=["codes", "scales", "levels"],
+        output_names=["w"],
+        source=DEQUANT_SOURCE,
+        header=HEADER,
+    )
+
+
+def dequantize(codes, scales, bits, group_size, padded_in, out_dtype=mx.float16):
+    """Rows of rotated weights, levels[codes] * scale in `out_dtype`: (rows, padded_in),
+    `reference.dequantize`'s values rounded once."""
+    rows = codes.shape[0]
+    (w,) = _dequant_kernel()(
+        inputs=[codes, scales, reference.levels(bits)],
+        template=[
+            ("T", out_dtype),
+            ("BITS", _bits_arg(bits)),
+            ("NWORDS", codes.shape[-1]),
+            ("NGROUPS", padded_in // group_size),
+            ("GSIZE", group_size),
+            ("KDIM", padded_in),
+        ],
+        grid=(padded_in, rows, 1),
+        threadgroup=(min(DEQUANT_THREADS, padded_in), 1, 1),
+        output_shapes=[(rows, padded_in)],
+        output_dtypes=[out_dtype],
+    )
+    return w
+
+
+def tq_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
+              after=None, **_):
+    """Prefill: `tiles.tiled_matmul` with this decode, each tile through MLX's GEMM."""
+    def decode(codes_rows, scales_rows, dtype):
+        return dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype)
+
+    return tiles.tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
+                              decode, chunk=chunk, after=after)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,3 +203,4 @@ def tq_gather_matmul(
 if mx.metal.is_available():
     dispatch.register("metal", "matvec", tq_matvec)
     dispatch.register("metal", "gather_matmul", tq_gather_matmul)
+    dispatch.register("metal", "matmul", tq_matmul)

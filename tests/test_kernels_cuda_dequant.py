@@ -2,10 +2,11 @@
 each tile through MLX's GEMM.
 
 Everywhere: the kernel's index arithmetic (`emulate_codes8`, step for step the kernel's
-`tq_codes8`) against the reference's unpacking, for every width and any words; the tiling
-of `matmul` with the launch replaced by the reference's decode (so tiles, their order,
-dtypes and the concatenation are checked without a GPU); and, where nvcc is installed,
-the kernel's source compiled for every width and output dtype.
+`tq_codes8`) against the reference's unpacking, for every width and any words; `matmul`,
+the group prefill and the experts' prefill with the launches replaced by the reference's
+arithmetic (so which launches run, in which dtype, and what is done around them are
+checked without a GPU); and, where nvcc is installed, the kernel's source compiled for
+every width and output dtype.
 On the GPU machine (MLX's CUDA build) the kernel's values against the reference's, and
 prefill through a model against the reference GEMM.
 """
@@ -54,19 +55,6 @@ def test_constants_name_the_stored_layout():
     assert dict(cuda_dequant.constants("ternary", 32, 96, mx.float32))["NLEVELS"] == 3
 
 
-def test_compute_dtype_and_tiles():
-    assert cuda_dequant.compute_dtype(mx.bfloat16) == mx.bfloat16
-    assert cuda_dequant.compute_dtype(mx.float16) == mx.float16
-    assert cuda_dequant.compute_dtype(mx.float32) == mx.float32
-    assert cuda_dequant.rows_per_tile(14336, 4096) == 14336  # one tile
-    assert cuda_dequant.rows_per_tile(4096, 14336, 1 << 24) == 1024  # four, not 1170 rows
-    assert cuda_dequant.rows_per_tile(28672, 8192) == 7168
-    assert cuda_dequant.rows_per_tile(128256, 4096) == 16128  # 8 tiles, the last shorter
-    assert cuda_dequant.rows_per_tile(100, 4096) == 100
-    assert cuda_dequant.rows_per_tile(10, 1 << 27) == 1  # rows wider than a tile
-    assert cuda_dequant.rows_per_tile(70, 128, 20 * 128) == 18  # 4 tiles: 18, 18, 18, 16
-
-
 @pytest.fixture
 def decoded_by_reference(monkeypatch):
     """`cuda_dequant.dequantize` as the kernel would compute it, from the reference: the
@@ -82,28 +70,19 @@ def decoded_by_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-def test_matmul_tiles_match_the_reference(decoded_by_reference, bits, dtype):
+def test_matmul_decodes_its_tiles_with_the_kernel(decoded_by_reference, bits):
+    """CUDA's "matmul" is `tiles.tiled_matmul` with this module's decode (tests/
+    test_kernels_tiles.py checks the tiling): the weight's spec reaches each launch."""
     out_f, in_f = 70, 100
     qt = encode(mx.random.normal((out_f, in_f), key=mx.random.key(1)), bits, 32, seed=5)
     p = qt.spec.padded_in
-    x = mx.random.normal((2, 9, p), key=mx.random.key(2)).astype(dtype)
+    x = mx.random.normal((2, 9, p), key=mx.random.key(2)).astype(mx.bfloat16)
     y = cuda_dequant.matmul(x, qt.codes, qt.scales, bits, 32, out_f, p, chunk=20 * p)
-    assert y.shape == (2, 9, out_f) and y.dtype == dtype
-    assert decoded_by_reference == [(18, dtype)] * 3 + [(16, dtype)]
-    want = reference.tq_matmul(x, qt.codes, qt.scales, bits, 32, out_f, p)
-    want = want.astype(mx.float32)
+    assert y.shape == (2, 9, out_f) and y.dtype == mx.bfloat16
+    assert decoded_by_reference == [(18, mx.bfloat16)] * 3 + [(16, mx.bfloat16)]
+    want = reference.tq_matmul(x, qt.codes, qt.scales, bits, 32, out_f, p).astype(mx.float32)
     err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
-    assert err < (1e-6 if dtype == mx.float32 else 1e-2), err
-
-
-def test_matmul_declines_what_it_does_not_cover(decoded_by_reference):
-    qt = encode(mx.random.normal((8, 64)), 4, 32, seed=1)
-    x = mx.random.normal((9, 64))
-    with pytest.raises(NotImplementedError):  # experts stacked: the gathered op's business
-        cuda_dequant.matmul(x, qt.codes[None], qt.scales[None], 4, 32, 8, 64)
-    with pytest.raises(NotImplementedError):  # the wrong width: the reference names it
-        cuda_dequant.matmul(x[:, :32], qt.codes, qt.scales, 4, 32, 8, 64)
+    assert err < 1e-2, err
 
 
 def test_dequantize_refuses_other_dtypes():

@@ -55,6 +55,27 @@ def test_metal_gemv_and_gather_match_the_reference(bits):
     assert dispatch.describe()["matvec"] == "metal"
 
 
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs MLX's Metal backend (macOS)")
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_metal_prefill_matches_the_reference(bits):
+    qts, *_ = _case(bits, n=300, inp=1000, experts=1)
+    qt, k = qts[0], qts[0].spec.padded_in
+    with mx.stream(mx.gpu):
+        want = reference.dequantize(qt.codes, qt.scales, bits, 32, k)
+        for dtype in (mx.float32, mx.float16, mx.bfloat16):
+            w = metal.dequantize(qt.codes, qt.scales, bits, 32, k, dtype)
+            assert mx.array_equal(w, want.astype(dtype)).item(), dtype
+        x = mx.random.normal((40, k))
+        ref = reference.tq_matmul(x, qt.codes, qt.scales, bits, 32, 300, k)
+        for dtype, tol in ((mx.float32, 1e-5), (mx.float16, 4e-3), (mx.bfloat16, 2e-2)):
+            y = metal.tq_matmul(x.astype(dtype), qt.codes, qt.scales, bits, 32, 300, k,
+                                chunk=100 * k)
+            err = mx.max(mx.abs(y.astype(mx.float32) - ref)).item() / mx.max(mx.abs(ref)).item()
+            assert y.dtype == dtype and err < tol, (dtype, err)
+    assert dispatch.describe()["matmul"] == "metal"
+
+
 # ---------------------------------------------------------------------------- emulated
 
 
@@ -118,3 +139,56 @@ def test_metal_kernel_source_computes_what_the_reference_does(tmp_path, bits):
     y = _emulate(tmp_path, xg, codes, scales, levels, idx, bits, 32, 20, k, gather=True)
     ref = reference.tq_gather_matmul(xg, codes, scales, idx, bits, 32, 20, k)
     np.testing.assert_allclose(y, np.array(ref), atol=1e-4)
+
+
+def _emulate_dequant(tmp_path, codes, scales, levels, bits, gs, k):
+    """`metal.DEQUANT_SOURCE` compiled as C++ (float for the output type), one call a
+    (row, column) thread: the weights it writes."""
+    rows, words = codes.shape
+    b = 0 if bits == "ternary" else bits
+    program = f"""
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+typedef uint32_t uint; typedef float float16_t;
+struct uint3 {{ uint x, y, z; }};
+{metal.HEADER}
+template <typename T, int BITS, int NWORDS, int NGROUPS, int GSIZE, int KDIM>
+void kernel_body(const uint32_t* codes, const float16_t* scales, const float* levels, T* w,
+                 uint3 thread_position_in_grid) {{
+{metal.DEQUANT_SOURCE}
+}}
+int main() {{
+  std::vector<float> s({scales.size}), lv({levels.size}), w({rows * k + 8}, -1.f);
+  std::vector<uint32_t> c({codes.size});
+  for (auto& v : c) scanf("%u", &v);
+  for (auto& v : s) scanf("%f", &v);
+  for (auto& v : lv) scanf("%f", &v);
+  // rows from the last: a thread past its row's end would overwrite the next row's start
+  for (uint row = {rows}; row-- > 0;) for (uint col = 0; col < {k + 7}; ++col)
+    kernel_body<float, {b}, {words}, {k // gs}, {gs}, {k}>(
+        c.data(), s.data(), lv.data(), w.data(), uint3{{col, row, 0}});
+  for (auto v : w) printf("%.9g\\n", v);
+}}
+"""
+    src, exe = tmp_path / "dequant.cpp", tmp_path / "dequant"
+    src.write_text(program)
+    subprocess.run([CXX, "-O1", "-std=c++17", "-w", str(src), "-o", str(exe)], check=True)
+    arrays = (codes, scales.astype(mx.float32), levels)
+    data = " ".join(" ".join(map(repr, np.array(a).ravel().tolist())) for a in arrays)
+    out = subprocess.run([str(exe)], input=data, capture_output=True, text=True, check=True)
+    w = np.array(out.stdout.split(), dtype=np.float32)
+    assert (w[rows * k:] == -1).all()  # nothing written past the last row
+    return w[: rows * k].reshape(rows, k)
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler to emulate the kernel source")
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_metal_prefill_decode_source_writes_the_reference_weights(tmp_path, bits):
+    """Threads past the row's end (a grid rounded up) write nothing; every weight is the
+    reference's levels[code] * scale, exactly."""
+    qts, *_ = _case(bits, experts=1)
+    qt, k = qts[0], qts[0].spec.padded_in
+    w = _emulate_dequant(tmp_path, qt.codes, qt.scales, reference.levels(bits), bits, 32, k)
+    want = np.array(reference.dequantize(qt.codes, qt.scales, bits, 32, k))
+    np.testing.assert_array_equal(w, want)
