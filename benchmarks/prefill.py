@@ -47,7 +47,8 @@ def tq_weights(out_f: int, in_f: int, bits, copies: int):
     for i in range(copies):
         words = words_per_row(in_f, bits)
         top = 3**20 if bits == "ternary" else 2**32
-        codes = (mx.random.uniform(shape=(out_f, words), key=mx.random.key(i)) * top).astype(mx.uint32)
+        codes = mx.random.uniform(shape=(out_f, words), key=mx.random.key(i)) * top
+        codes = codes.astype(mx.uint32)
         scales = (mx.random.uniform(shape=(out_f, in_f // 64)) * 0.02 + 0.01).astype(mx.float16)
         out.append((codes, scales))
     mx.eval(out)
@@ -55,7 +56,7 @@ def tq_weights(out_f: int, in_f: int, bits, copies: int):
 
 
 def bench(m: int, out_f: int, in_f: int, widths, reference_too: bool) -> dict:
-    row = {"tokens": m, "shape": f"{out_f}x{in_f}"}
+    row = {"tokens": m, "shape": f"{out_f}x{in_f}", "flops": 2 * m * out_f * in_f}
     x = (mx.random.normal((m, in_f)) * 0.5).astype(mx.bfloat16)
     dense = [(mx.random.normal((out_f, in_f)) * 0.02).astype(mx.bfloat16) for _ in range(PER_EVAL)]
     mx.eval(x, dense)
@@ -83,13 +84,12 @@ def bench(m: int, out_f: int, in_f: int, widths, reference_too: bool) -> dict:
 
 def print_row(row: dict) -> None:
     ms = {k: v * 1e3 for k, v in row.items() if isinstance(v, float)}
-    flops = 2 * row["tokens"] * eval(row["shape"].replace("x", "*"))
     cells = "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
     tq3 = ms.get("tq3")
     ratios = ""
     if tq3:
         ratios = (f"  | tq3 {ms['affine4'] / tq3:.2f}x of affine4, {ms['affine3'] / tq3:.2f}x of "
-                  f"affine3, {ms['bf16'] / tq3:.2f}x of bf16, {flops / tq3 / 1e9:.0f} GFLOP/s")
+                  f"affine3, {ms['bf16'] / tq3:.2f}x of bf16, {row['flops'] / tq3 / 1e9:.1f} TFLOP/s")
     print(f"M={row['tokens']:>5} {row['shape']:>11} ms: {cells}{ratios}", flush=True)
 
 

@@ -2,10 +2,10 @@
 
 One kernel turns x (rows, n) in any float dtype into the GEMV's input: for each of S
 rotation seeds, T(s * x) in float16 (or the dtype prefill multiplies in), zero-padded to a
-width the GEMV reads. It replaces
-the five to eight MLX ops (cast, multiply, hadamard_transform, pad, cast, ...) that each
-TurboQuant linear paid for on its activations, and rotates once for all the members of a
-group (q/k/v, gate/up), each with its own seed.
+width the GEMV reads. It replaces the five to eight MLX ops (cast, multiply,
+hadamard_transform, pad, cast, ...) that each TurboQuant linear paid for on its
+activations, and rotates once for all the members of a group (q/k/v, gate/up), each with
+its own seed.
 
 Every rotation of `stages.rotate` has the form n = A * P with P a power of two: the
 Hadamard over P runs on each of the A contiguous segments, and an A x A matrix then mixes
