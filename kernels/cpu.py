@@ -4,9 +4,10 @@ Registers the numba kernels of `cpu_gemv` as "matvec" (decode, up to 8 tokens), 
 (prefill: the same kernel on every row; 25x the reference GEMM at 256 tokens of a
 4096x4096 3-bit matrix, whose dense product is the CPU wheel's reference BLAS),
 "linear_group" (linears sharing an input: one evaluation of their rotated inputs) and
-"gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs x rows)
-when numba is available; embeddings, prefill's experts and every call they do not cover
-run the pure-MLX reference. These kernels compute inside the call (`dispatch.EAGER_BACKENDS`):
+"gather_matmul" (a decode step's MoE experts, up to GATHER_MAX_PAIR_ROWS pairs x rows, in
+one gathered call; prefill's grouped by expert, each expert's rows through "matmul") when
+numba is available; embeddings and every call they do not cover run the pure-MLX
+reference. These kernels compute inside the call (`dispatch.EAGER_BACKENDS`):
 a model's head gives way to the reference for prefill (`dispatch.graph_only`), as mlx-lm
 never evaluates a prefill chunk's logits.
 The kernel works on numpy views of the arrays, so a call evaluates its inputs first (the
@@ -35,10 +36,16 @@ def linear(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_)
 GATHER_MAX_PAIR_ROWS = 64
 
 
-def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_):
-    """Experts chosen per token (the reference's signature), for a decode step's few pairs."""
-    batch, m, _ = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
-                                         GATHER_MAX_PAIR_ROWS)
+def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw):
+    """Experts chosen per token (the reference's signature): a decode step's few pairs in
+    one gathered GEMV; prefill's many grouped by expert as the reference groups them, each
+    expert in use through the GEMV kernel on all its rows (`linear`, as dense prefill)."""
+    try:
+        batch, m, _ = reference.decode_pairs(x_rot, codes, indices, out_features, padded_in,
+                                             GATHER_MAX_PAIR_ROWS)
+    except NotImplementedError:  # prefill (or arguments the reference names the fault of)
+        return reference.tq_gather_matmul(x_rot, codes, scales, indices, bits, group_size,
+                                          out_features, padded_in, gemm=linear, **kw)
     x = mx.broadcast_to(x_rot.astype(mx.float32), (*batch, m, padded_in)).reshape(-1, m, padded_in)
     experts = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64)
     mx.eval(x, experts)  # one synchronisation with MLX's graph for both

@@ -26,8 +26,10 @@ by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does n
     whose attention is fused) + 28 x hidden x T, plus the MLP tiles below;
   * prefill MLP: (8 x hidden + 24 x ffn) x T + the decode tiles of one layer's MLP
     (or of one expert), ffn = the dense MLP width, or top-k x expert width + shared experts;
-    on the CPU with numba a dense model's linears prefill through its kernel: no tiles,
-    (8 x hidden + 14 x ffn) x T; an MoE model's experts still decode one expert's tiles;
+    on the CPU with numba the linears and (since session 19) the experts prefill through
+    its kernel: (8 x hidden + 14 x ffn) x T, no dense tiles; an MoE model keeps one
+    expert's tiles in the projection (fitted: without them it falls to 0.79x of the
+    measured peak at 512 tokens);
   * decode: the tiles of one layer's top-k experts (or dense MLP), or of the lm_head;
     none on Metal or the CPU with numba (GEMV kernels for the dense linears and the
     experts), only the experts' on CUDA (a GEMV kernel for the dense linears).
@@ -61,8 +63,9 @@ TILE_BYTES_DEFAULT = 8.15
 SCORE_COPIES = 1.15  # unfused attention: scores, masked and soft-maxed
 ATTN_BYTES = 28  # x hidden, per prefill token, around the attention
 MLP_BYTES = (8, 24)  # x hidden, x ffn width, per prefill token, around the MLP
-# a dense MLP whose linears prefill through numba (the CPU with numba): no float32 GEMM
-# copies of the reference (fitted in session 18 on pystd-dense at 256 and 512 tokens)
+# an MLP whose linears (or experts) prefill through numba (the CPU with numba): no float32
+# GEMM copies of the reference (fitted in session 18 on pystd-dense at 256 and 512 tokens;
+# pystd-moe's experts since session 19: 1.15x -> 1.10x at 256 tokens)
 MLP_BYTES_NUMBA = (8, 14)
 ACT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _STORED = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -420,7 +423,7 @@ def _phases(shape: ModelShape, tiles: _Tiles, context: int, act: int, backend_na
         span = 0
     scores = SCORE_COPIES * shape.heads * t * span * act if backend_name == "cpu" else 0
     attention = scores + ATTN_BYTES * shape.hidden * t + tiles.prefill
-    per = MLP_BYTES_NUMBA if backend_name == "cpu" and NUMBA and not shape.moe else MLP_BYTES
+    per = MLP_BYTES_NUMBA if backend_name == "cpu" and NUMBA else MLP_BYTES
     mlp = tiles.prefill + (per[0] * shape.hidden + per[1] * shape.ffn_per_token) * t
     return {"prefill_attention": int(attention), "prefill_mlp": int(mlp),
             "decode": int(tiles.decode)}

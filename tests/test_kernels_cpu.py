@@ -133,13 +133,16 @@ def test_gathered_experts_match_the_reference(bits, group_size, experts, rows, c
                           codes[e], scales[e], bits, group_size, spec.padded_in)
 
 
-def test_the_cpu_dispatch_gathers_decode_steps_and_leaves_prefill_to_the_reference(
-        monkeypatch):
+def test_the_cpu_dispatch_gathers_decode_steps_and_groups_prefill_by_expert(monkeypatch):
+    """A decode step's pairs: one gathered GEMV call. A prefill's many: the reference's
+    grouping by expert, each expert in use one GEMV call on all the rows routed to it."""
     assert dispatch.describe()["gather_matmul"] == "cpu"
     codes, scales, spec = _experts(3, 64, 4, 24, 128, seed=3)
-    calls = []
-    real = cpu_gemv.gather_gemv
-    monkeypatch.setattr(cpu_gemv, "gather_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    gathered, dense = [], []
+    real_gather, real_gemv = cpu_gemv.gather_gemv, cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gather_gemv",
+                        lambda *a: gathered.append(a[0].shape) or real_gather(*a))
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda *a: dense.append(a[0].shape) or real_gemv(*a))
     for tokens in (2, cpu.GATHER_MAX_PAIR_ROWS):  # a decode step; a prefill's many pairs
         x = mx.random.normal((tokens, 1, 1, 128))
         idx = mx.random.randint(0, 4, (tokens, 2))
@@ -147,7 +150,10 @@ def test_the_cpu_dispatch_gathers_decode_steps_and_leaves_prefill_to_the_referen
         want = reference.tq_gather_matmul(x, codes, scales, idx, 3, 64, 24, 128)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                    atol=1e-5 * float(mx.abs(want).max()))
-    assert calls == [(4, 1, 128)]  # 2 tokens x 2 experts; the prefill went to the reference
+    assert gathered == [(4, 1, 128)]  # 2 tokens x 2 experts in one call
+    used = np.unique(np.asarray(idx)).tolist()
+    counts = [int((np.asarray(idx) == e).sum()) for e in used]
+    assert dense == [(n, 128) for n in counts]  # one call per expert in use, all its rows
 
 
 def test_a_loaded_moe_model_decodes_as_with_the_reference(tmp_path):
