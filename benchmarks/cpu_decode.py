@@ -7,7 +7,10 @@ then each variant decodes `--tokens` tokens greedily (the compiled GEMVs of
 kernels/cpu.py, dense and gathered experts, or the pure-MLX reference) after the same prompt through mlx-lm's
 `generate_step`; the figure is tokens/s after the first token.
 
-Reproduce:  python benchmarks/cpu_decode.py [--tokens 64] [--model pystd-moe]
+`--prefill N` also times each variant's processing of an N-token prompt (the cache
+evaluated, as mlx-lm's prefill does).
+
+Reproduce:  python benchmarks/cpu_decode.py [--tokens 64] [--model pystd-moe] [--prefill 512]
             python benchmarks/cpu_decode.py --gemv   # one GEMV: the kernel vs MLX affine
 """
 
@@ -49,6 +52,25 @@ def measure(model, tokenizer, tokens: int) -> float:
     return tokens_per_second(model, tokenizer, tokens)
 
 
+def prefill_tps(model, tokens: int, repeats: int = 3) -> float:
+    """Prompt tokens per second of a `tokens`-long prompt into a fresh cache, the cache
+    evaluated as mlx-lm's prefill evaluates it (not the logits): the median of `repeats`
+    after one that warms up."""
+    import statistics
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array([[i % 250 + 1 for i in range(tokens)]])
+    seconds = []
+    for _ in range(repeats + 1):
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        model(prompt, cache=cache)
+        mx.eval([c.state for c in cache])
+        seconds.append(time.perf_counter() - t0)
+    return tokens / statistics.median(seconds[1:])
+
+
 def gemv_table(shapes=((1024, 4096), (4096, 4096)), reps: int = 20) -> None:
     """One token's GEMV on the CPU: the compiled TurboQuant kernel (numba) against MLX's
     affine `quantized_matmul` at the same bits, microseconds per product, same run."""
@@ -88,6 +110,8 @@ def main() -> None:
     ap.add_argument("--model", default="pystd-dense", choices=["pystd-dense", "pystd-moe"])
     ap.add_argument("--gemv", action="store_true", help="only the GEMV table (against MLX "
                     "affine quantized_matmul)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also time each variant's prefill of an N-token prompt")
     args = ap.parse_args()
     if args.gemv:
         mx.set_default_device(mx.cpu)
@@ -95,35 +119,49 @@ def main() -> None:
         return
     model_dir = MODELS / args.model
     mx.set_default_device(mx.cpu)
-    results = {}
+    results, prefills = {}, {}
+
+    def run(name, model, tok):
+        results[name] = measure(model, tok, args.tokens)
+        if args.prefill:
+            prefills[name] = prefill_tps(model, args.prefill)
+
     model, tok = mlx_lm_load(str(model_dir))
     try:
-        results["mlx-lm bf16"] = measure(model, tok, args.tokens)
+        run("mlx-lm bf16", model, tok)
     except RuntimeError as e:  # MLX's CPU gather_mm (MoE experts) takes float32 only
         print(f"mlx-lm bf16: {e}; the unquantized peer runs in float32")
         model.set_dtype(mx.float32)
-        results["mlx-lm float32"] = measure(model, tok, args.tokens)
+        run("mlx-lm float32", model, tok)
     nn.quantize(model, group_size=64, bits=4)
-    results["mlx-lm affine-4"] = measure(model, tok, args.tokens)
+    run("mlx-lm affine-4", model, tok)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tq3"
         subprocess.run([sys.executable, "-m", "turboquant", "convert", str(model_dir), str(out),
                         "--bits", "3", "--no-prefect", "-q"], check=True)
         model, tok = load(out)
-        results["turboquant 3-bit (CPU GEMV)"] = measure(model, tok, args.tokens)
-        kernels = {op: dispatch.get(op) for op in ("matvec", "gather_matmul", "linear_group")}
+        run("turboquant 3-bit (CPU GEMV)", model, tok)
+        ops = ("matvec", "matmul", "gather_matmul", "linear_group")
+        kernels = {op: dispatch.registered("cpu", op) for op in ops}
         for op in kernels:
             dispatch.unregister("cpu", op)
         try:
-            results["turboquant 3-bit (reference)"] = measure(model, tok, args.tokens)
+            run("turboquant 3-bit (reference)", model, tok)
         finally:
             for op, kernel in kernels.items():
-                dispatch.register("cpu", op, getattr(kernel, "__wrapped__", kernel))
+                if kernel is not None:
+                    dispatch.register("cpu", op, kernel)
     print(f"CPU decode, {model_dir.name}, {args.tokens} tokens, greedy (tokens/s after the first)")
     peer = results["mlx-lm affine-4"]
     for name, tps in results.items():
         print(f"  {name:>30}: {tps:8.1f} tok/s  ({tps / peer:.2f}x affine-4)")
-    print(f"reproduce: python benchmarks/cpu_decode.py --model {args.model}")
+    if prefills:
+        print(f"CPU prefill of a {args.prefill}-token prompt (prompt tokens/s, median of 3)")
+        peer = prefills["mlx-lm affine-4"]
+        for name, tps in prefills.items():
+            print(f"  {name:>30}: {tps:8.1f} tok/s  ({tps / peer:.2f}x affine-4)")
+    prefill = f" --prefill {args.prefill}" if args.prefill else ""
+    print(f"reproduce: python benchmarks/cpu_decode.py --model {args.model}{prefill}")
 
 
 if __name__ == "__main__":
