@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 
 import mlx.core as mx
 
@@ -33,12 +33,8 @@ PER_EVAL = 4
 def _time(fn, reps: int = 5) -> float:
     """Median seconds per product of `fn()` (PER_EVAL products), after one warm-up."""
     mx.eval(fn())
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        samples.append((time.perf_counter() - t0) / PER_EVAL)
-    return statistics.median(samples)
+    runs = timeit.repeat(lambda: mx.eval(fn()), number=1, repeat=reps)
+    return statistics.median(runs) / PER_EVAL
 
 
 def tq_weights(out_f: int, in_f: int, bits, copies: int):

@@ -38,37 +38,34 @@ def test_round_ratios_pair_each_round_with_the_peers_own():
     assert decode.round_ratios({"tq3": [1.0]}) == {}  # no peer measured
 
 
+def _recording_llama(seen: list):
+    """A one-layer Llama whose calls append (input shape, cache offset, cache) to `seen`."""
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=300))
+    model = llama.Model(args)
+    forward = model.__call__
+    model.__class__ = type("Recorded", (llama.Model,), {
+        "__call__": lambda self, x, cache=None: seen.append((x.shape, cache[0].offset, cache))
+        or forward(x, cache=cache)})
+    return model
+
+
 def test_prefill_tps_times_one_prompt_into_a_fresh_cache():
     """`--prefill N`: prompt tokens per second of an N-token prompt, the median of the
     timed runs after a warm-up; each run starts from an empty cache."""
-    args = llama.ModelArgs.from_dict(dict(
-        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=300))
-    model = llama.Model(args)
-    calls = []
-    forward = model.__call__
-    model.__class__ = type("Counted", (llama.Model,), {
-        "__call__": lambda self, x, cache=None: calls.append((x.shape, cache[0].offset))
-        or forward(x, cache=cache)})
-    tps = decode.prefill_tps(model, tokens=20, repeats=3)
+    seen = []
+    tps = decode.prefill_tps(_recording_llama(seen), tokens=20, repeats=3)
     assert tps > 0
-    assert calls == [((1, 20), 0)] * 4  # one warm-up and 3 timed, each from offset 0
+    assert [(shape, offset) for shape, offset, _ in seen] == [((1, 20), 0)] * 4  # warm-up + 3
 
 
 def test_cpu_prefill_evaluates_the_cache_from_empty_each_run():
-    """benchmarks/cpu_decode.py `--prefill N`: like mlx-lm's prefill it evaluates the cache
-    (the logits stay lazy); every run starts from an empty cache."""
+    """benchmarks/cpu_decode.py `--prefill N`: each run fills a fresh cache, as mlx-lm's
+    prefill does, after one that warms up."""
     import cpu_decode
 
-    args = llama.ModelArgs.from_dict(dict(
-        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=300))
-    model = llama.Model(args)
     seen = []
-    forward = model.__call__
-    model.__class__ = type("Counted", (llama.Model,), {
-        "__call__": lambda self, x, cache=None: seen.append((x.shape, cache[0].offset, cache))
-        or forward(x, cache=cache)})
-    assert cpu_decode.prefill_tps(model, tokens=20, repeats=2) > 0
+    assert cpu_decode.prefill_tps(_recording_llama(seen), tokens=20, repeats=2) > 0
     assert [(shape, offset) for shape, offset, _ in seen] == [((1, 20), 0)] * 3
     assert all(cache[0].offset == 20 for *_, cache in seen)  # each cache filled
