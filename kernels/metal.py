@@ -8,9 +8,9 @@ them out, so no dense weight ever exists. The gathered variant is the same kerne
 the row block chosen per (token, expert) pair.
 
 Registered for "matvec", "matmul" (prefill: `tiles.tiled_matmul`, whose tiles this
-module's `dequantize` kernel decodes to x's dtype, one thread a weight, for MLX's GEMM) and,
-for few pairs, "gather_matmul"; large gathers fall back to the reference, which on a Metal
-device runs as MLX GPU ops.
+module's `dequantize` kernel decodes to x's dtype, one thread a weight, for MLX's GEMM) and
+"gather_matmul" (few pairs: the gathered GEMV; a prefill's many: the reference's grouping
+by expert, each expert in use one tiled product).
 Importing this module off macOS is harmless: nothing registers without Metal.
 """
 
@@ -181,7 +181,7 @@ def tq_matvec(x_rot, codes, scales, bits, group_size, out_features, padded_in, *
 
 
 def tq_gather_matmul(
-    x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **_
+    x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw
 ):
     reference.check_args(
         x_rot, codes, scales, bits, group_size, out_features, padded_in, experts=True
@@ -191,8 +191,11 @@ def tq_gather_matmul(
     pairs = 1
     for b in batch:
         pairs *= b
-    if pairs == 0 or pairs * m > reference.GATHER_MAX_ROWS:
-        raise NotImplementedError  # many pairs: the reference groups them by expert
+    if pairs == 0:
+        raise NotImplementedError  # the reference returns the empty result
+    if pairs * m > reference.GATHER_MAX_ROWS:  # prefill: grouped by expert, tiled products
+        return reference.tq_gather_matmul(x_rot, codes, scales, indices, bits, group_size,
+                                          out_features, padded_in, gemm=tq_matmul, **kw)
     x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs, m, padded_in)
     idx = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.uint32)
     y = _launch(x.astype(mx.float32), codes, scales, idx, bits, group_size, out_features,

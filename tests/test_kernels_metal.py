@@ -192,3 +192,24 @@ def test_metal_prefill_decode_source_writes_the_reference_weights(tmp_path, bits
     w = _emulate_dequant(tmp_path, qt.codes, qt.scales, reference.levels(bits), bits, 32, k)
     want = np.array(reference.dequantize(qt.codes, qt.scales, bits, 32, k))
     np.testing.assert_array_equal(w, want)
+
+
+def test_metal_prefill_experts_group_by_expert_through_the_tiles(monkeypatch):
+    """A prefill's many pairs: the reference's grouping by expert, each expert in use one
+    tiled product whose decode is `metal.dequantize` (stood in for here by the reference's
+    arithmetic: the wiring runs on any machine)."""
+    decoded = []
+
+    def fake(codes, scales, bits, group_size, padded_in, out_dtype=mx.float16):
+        decoded.append(codes.shape[0])
+        return reference.dequantize(codes, scales, bits, group_size, padded_in).astype(out_dtype)
+
+    monkeypatch.setattr(metal, "dequantize", fake)
+    qts, x, xr, codes, scales = _case(3)
+    k = qts[0].spec.padded_in
+    xg = mx.broadcast_to(xr[:1], (20, 1, k))  # 20 pairs: past the gathered GEMV's 16 rows
+    idx = mx.array([0, 2] * 10, dtype=mx.uint32)
+    y = metal.tq_gather_matmul(xg, codes, scales, idx, 3, 32, 20, k)
+    ref = reference.tq_gather_matmul(xg, codes, scales, idx, 3, 32, 20, k)
+    np.testing.assert_allclose(np.array(y), np.array(ref), atol=1e-4)
+    assert decoded == [20, 20]  # experts 0 and 2, one tile each
