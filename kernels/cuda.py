@@ -449,16 +449,51 @@ def _gathered_rows(x_rot: mx.array, indices: mx.array) -> int:
     return math.prod(batch) * x_rot.shape[-2]
 
 
+# Prefill's experts as one decode launch for every expert in use and MLX's `gather_mm`
+# over the pairs, instead of a tiled product per expert (MoE prefill there is bound by the
+# launches: 128 experts x 3 projections a layer). Off until measured on the GPU (session
+# 19 wrote it with no device time left): TURBOQUANT_CUDA_GATHER_MM=1, decode.py -gathermm.
+GATHER_MM = os.environ.get("TURBOQUANT_CUDA_GATHER_MM", "0") == "1"
+
+
 def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
                    *, out_dtype=None, sorted_indices=False):
     """Prefill's experts: the pairs grouped by expert as the reference groups them (one
     host read of the routing), each expert in use one tiled product ("matmul":
-    `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores)."""
+    `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores);
+    with `GATHER_MM`, `gather_mm_experts`."""
     dtype = tiles.compute_dtype(out_dtype or x_rot.dtype)
+    if GATHER_MM:
+        y = gather_mm_experts(x_rot.astype(dtype), codes, scales, indices, bits, group_size,
+                              out_features, padded_in, sorted_indices=sorted_indices)
+        return y.astype(out_dtype or x_rot.dtype)
     return reference.tq_gather_matmul(
         x_rot.astype(dtype), codes, scales, indices, bits, group_size, out_features,
         padded_in, sorted_indices=sorted_indices, out_dtype=out_dtype or x_rot.dtype,
         gemm=dispatch.get("matmul", "cuda"))
+
+
+def gather_mm_experts(x_rot, codes, scales, indices, bits, group_size, out_features,
+                      padded_in, *, sorted_indices=False):
+    """`reference.tq_gather_matmul`'s result in x_rot's dtype: the experts in use (one host
+    read of the routing) decoded in one `cuda_dequant` launch, (used, out, padded_in), and
+    one `mx.gather_mm` over every pair, the routing renumbered to the decoded stack (order
+    kept, so sorted indices stay sorted)."""
+    reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
+                         experts=True)
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32))
+    used = np.unique(routing)
+    renumbered = np.zeros(codes.shape[0], dtype=np.int32)
+    renumbered[used] = np.arange(len(used), dtype=np.int32)
+    picked = mx.array(used)
+    rows = len(used) * out_features
+    w = cuda_dequant.dequantize(codes[picked].reshape(rows, -1), scales[picked].reshape(rows, -1),
+                                bits, group_size, padded_in, x_rot.dtype)
+    w = w.reshape(len(used), out_features, padded_in)
+    local = mx.array(renumbered[routing].astype(np.uint32))
+    return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=local,
+                        sorted_indices=sorted_indices)
 
 
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,

@@ -192,6 +192,31 @@ def test_prefill_experts_run_one_tiled_product_per_expert_in_use(decoded_by_refe
         assert err < (1e-5 if out_dtype == mx.float32 else 2e-2), err
 
 
+@pytest.mark.parametrize("sort", [False, True])
+def test_gather_mm_experts_match_the_reference(decoded_by_reference, monkeypatch, sort):
+    """TURBOQUANT_CUDA_GATHER_MM: the experts in use decoded in one launch (their rows
+    stacked), then MLX's gather_mm over every pair with the routing renumbered; the
+    reference's results, sorted routing (as mlx-lm sorts a long prompt's) included."""
+    monkeypatch.setattr(cuda, "GATHER_MM", True)
+    codes, scales, p = _experts(3, experts=6)
+    x = mx.random.normal((1, 40, 1, 1, p), key=mx.random.key(3))
+    indices = mx.array([[[5, 1]] * 25 + [[1, 3]] * 15], dtype=mx.uint32)  # experts 1, 3, 5
+    if sort:  # as SwitchGLU sorts: one pair a row, in expert order
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        x = x.reshape(40, 1, p)[order // 2]  # (80, 1, K): each pair's token row
+        indices = flat[order]
+    # float32: MLX's CPU gather_mm takes nothing else (the GPU test runs bf16)
+    y = cuda.gather(x, codes, scales, indices, 3, 64, 48, p, out_dtype=mx.float32,
+                    sorted_indices=sort)
+    want = reference.tq_gather_matmul(x, codes, scales, indices, 3, 64, 48, p)
+    assert y.shape == want.shape == ((80, 1, 48) if sort else (1, 40, 2, 1, 48))
+    assert y.dtype == mx.float32
+    assert decoded_by_reference == [(3 * 48, mx.float32)]  # one launch, three experts
+    err = mx.max(mx.abs(y - want)).item() / mx.max(mx.abs(want)).item()
+    assert err < 1e-5, err
+
+
 def test_few_pairs_stay_on_the_decode_kernel(decoded_by_reference, monkeypatch):
     codes, scales, p = _experts()
     calls = []
@@ -279,6 +304,21 @@ def test_prefill_group_matches_the_reference_on_the_gpu(in_f, outs, kind, bias):
 @on_gpu
 @pytest.mark.parametrize("bits", [3, 4, "ternary"])
 def test_prefill_experts_match_the_reference_on_the_gpu(bits):
+    codes, scales, p = _experts(bits, experts=8, out_f=768, in_f=2048)
+    x = mx.random.normal((1, 256, 1, 1, p), key=mx.random.key(8))
+    indices = (mx.random.uniform(shape=(1, 256, 4)) * 8).astype(mx.uint32)
+    want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, 768, p)
+    for out_dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        y = cuda.gather(x, codes, scales, indices, bits, 64, 768, p, out_dtype=out_dtype)
+        assert y.shape == want.shape and y.dtype == out_dtype
+        err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
+        assert err < tol, (bits, out_dtype, err)
+
+
+@on_gpu
+@pytest.mark.parametrize("bits", [3, "ternary"])
+def test_gather_mm_experts_match_the_reference_on_the_gpu(monkeypatch, bits):
+    monkeypatch.setattr(cuda, "GATHER_MM", True)
     codes, scales, p = _experts(bits, experts=8, out_f=768, in_f=2048)
     x = mx.random.normal((1, 256, 1, 1, p), key=mx.random.key(8))
     indices = (mx.random.uniform(shape=(1, 256, 4)) * 8).astype(mx.uint32)
