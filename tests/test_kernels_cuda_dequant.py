@@ -303,7 +303,11 @@ def test_prefill_group_matches_the_reference_on_the_gpu(in_f, outs, kind, bias):
 
 @on_gpu
 @pytest.mark.parametrize("bits", [3, 4, "ternary"])
-def test_prefill_experts_match_the_reference_on_the_gpu(bits):
+@pytest.mark.parametrize("gather_mm", [False, True])
+def test_prefill_experts_match_the_reference_on_the_gpu(monkeypatch, bits, gather_mm):
+    """Prefill's experts: a tiled product per expert in use, or (TURBOQUANT_CUDA_GATHER_MM)
+    one decode launch and MLX's gather_mm."""
+    monkeypatch.setattr(cuda, "GATHER_MM", gather_mm)
     codes, scales, p = _experts(bits, experts=8, out_f=768, in_f=2048)
     x = mx.random.normal((1, 256, 1, 1, p), key=mx.random.key(8))
     indices = (mx.random.uniform(shape=(1, 256, 4)) * 8).astype(mx.uint32)
@@ -312,22 +316,7 @@ def test_prefill_experts_match_the_reference_on_the_gpu(bits):
         y = cuda.gather(x, codes, scales, indices, bits, 64, 768, p, out_dtype=out_dtype)
         assert y.shape == want.shape and y.dtype == out_dtype
         err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
-        assert err < tol, (bits, out_dtype, err)
-
-
-@on_gpu
-@pytest.mark.parametrize("bits", [3, "ternary"])
-def test_gather_mm_experts_match_the_reference_on_the_gpu(monkeypatch, bits):
-    monkeypatch.setattr(cuda, "GATHER_MM", True)
-    codes, scales, p = _experts(bits, experts=8, out_f=768, in_f=2048)
-    x = mx.random.normal((1, 256, 1, 1, p), key=mx.random.key(8))
-    indices = (mx.random.uniform(shape=(1, 256, 4)) * 8).astype(mx.uint32)
-    want = reference.tq_gather_matmul(x, codes, scales, indices, bits, 64, 768, p)
-    for out_dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
-        y = cuda.gather(x, codes, scales, indices, bits, 64, 768, p, out_dtype=out_dtype)
-        assert y.shape == want.shape and y.dtype == out_dtype
-        err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
-        assert err < tol, (bits, out_dtype, err)
+        assert err < tol, (bits, gather_mm, out_dtype, err)
 
 
 @on_gpu
