@@ -1,7 +1,8 @@
-"""turboquant.kernels: TurboQuant decode kernels and their dispatch.
+"""turboquant.kernels: TurboQuant decode and prefill kernels and their dispatch.
 
-`reference` is pure MLX (the CPU path and the oracle); `dispatch` picks a CUDA or Metal
-kernel when one is registered for the current device, and the reference otherwise.
+`reference` is pure MLX (the CPU path and the oracle); `dispatch` picks a CUDA, Metal or
+CPU (numba) kernel when one is registered for the current device, and the reference
+otherwise; `tiles` is the prefill product the GPU backends share.
 """
 
 from .dispatch import (
