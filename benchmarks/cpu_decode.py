@@ -32,6 +32,8 @@ from mlx_lm.sample_utils import make_sampler
 from turboquant.kernels import dispatch
 from turboquant.runtime import load
 
+import decode  # noqa: E402  (benchmarks/decode.py, beside this script)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "reference" / "models"
 PROMPT = "def read_config(path):\n"
@@ -53,22 +55,9 @@ def measure(model, tokenizer, tokens: int) -> float:
 
 
 def prefill_tps(model, tokens: int, repeats: int = 3) -> float:
-    """Prompt tokens per second of a `tokens`-long prompt into a fresh cache, the cache
-    evaluated as mlx-lm's prefill evaluates it (not the logits): the median of `repeats`
-    after one that warms up."""
-    import statistics
-
-    from mlx_lm.models.cache import make_prompt_cache
-
-    prompt = mx.array([[i % 250 + 1 for i in range(tokens)]])
-    seconds = []
-    for _ in range(repeats + 1):
-        cache = make_prompt_cache(model)
-        t0 = time.perf_counter()
-        model(prompt, cache=cache)
-        mx.eval([c.state for c in cache])
-        seconds.append(time.perf_counter() - t0)
-    return tokens / statistics.median(seconds[1:])
+    """Prompt tokens per second of a `tokens`-long prompt, the cache evaluated as mlx-lm's
+    prefill evaluates it (not the logits): decode.py's measure."""
+    return decode.prefill_tps(model, tokens, repeats, cache_only=True)
 
 
 def gemv_table(shapes=((1024, 4096), (4096, 4096)), reps: int = 20) -> None:

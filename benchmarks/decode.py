@@ -206,9 +206,11 @@ def split_ms(model, steps: int = 32, prompt_len: int = 16) -> tuple[float, float
     return 1e3 * build / steps, 1e3 * (total - build) / steps
 
 
-def prefill_tps(model, tokens: int, repeats: int = 3) -> float:
+def prefill_tps(model, tokens: int, repeats: int = 3, cache_only: bool = False) -> float:
     """Prompt tokens per second of one `tokens`-long prompt into a fresh cache: the median
-    of `repeats` timed runs after one that warms up (kernels compiled, layouts built)."""
+    of `repeats` timed runs after one that warms up (kernels compiled, layouts built).
+    The logits are evaluated, or with `cache_only` only the cache, as mlx-lm's prefill
+    does (benchmarks/cpu_decode.py)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.array([[i % 250 + 1 for i in range(tokens)]])
@@ -216,7 +218,8 @@ def prefill_tps(model, tokens: int, repeats: int = 3) -> float:
     for _ in range(repeats + 1):
         cache = make_prompt_cache(model)
         start = time.perf_counter()
-        mx.eval(model(prompt, cache=cache))
+        logits = model(prompt, cache=cache)
+        mx.eval([c.state for c in cache] if cache_only else logits)
         seconds.append(time.perf_counter() - start)
     return tokens / statistics.median(seconds[1:])
 

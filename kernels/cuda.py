@@ -462,15 +462,15 @@ def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features
     host read of the routing), each expert in use one tiled product ("matmul":
     `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores);
     with `GATHER_MM`, `gather_mm_experts`."""
-    dtype = tiles.compute_dtype(out_dtype or x_rot.dtype)
+    out_dtype = out_dtype or x_rot.dtype
+    x = x_rot.astype(tiles.compute_dtype(out_dtype))
     if GATHER_MM:
-        y = gather_mm_experts(x_rot.astype(dtype), codes, scales, indices, bits, group_size,
-                              out_features, padded_in, sorted_indices=sorted_indices)
-        return y.astype(out_dtype or x_rot.dtype)
+        y = gather_mm_experts(x, codes, scales, indices, bits, group_size, out_features,
+                              padded_in, sorted_indices=sorted_indices)
+        return y.astype(out_dtype)
     return reference.tq_gather_matmul(
-        x_rot.astype(dtype), codes, scales, indices, bits, group_size, out_features,
-        padded_in, sorted_indices=sorted_indices, out_dtype=out_dtype or x_rot.dtype,
-        gemm=dispatch.get("matmul", "cuda"))
+        x, codes, scales, indices, bits, group_size, out_features, padded_in,
+        sorted_indices=sorted_indices, out_dtype=out_dtype, gemm=dispatch.get("matmul", "cuda"))
 
 
 def gather_mm_experts(x_rot, codes, scales, indices, bits, group_size, out_features,
