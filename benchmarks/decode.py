@@ -282,13 +282,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12, help="decoder layers of the --moe model")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the host side of decoding (first variant only), top 30 by own time")
+    ap.add_argument("--memory-limit-gb", type=float, default=0,
+                    help="mx.set_memory_limit before building (MLX waits for work in flight "
+                         "once its active memory passes the limit): the peak a machine with "
+                         "that much memory would see")
     args = ap.parse_args()
+    if args.memory_limit_gb:
+        mx.set_memory_limit(int(args.memory_limit_gb * 2**30))
+    limit = mx.set_memory_limit(0)  # reading the limit means setting one: put it back
+    mx.set_memory_limit(limit)
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)")
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
           f"MLX_USE_CUDA_GRAPHS={graphs}, "
           f"TurboQuant CUDA linears {'fused' if cuda.FUSED else 'unfused'}, "
           f"decoder blocks {'fused' if fuse.BLOCKS else 'as mlx-lm'}, "
-          f"experts {'rotated in their launch' if cuda.FUSED_GATHER else 'rotated by MLX ops'}")
+          f"experts {'rotated in their launch' if cuda.FUSED_GATHER else 'rotated by MLX ops'}, "
+          f"memory limit {limit / 2**30:.1f} GiB")
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     QWEN3_30B_A3B.update(num_hidden_layers=args.layers)

@@ -210,7 +210,8 @@ class _Plan:
         """The fused launch's inputs after the row's (`cuda_linear.WEIGHTS`' order)."""
         return [self.signs, self.mix, self.low, self.high, self.scales, self.levels, self.bias]
 
-    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool, bool], views=None):
+    def bind(self, lead: tuple, dtype, mode: tuple[bool, bool, bool, bool], views=None,
+             given=None):
         """f(x, extras) for inputs of leading shape `lead` and `dtype`, extras of `mode`:
         the fused launch with the weights bound (the two-launch path: this plan's call).
         For the modes a fused decoder block uses, f reads the extras' arrays itself and
@@ -219,10 +220,14 @@ class _Plan:
         position and inverse frequencies, weights. `views`: the outputs' shapes
         (`group.bind_linear_group`), which the fused launch declares itself: the kernel
         writes each output row-major in either shape. RoPE needs the rows in pairs of its
-        head size (NotImplementedError otherwise: the caller rotates with MLX's op)."""
+        head size (NotImplementedError otherwise: the caller rotates with MLX's op). The
+        fused launch reads x's row-contiguous memory whatever shape x is `given` in (the
+        rows are `lead`'s); the two-launch path does not (NotImplementedError)."""
         if mode[3] and (views is None or any(v[-1] != self.pairs for v in views[:2])):
             raise NotImplementedError  # no pairs (0 unless fused) of the views' head size
         if not self.fused:
+            if given is not None:
+                raise NotImplementedError
             return group.viewed(self.__call__, views)
         launch = self._launch(lead, dtype, mode)
         if views is not None:
@@ -349,10 +354,13 @@ def prefill_group(x, members, extras=group.NO_EXTRAS):
     return group.with_residual(outs, extras)
 
 
-def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS, views=None):
+def bind_linear_group(x, members, prepared=None, extras=group.NO_EXTRAS, views=None,
+                      given=None):
     """`group.bind_linear_group` on CUDA: the plan's launch for x's shape and dtype and
-    extras' mode, its weights bound, its outputs in the `views`' shapes if given."""
-    return _group_plan(x, members, prepared).bind(x.shape[:-1], x.dtype, extras.mode, views)
+    extras' mode, its weights bound, its outputs in the `views`' shapes if given; the
+    fused launch reads x's memory in the shape it is `given` in (no reshape)."""
+    return _group_plan(x, members, prepared).bind(x.shape[:-1], x.dtype, extras.mode, views,
+                                                  given)
 
 
 linear_group.bind = bind_linear_group
@@ -474,26 +482,55 @@ def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features
 
 
 def gather_mm_experts(x_rot, codes, scales, indices, bits, group_size, out_features,
-                      padded_in, *, sorted_indices=False):
-    """`reference.tq_gather_matmul`'s result in x_rot's dtype: the experts in use (one host
-    read of the routing) decoded in one `cuda_dequant` launch, (used, out, padded_in), and
-    one `mx.gather_mm` over every pair, the routing renumbered to the decoded stack (order
-    kept, so sorted indices stay sorted)."""
+                      padded_in, *, sorted_indices=False, chunk=None):
+    """`reference.tq_gather_matmul`'s result in x_rot's dtype through MLX's `gather_mm`:
+    the experts in use (one host read of the routing) decoded by `cuda_dequant`, stacked,
+    with the routing renumbered to the stack. At most `chunk` weights (`tiles.CHUNK`) are
+    decoded at once: where the experts in use hold more, the pairs run in expert order,
+    a run of experts per launch, each launch's decode waiting on the previous product."""
     reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
                          experts=True)
     batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
-    routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32))
+    routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32)).reshape(-1)
     used = np.unique(routing)
-    renumbered = np.zeros(codes.shape[0], dtype=np.int32)
-    renumbered[used] = np.arange(len(used), dtype=np.int32)
-    picked = mx.array(used)
-    rows = len(used) * out_features
-    w = cuda_dequant.dequantize(codes[picked].reshape(rows, -1), scales[picked].reshape(rows, -1),
-                                bits, group_size, padded_in, x_rot.dtype)
-    w = w.reshape(len(used), out_features, padded_in)
-    local = mx.array(renumbered[routing].astype(np.uint32))
-    return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=local,
-                        sorted_indices=sorted_indices)
+    per_launch = max(1, (chunk or tiles.CHUNK) // (out_features * padded_in))
+    if len(used) <= per_launch:
+        w = _decoded_experts(codes, scales, used, bits, group_size, padded_in, x_rot.dtype, x_rot)
+        local = np.searchsorted(used, routing).astype(np.uint32).reshape(batch)
+        return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=mx.array(local),
+                            sorted_indices=sorted_indices)
+    m = x_rot.shape[-2]
+    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(-1, m, padded_in)
+    order = np.argsort(routing, kind="stable")
+    in_order = bool(np.all(order == np.arange(len(order))))
+    if not in_order:
+        x = x[mx.array(order.astype(np.int32))]
+    routed = routing[order]
+    parts, prev = [], x
+    for first in range(0, len(used), per_launch):
+        experts = used[first:first + per_launch]
+        lo = np.searchsorted(routed, experts[0], side="left")
+        hi = np.searchsorted(routed, experts[-1], side="right")
+        w = _decoded_experts(codes, scales, experts, bits, group_size, padded_in, x.dtype, prev)
+        local = mx.array(np.searchsorted(experts, routed[lo:hi]).astype(np.uint32))
+        prev = mx.gather_mm(x[lo:hi], w.swapaxes(-1, -2), rhs_indices=local,
+                            sorted_indices=True)
+        parts.append(prev)
+    y = mx.concatenate(parts, axis=0)
+    if not in_order:
+        y = y[mx.array(np.argsort(order).astype(np.int32))]
+    return y.reshape(*batch, m, out_features)
+
+
+def _decoded_experts(codes, scales, experts, bits, group_size, padded_in, dtype, after):
+    """(len(experts), out, padded_in) in `dtype`: the experts' weights decoded in one
+    `cuda_dequant` launch that waits on `after`."""
+    picked = mx.array(experts.astype(np.int32))
+    rows = len(experts) * codes.shape[1]
+    w = cuda_dequant.dequantize(mx.depends(codes[picked], after).reshape(rows, -1),
+                                scales[picked].reshape(rows, -1), bits, group_size,
+                                padded_in, dtype)
+    return w.reshape(len(experts), codes.shape[1], padded_in)
 
 
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
