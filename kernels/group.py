@@ -189,7 +189,8 @@ def reference_group(x: mx.array, members: tuple[Member, ...], prepared=None,
 
 
 def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | None = None,
-                      extras: Extras = NO_EXTRAS, views: tuple | None = None):
+                      extras: Extras = NO_EXTRAS, views: tuple | None = None,
+                      given: tuple | None = None):
     """`tq_linear_group` for inputs of x's shape and dtype and extras of its mode, as a
     callable f(x, extras): the checks and the choice of kernel are made here, once, so a
     decode step that calls it for every token pays little more than the launch. A
@@ -200,20 +201,30 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
     attention's heads), for a caller that would reshape them at once. A backend's launch
     may declare them as its outputs' shapes, saving the reshapes; otherwise f reshapes.
     Extras with a `Rope` need views; a backend's launch may rotate as it stores (CUDA's
-    fused one), otherwise f applies the attention's RoPE module to the views."""
+    fused one), otherwise f applies the attention's RoPE module to the views.
+
+    `given`: the shape f's x will arrive in, where it is not x's (the same values in
+    row-contiguous memory: an attention's (B, heads, 1, D) output as o_proj's (B, 1,
+    heads * D) row). A backend's launch may read that memory as it is (CUDA's fused one),
+    saving the reshape; otherwise f reshapes x to x's shape first."""
     check_members(x, members)
     check_extras(x, members, extras)
     if views is not None:
         check_views(x, members, views)
     if extras.rope is not None:
         check_rope(members, extras.rope, views)
+    if given is not None and math.prod(given) != x.size:
+        raise ValueError(f"x given as {tuple(given)} cannot be read as {tuple(x.shape)}")
     fn = dispatch.get("linear_group")
     binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
         try:
-            return binder(x, members, prepared, extras, views)
+            return binder(x, members, prepared, extras, views, given)
         except NotImplementedError:  # the kernel does not cover these: it falls back per call
             pass
+    if given is not None:
+        run, shape = bind_linear_group(x, members, prepared, extras, views), tuple(x.shape)
+        return lambda x, extras: run(x.reshape(shape), extras)
     if extras.rope is not None:
         # the call bound without RoPE (which it ignores in the extras it is given), then
         # mlx-lm's RoPE on the viewed queries and keys

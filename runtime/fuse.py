@@ -219,10 +219,11 @@ def _attend(block, qkv: tuple, mask, cache) -> mx.array:
 
 
 def _attention_out(block, o: mx.array, x: mx.array) -> mx.array:
-    """x + o_proj(o) for the attention's output o (B, heads, 1, D): one reshape to the
-    token's row, the residual in o_proj's call."""
+    """x + o_proj(o) for the attention's output o (B, heads, 1, D), read as the token's row
+    (on CUDA the launch reads o's memory so: no reshape), the residual in o_proj's call."""
     out = block["self_attn"]["o_proj"]._alone
-    return out.outputs(o.reshape(x.shape[0], 1, -1), Extras(residual=x))[0]
+    row = (x.shape[0], 1, o.shape[1] * o.shape[-1])
+    return out.outputs(o, Extras(residual=x), read_as=row)[0]
 
 
 def _moe_half(block, h: mx.array) -> mx.array:

@@ -229,30 +229,40 @@ class LinearGroup:
             self.pending = None
         return pending[1][index]
 
-    def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS, views=None) -> list[mx.array]:
+    def outputs(self, x: mx.array, extras=kernels.NO_EXTRAS, views=None,
+                read_as=None) -> list[mx.array]:
         """Every member's output for x, with `extras` around the product; in the shapes
-        `views` (one per member) if given.
+        `views` (one per member) if given; x read in the shape `read_as` if given (the
+        same values, x row-contiguous: an attention's heads as o_proj's row).
 
         A decode step (a few tokens) runs the group call bound for x's shape and dtype
         (`kernels.bind_linear_group`): the host builds each token's graph with only the
-        launch left to do. Prefill, whose shapes vary, calls `tq_linear_group`."""
+        launch left to do (CUDA's reads x's memory as `read_as` without a reshape).
+        Prefill, whose shapes vary, calls `tq_linear_group`."""
         if self.checked != _arrays_version:  # some TQLinear's arrays changed: ours?
             self._check_members()
         shape = x.shape
-        if x.size > dispatch.MATVEC_MAX_TOKENS * shape[-1]:
+        width = shape[-1] if read_as is None else read_as[-1]
+        if x.size > dispatch.MATVEC_MAX_TOKENS * width:
+            x = x if read_as is None else x.reshape(read_as)
             with dispatch.graph_only() if self.lazy else contextlib.nullcontext():
                 return reshaped(kernels.tq_linear_group(x, self.members, self.prepared,
                                                         extras), views)
         # what `bind_linear_group` chose depends on the device and the registered kernels
         # (`dispatch.backend()` on whether it is a GPU; the type's enum hashes in Python)
         on_gpu = mx.default_device().type == mx.gpu
-        key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0], views)
+        key = (shape, x.dtype, extras.mode, on_gpu, dispatch.GENERATION[0], views, read_as)
         try:  # not `.get`: a method call on every token, where a miss is once per shape
             run = self.bound[key]
         except KeyError:
-            run = self.bound[key] = kernels.bind_linear_group(x, self.members, self.prepared,
-                                                              extras, views)
+            run = self.bound[key] = self._bind(x, extras, views, read_as)
         return run(x, extras)
+
+    def _bind(self, x: mx.array, extras, views, read_as):
+        if read_as is None:
+            return kernels.bind_linear_group(x, self.members, self.prepared, extras, views)
+        return kernels.bind_linear_group(x.reshape(read_as), self.members, self.prepared,
+                                         extras, views, given=tuple(x.shape))
 
     def _check_members(self) -> None:
         """New or replaced weights: describe them anew, and let go of what was derived

@@ -66,11 +66,13 @@ def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatc
     """host_ops.py on a small Llama, CUDA path faked: a fused TQ3 decoder layer's step is
     its 4 kernel calls and at most affine-4's 30 Python calls (70 before session 13: the
     member checks, `dispatch.backend()`, the extras' helpers, Module.__getattr__ on every
-    linear call), 7 builtins (58), all of them mlx-lm's attention's."""
+    linear call), 7 builtins (58), all of them mlx-lm's attention's; no reshape."""
     tq3 = _fake_cuda_layer(monkeypatch, "LLAMA3_8B", moe=False, hidden_size=256,
                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     assert tq3["calls"] == 4  # q/k/v, o_proj, gate/up, down_proj: the CUDA path ran
     assert tq3["py_calls"] <= 30 and tq3["c_calls"] <= 7
+    # o_proj's launch reads the attention's heads as its row: no reshape (session 20)
+    assert "Reshape" not in tq3["ops"], tq3["ops"]
 
 
 def test_a_tq3_moe_layer_binds_its_experts_calls(monkeypatch):

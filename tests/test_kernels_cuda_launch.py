@@ -260,6 +260,34 @@ def test_a_bound_call_declares_the_views_as_its_output_shapes(kernels, monkeypat
     assert all(mx.array_equal(a.reshape(v), b) for a, b, v in zip(want, got, views))
 
 
+def test_a_bound_call_reads_x_in_the_shape_it_is_given(kernels, monkeypatch):
+    """`given` (o_proj reading an attention's (B, heads, 1, D) output as its row): the
+    fused launch takes that array as it is, no reshape, with the launch the row's call
+    makes; elsewhere the bound call reshapes first, to the same values."""
+    o = _members(256, (256,))
+    row = mx.arange(256).astype(mx.bfloat16).reshape(1, 1, 256) / 256
+    heads = row.reshape(1, 4, 1, 64)
+    res = mx.ones((1, 1, 256), dtype=mx.bfloat16)
+    extras = group.Extras(residual=res)
+    prepared = {}
+    plain = cuda.bind_linear_group(row, o, prepared, extras)(row, extras)
+    read = cuda.bind_linear_group(row, o, prepared, extras, given=(1, 4, 1, 64))(heads, extras)
+    (rec,) = kernels.values()
+    first, second = rec.calls
+    assert second["inputs"][0] is heads  # no reshape before the launch
+    assert second["shapes"] == first["shapes"] == [(1, 1, 256)]
+    assert [y.shape for y in read] == [y.shape for y in plain]
+    with pytest.raises(ValueError, match="cannot be read as"):
+        group.bind_linear_group(row, o, {}, extras, given=(1, 4, 1, 32))
+    monkeypatch.setattr(cuda, "FUSED", False)  # the two-launch path declines: rotate reads x
+    with pytest.raises(NotImplementedError):
+        cuda.bind_linear_group(row, o, {}, extras, given=(1, 4, 1, 64))
+    # elsewhere (here: the CPU's kernel) the bound call reshapes first: the same values
+    want = group.bind_linear_group(row, o, {}, extras)(row, extras)
+    got = group.bind_linear_group(row, o, {}, extras, given=(1, 4, 1, 64))(heads, extras)
+    assert got[0].shape == (1, 1, 256) and mx.array_equal(want[0], got[0]).item()
+
+
 def test_binding_prefill_or_an_unfusable_group_is_left_to_the_reference(kernels):
     with pytest.raises(NotImplementedError):
         cuda.bind_linear_group(mx.zeros((9, 256)), _members(256, (64,)), {})
