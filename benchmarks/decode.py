@@ -139,7 +139,8 @@ def variant_switches(variant: str):
     """While inside, the runtime switches a variant's suffixes name (see --variants)."""
     with reference_kernel("gather_matmul", "-refgather" in variant), \
             reference_kernel("matmul", "-refmatmul" in variant), \
-            switched(cuda, "GATHER_MM", True if "-gathermm" in variant else None), \
+            switched(cuda, "GATHER_MM", True if "-gathermm" in variant
+                     else False if "-perexpert" in variant else None), \
             switched(cuda, "COMPACT_GATHER", True if "-compact" in variant
                      else False if "-broadcast" in variant else None), \
             switched(fuse, "COMPILE_STEP", True if "-compiled" in variant
@@ -262,8 +263,9 @@ def main() -> None:
                          "tqN-single: one kernel per linear; "
                          "a -refgather suffix runs the experts through the pure-MLX gather, "
                          "-refmatmul prefill's products through the pure-MLX GEMM, "
-                         "-gathermm prefill's experts decoded in one launch and multiplied "
-                         "by MLX's gather_mm (GATHER_MM), "
+                         "-gathermm / -perexpert prefill's experts decoded in one launch "
+                         "and multiplied by MLX's gather_mm (GATHER_MM, the default) / "
+                         "one tiled product per expert in use, "
                          "-compact / -broadcast through the compact / broadcast gathered "
                          "path (COMPACT_GATHER), "
                          "-compiled / -eager with fused blocks' single-token step compiled "

@@ -457,11 +457,13 @@ def _gathered_rows(x_rot: mx.array, indices: mx.array) -> int:
     return math.prod(batch) * x_rot.shape[-2]
 
 
-# Prefill's experts as one decode launch for every expert in use and MLX's `gather_mm`
-# over the pairs, instead of a tiled product per expert (MoE prefill there is bound by the
-# launches: 128 experts x 3 projections a layer). Off until measured on the GPU (session
-# 19 wrote it with no device time left): TURBOQUANT_CUDA_GATHER_MM=1, decode.py -gathermm.
-GATHER_MM = os.environ.get("TURBOQUANT_CUDA_GATHER_MM", "0") == "1"
+# Prefill's experts as one decode launch for the experts in use (runs of them up to
+# `tiles.CHUNK` weights) and MLX's `gather_mm` over the pairs, instead of a tiled product
+# per expert, which is bound by its launches (128 experts x 3 projections a layer). On
+# the H200 (session 20) a Qwen3-30B-A3B-shaped 2048-token prefill ran 14.2-17.5K prompt
+# tok/s this way against 8.5-10.5K per expert (affine-4 5.2K), peak 10.2 against 8.8 GB.
+# TURBOQUANT_CUDA_GATHER_MM=0 (decode.py -perexpert) for the product per expert.
+GATHER_MM = os.environ.get("TURBOQUANT_CUDA_GATHER_MM", "1") == "1"
 
 
 def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
@@ -469,7 +471,7 @@ def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features
     """Prefill's experts: the pairs grouped by expert as the reference groups them (one
     host read of the routing), each expert in use one tiled product ("matmul":
     `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores);
-    with `GATHER_MM`, `gather_mm_experts`."""
+    with `GATHER_MM` (the default), `gather_mm_experts`."""
     out_dtype = out_dtype or x_rot.dtype
     x = x_rot.astype(tiles.compute_dtype(out_dtype))
     if GATHER_MM:

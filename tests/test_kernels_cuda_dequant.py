@@ -175,10 +175,12 @@ def _experts(bits=3, experts=4, out_f=48, in_f=100):
 
 
 @pytest.mark.parametrize("bits", [3, "ternary"])
-def test_prefill_experts_run_one_tiled_product_per_expert_in_use(decoded_by_reference, bits):
-    """Prefill's gathered experts on CUDA (more pairs x rows than the decode kernel takes):
-    the reference's grouping by expert, each expert in use one tiled product in the output
-    dtype; the reference's results."""
+def test_prefill_experts_run_one_tiled_product_per_expert_in_use(decoded_by_reference,
+                                                                monkeypatch, bits):
+    """Prefill's gathered experts on CUDA (more pairs x rows than the decode kernel takes)
+    with TURBOQUANT_CUDA_GATHER_MM=0: the reference's grouping by expert, each expert in
+    use one tiled product in the output dtype; the reference's results."""
+    monkeypatch.setattr(cuda, "GATHER_MM", False)
     codes, scales, p = _experts(bits)
     x = mx.random.normal((1, 40, 1, 1, p), key=mx.random.key(3))  # (B, L, 1, 1, K) as SwitchGLU
     indices = mx.array([[[0, 2]] * 25 + [[2, 3]] * 15], dtype=mx.uint32)  # (B, L, k): 80 pairs
