@@ -239,10 +239,12 @@ def check_layer(bits: int = 3, out_f: int = 512, in_f: int = 1000) -> float:
     return float(mx.max(mx.abs(got - want)) / mx.max(mx.abs(want)))
 
 
-def run_variant(model, args) -> list[float] | None:
+def run_variant(model, args, first: bool = False) -> list[float] | None:
     """Per-token seconds of a decode after a warm-up (`token_gaps`); None when --profile
-    printed a profile instead."""
-    decode_tps(model, 8)  # warm up: compile kernels, prepare layouts
+    printed a profile instead. The `first` variant of a process warms up as long as it
+    is timed: on the H200 a process's first round ran 35-45% slower than its others
+    (session 20: affine-4 77 and 93 tok/s, then 126-155), which skewed its ratios."""
+    decode_tps(model, max(8, args.tokens) if first else 8)  # compile kernels, build layouts
     if not args.profile:
         return token_gaps(model, args.tokens)
     import cProfile
@@ -312,10 +314,10 @@ def main() -> None:
                              vocab_size=512)
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     prefills: dict[str, list[float]] = {}  # variant -> prompt tokens/s of each round
-    for variant in args.variants.split(","):
+    for i, variant in enumerate(args.variants.split(",")):
         with variant_switches(variant):  # the model built inside: `load` reads some
             model = build(variant, moe=args.moe)
-            gaps = run_variant(model, args)
+            gaps = run_variant(model, args, first=i == 0)
             if gaps is None:
                 return
             building, evaluating = split_ms(model)

@@ -69,3 +69,18 @@ def test_cpu_prefill_evaluates_the_cache_from_empty_each_run():
     assert cpu_decode.prefill_tps(_recording_llama(seen), tokens=20, repeats=2) > 0
     assert [(shape, offset) for shape, offset, _ in seen] == [((1, 20), 0)] * 3
     assert all(cache[0].offset == 20 for *_, cache in seen)  # each cache filled
+
+
+def test_a_process_first_variant_warms_up_as_long_as_it_is_timed(monkeypatch):
+    """A process's first round ran 35-45% slow on the H200: the first variant's warm-up
+    decodes as many tokens as the timed run, the others' 8."""
+    warmups = []
+    monkeypatch.setattr(decode, "decode_tps", lambda model, tokens: warmups.append(tokens))
+    monkeypatch.setattr(decode, "token_gaps", lambda model, tokens: [0.01] * tokens)
+
+    class Args:
+        tokens, profile = 256, False
+
+    assert decode.run_variant(None, Args, first=True) == [0.01] * 256
+    decode.run_variant(None, Args)
+    assert warmups == [256, 8]
