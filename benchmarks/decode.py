@@ -293,8 +293,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.memory_limit_gb:
         mx.set_memory_limit(int(args.memory_limit_gb * 2**30))
-    limit = mx.set_memory_limit(0)  # reading the limit means setting one: put it back
-    mx.set_memory_limit(limit)
+    limit = mx.get_memory_limit()
     graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)")
     print(f"device {mx.default_device()}, kernels: {dispatch.describe()}, "
           f"MLX_USE_CUDA_GRAPHS={graphs}, "

@@ -484,18 +484,19 @@ def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features
 
 
 def gather_mm_experts(x_rot, codes, scales, indices, bits, group_size, out_features,
-                      padded_in, *, sorted_indices=False, chunk=None):
+                      padded_in, *, sorted_indices=False):
     """`reference.tq_gather_matmul`'s result in x_rot's dtype through MLX's `gather_mm`:
     the experts in use (one host read of the routing) decoded by `cuda_dequant`, stacked,
-    with the routing renumbered to the stack. At most `chunk` weights (`tiles.CHUNK`) are
-    decoded at once: where the experts in use hold more, the pairs run in expert order,
-    a run of experts per launch, each launch's decode waiting on the previous product."""
+    with the routing renumbered to the stack. At most `tiles.CHUNK` weights are decoded at
+    once (or one expert, if larger): where the experts in use hold more, the pairs run in
+    expert order, a run of experts per launch, each launch's decode waiting on the
+    previous product."""
     reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
                          experts=True)
     batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
     routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32)).reshape(-1)
     used = np.unique(routing)
-    per_launch = max(1, (chunk or tiles.CHUNK) // (out_features * padded_in))
+    per_launch = max(1, tiles.CHUNK // (out_features * padded_in))
     if len(used) <= per_launch:
         w = _decoded_experts(codes, scales, used, bits, group_size, padded_in, x_rot.dtype, x_rot)
         local = np.searchsorted(used, routing).astype(np.uint32).reshape(batch)
