@@ -468,72 +468,20 @@ GATHER_MM = os.environ.get("TURBOQUANT_CUDA_GATHER_MM", "1") == "1"
 
 def prefill_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
                    *, out_dtype=None, sorted_indices=False):
-    """Prefill's experts: the pairs grouped by expert as the reference groups them (one
-    host read of the routing), each expert in use one tiled product ("matmul":
-    `cuda_dequant.matmul`) in the output's dtype (bf16 for a bf16 model: tensor cores);
-    with `GATHER_MM` (the default), `gather_mm_experts`."""
+    """Prefill's experts, in the output's dtype (bf16 for a bf16 model: tensor cores). With
+    `GATHER_MM` (the default) `cuda_dequant.gather_matmul`: the experts in use decoded a
+    run at a time, then MLX's `gather_mm`. Otherwise the pairs grouped by expert as the
+    reference groups them, each expert in use one tiled product ("matmul":
+    `cuda_dequant.matmul`)."""
     out_dtype = out_dtype or x_rot.dtype
     x = x_rot.astype(tiles.compute_dtype(out_dtype))
     if GATHER_MM:
-        y = gather_mm_experts(x, codes, scales, indices, bits, group_size, out_features,
-                              padded_in, sorted_indices=sorted_indices)
+        y = cuda_dequant.gather_matmul(x, codes, scales, indices, bits, group_size,
+                                       out_features, padded_in, sorted_indices=sorted_indices)
         return y.astype(out_dtype)
     return reference.tq_gather_matmul(
         x, codes, scales, indices, bits, group_size, out_features, padded_in,
         sorted_indices=sorted_indices, out_dtype=out_dtype, gemm=dispatch.get("matmul", "cuda"))
-
-
-def gather_mm_experts(x_rot, codes, scales, indices, bits, group_size, out_features,
-                      padded_in, *, sorted_indices=False):
-    """`reference.tq_gather_matmul`'s result in x_rot's dtype through MLX's `gather_mm`:
-    the experts in use (one host read of the routing) decoded by `cuda_dequant`, stacked,
-    with the routing renumbered to the stack. At most `tiles.CHUNK` weights are decoded at
-    once (or one expert, if larger): where the experts in use hold more, the pairs run in
-    expert order, a run of experts per launch, each launch's decode waiting on the
-    previous product."""
-    reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
-                         experts=True)
-    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
-    routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32)).reshape(-1)
-    used = np.unique(routing)
-    per_launch = max(1, tiles.CHUNK // (out_features * padded_in))
-    if len(used) <= per_launch:
-        w = _decoded_experts(codes, scales, used, bits, group_size, padded_in, x_rot.dtype, x_rot)
-        local = np.searchsorted(used, routing).astype(np.uint32).reshape(batch)
-        return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=mx.array(local),
-                            sorted_indices=sorted_indices)
-    m = x_rot.shape[-2]
-    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(-1, m, padded_in)
-    order = np.argsort(routing, kind="stable")
-    in_order = bool(np.all(order == np.arange(len(order))))
-    if not in_order:
-        x = x[mx.array(order.astype(np.int32))]
-    routed = routing[order]
-    parts, prev = [], x
-    for first in range(0, len(used), per_launch):
-        experts = used[first:first + per_launch]
-        lo = np.searchsorted(routed, experts[0], side="left")
-        hi = np.searchsorted(routed, experts[-1], side="right")
-        w = _decoded_experts(codes, scales, experts, bits, group_size, padded_in, x.dtype, prev)
-        local = mx.array(np.searchsorted(experts, routed[lo:hi]).astype(np.uint32))
-        prev = mx.gather_mm(x[lo:hi], w.swapaxes(-1, -2), rhs_indices=local,
-                            sorted_indices=True)
-        parts.append(prev)
-    y = mx.concatenate(parts, axis=0)
-    if not in_order:
-        y = y[mx.array(np.argsort(order).astype(np.int32))]
-    return y.reshape(*batch, m, out_features)
-
-
-def _decoded_experts(codes, scales, experts, bits, group_size, padded_in, dtype, after):
-    """(len(experts), out, padded_in) in `dtype`: the experts' weights decoded in one
-    `cuda_dequant` launch that waits on `after`."""
-    picked = mx.array(experts.astype(np.int32))
-    rows = len(experts) * codes.shape[1]
-    w = cuda_dequant.dequantize(mx.depends(codes[picked], after).reshape(rows, -1),
-                                scales[picked].reshape(rows, -1), bits, group_size,
-                                padded_in, dtype)
-    return w.reshape(len(experts), codes.shape[1], padded_in)
 
 
 def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,

@@ -9,8 +9,9 @@ the row block chosen per (token, expert) pair.
 
 Registered for "matvec", "matmul" (prefill: `tiles.tiled_matmul`, whose tiles this
 module's `dequantize` kernel decodes to x's dtype, one thread a weight, for MLX's GEMM) and
-"gather_matmul" (few pairs: the gathered GEMV; a prefill's many: the reference's grouping
-by expert, each expert in use one tiled product).
+"gather_matmul" (few pairs: the gathered GEMV; a prefill's many: the experts in use
+decoded by the same kernel, a run of them at a time, in the output's dtype, then MLX's
+`gather_mm`: `tiles.gathered_matmul`, as on CUDA).
 Importing this module off macOS is harmless: nothing registers without Metal.
 """
 
@@ -123,14 +124,19 @@ def dequantize(codes, scales, bits, group_size, padded_in, out_dtype=mx.float16)
     return w
 
 
-def tq_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
-              after=None, **_):
-    """Prefill: `tiles.tiled_matmul` with this decode, each tile through MLX's GEMM."""
+def decoder(bits, group_size: int, padded_in: int):
+    """decode(codes_rows, scales_rows, dtype) for `kernels/tiles.py`: this kernel."""
     def decode(codes_rows, scales_rows, dtype):
         return dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype)
 
+    return decode
+
+
+def tq_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
+              after=None, **_):
+    """Prefill: `tiles.tiled_matmul` with this decode, each tile through MLX's GEMM."""
     return tiles.tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
-                              decode, chunk=chunk, after=after)
+                              decoder(bits, group_size, padded_in), chunk=chunk, after=after)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,9 +199,13 @@ def tq_gather_matmul(
         pairs *= b
     if pairs == 0:
         raise NotImplementedError  # the reference returns the empty result
-    if pairs * m > reference.GATHER_MAX_ROWS:  # prefill: grouped by expert, tiled products
-        return reference.tq_gather_matmul(x_rot, codes, scales, indices, bits, group_size,
-                                          out_features, padded_in, gemm=tq_matmul, **kw)
+    if pairs * m > reference.GATHER_MAX_ROWS:  # prefill: the experts in use, MLX's gather_mm
+        out_dtype = kw.get("out_dtype") or x_rot.dtype
+        y = tiles.gathered_matmul(x_rot.astype(tiles.compute_dtype(out_dtype)), codes, scales,
+                                  indices, bits, group_size, out_features, padded_in,
+                                  decoder(bits, group_size, padded_in),
+                                  sorted_indices=kw.get("sorted_indices", False))
+        return y.astype(out_dtype)
     x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs, m, padded_in)
     idx = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.uint32)
     y = _launch(x.astype(mx.float32), codes, scales, idx, bits, group_size, out_features,

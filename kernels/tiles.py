@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from . import reference
 
@@ -66,3 +67,55 @@ def tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in
         prev = y
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     return y.reshape(*lead, out_features).astype(x_rot.dtype)
+
+
+def gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
+                    decode: Callable, *, sorted_indices=False):
+    """`reference.tq_gather_matmul`'s result in x_rot's dtype (prefill's many pairs) through
+    MLX's `gather_mm`: the experts in use (one host read of the routing) decoded by
+    `decode(codes_rows, scales_rows, dtype)` in x's dtype, stacked, the routing renumbered
+    to the stack. At most `CHUNK` weights are decoded at once (or one expert, if larger):
+    where the experts in use hold more, the pairs run in expert order, a run of experts per
+    launch, each launch's decode waiting for the previous product."""
+    reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
+                         experts=True)
+    batch = mx.broadcast_shapes(tuple(x_rot.shape[:-2]), tuple(indices.shape))
+    routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32)).reshape(-1)
+    used = np.unique(routing)
+    per_launch = max(1, CHUNK // (out_features * padded_in))
+    if len(used) <= per_launch:
+        w = _decoded_experts(codes, scales, used, decode, x_rot.dtype, x_rot)
+        local = np.searchsorted(used, routing).astype(np.uint32).reshape(batch)
+        return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=mx.array(local),
+                            sorted_indices=sorted_indices)
+    m = x_rot.shape[-2]
+    x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(-1, m, padded_in)
+    order = np.argsort(routing, kind="stable")
+    in_order = bool(np.all(order == np.arange(len(order))))
+    if not in_order:
+        x = x[mx.array(order.astype(np.int32))]
+    routed = routing[order]
+    parts, prev = [], x
+    for first in range(0, len(used), per_launch):
+        experts = used[first:first + per_launch]
+        lo = np.searchsorted(routed, experts[0], side="left")
+        hi = np.searchsorted(routed, experts[-1], side="right")
+        w = _decoded_experts(codes, scales, experts, decode, x.dtype, prev)
+        local = mx.array(np.searchsorted(experts, routed[lo:hi]).astype(np.uint32))
+        prev = mx.gather_mm(x[lo:hi], w.swapaxes(-1, -2), rhs_indices=local,
+                            sorted_indices=True)
+        parts.append(prev)
+    y = mx.concatenate(parts, axis=0)
+    if not in_order:
+        y = y[mx.array(np.argsort(order).astype(np.int32))]
+    return y.reshape(*batch, m, out_features)
+
+
+def _decoded_experts(codes, scales, experts, decode: Callable, dtype, after):
+    """(len(experts), out, padded_in) in `dtype`: the experts' weights decoded in one
+    launch that waits for `after`."""
+    picked = mx.array(experts.astype(np.int32))
+    rows = len(experts) * codes.shape[1]
+    w = decode(mx.depends(codes[picked], after).reshape(rows, -1),
+               scales[picked].reshape(rows, -1), dtype)
+    return w.reshape(len(experts), codes.shape[1], -1)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import dispatch, metal, reference
+from turboquant.kernels import dispatch, metal, reference, tiles
 from turboquant.stages import decode, encode, rotate
 
 WIDTHS = (2, 3, 4, "ternary")
@@ -53,6 +53,26 @@ def test_metal_gemv_and_gather_match_the_reference(bits):
         ref = reference.tq_gather_matmul(xg, codes, scales, idx, bits, 32, 20, k)
         assert mx.allclose(y, ref, atol=1e-4).item()
     assert dispatch.describe()["matvec"] == "metal"
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs MLX's Metal backend (macOS)")
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("per_launch", [3, 1])
+def test_metal_prefill_experts_match_the_reference(monkeypatch, bits, per_launch):
+    """Prefill's experts on Metal (more pairs than the gathered GEMV takes): the experts in
+    use decoded, in one launch or one a launch, then MLX's gather_mm, in each dtype."""
+    qts, x, xr, codes, scales = _case(bits, n=64, inp=300)
+    k = qts[0].spec.padded_in
+    monkeypatch.setattr(tiles, "CHUNK", per_launch * 64 * k)
+    with mx.stream(mx.gpu):
+        xg = mx.random.normal((40, 1, 1, k))
+        idx = (mx.random.uniform(shape=(40, 2)) * 3).astype(mx.uint32)
+        want = reference.tq_gather_matmul(xg, codes, scales, idx, bits, 32, 64, k)
+        for dtype, tol in ((mx.float32, 1e-4), (mx.float16, 4e-3), (mx.bfloat16, 2e-2)):
+            y = metal.tq_gather_matmul(xg, codes, scales, idx, bits, 32, 64, k, out_dtype=dtype)
+            err = mx.max(mx.abs(y.astype(mx.float32) - want)).item() / mx.max(mx.abs(want)).item()
+            assert y.shape == want.shape and y.dtype == dtype and err < tol, (dtype, err)
 
 
 @pytest.mark.metal
@@ -194,22 +214,26 @@ def test_metal_prefill_decode_source_writes_the_reference_weights(tmp_path, bits
     np.testing.assert_array_equal(w, want)
 
 
-def test_metal_prefill_experts_group_by_expert_through_the_tiles(monkeypatch):
-    """A prefill's many pairs: the reference's grouping by expert, each expert in use one
-    tiled product whose decode is `metal.dequantize` (stood in for here by the reference's
-    arithmetic: the wiring runs on any machine)."""
+@pytest.mark.parametrize("per_launch", [2, 1])
+def test_metal_prefill_experts_decode_the_experts_in_use_for_gather_mm(monkeypatch, per_launch):
+    """A prefill's many pairs: the experts in use decoded by `metal.dequantize` (stood in
+    for here by the reference's arithmetic: the wiring runs on any machine) in the
+    output's dtype, a run of at most `tiles.CHUNK` weights a launch, then MLX's gather_mm
+    (`tiles.gathered_matmul`); the reference's results."""
     decoded = []
 
     def fake(codes, scales, bits, group_size, padded_in, out_dtype=mx.float16):
-        decoded.append(codes.shape[0])
+        decoded.append((codes.shape[0], out_dtype))
         return reference.dequantize(codes, scales, bits, group_size, padded_in).astype(out_dtype)
 
     monkeypatch.setattr(metal, "dequantize", fake)
     qts, x, xr, codes, scales = _case(3)
     k = qts[0].spec.padded_in
+    monkeypatch.setattr(tiles, "CHUNK", per_launch * 20 * k)
     xg = mx.broadcast_to(xr[:1], (20, 1, k))  # 20 pairs: past the gathered GEMV's 16 rows
     idx = mx.array([0, 2] * 10, dtype=mx.uint32)
-    y = metal.tq_gather_matmul(xg, codes, scales, idx, 3, 32, 20, k)
+    y = metal.tq_gather_matmul(xg, codes, scales, idx, 3, 32, 20, k, out_dtype=mx.float32)
     ref = reference.tq_gather_matmul(xg, codes, scales, idx, 3, 32, 20, k)
     np.testing.assert_allclose(np.array(y), np.array(ref), atol=1e-4)
-    assert decoded == [20, 20]  # experts 0 and 2, one tile each
+    # experts 0 and 2: in one launch, or one a launch
+    assert decoded == ([(40, mx.float32)] if per_launch == 2 else [(20, mx.float32)] * 2)
