@@ -69,33 +69,13 @@ def buffers(cache, size):
     return keys, values
 
 
-def run_whole(model, prompt, tokens, size):
-    cache = make_prompt_cache(model)
-    logits = model(prompt[None], cache=cache)
-    y = mx.argmax(logits[:, -1], axis=-1)
-    keys, values = buffers(cache, size)
-    offset = cache[0].offset
-    step = whole_step(model)
+def greedy(y, step, tokens: int):
+    """Greedy tokens from y on, each from `step(y) -> logits` built while the previous
+    evaluates (as mlx-lm's generate_step does): (tokens, gaps between them, the first 4
+    steps' last logits)."""
     out, stamps, firsts = [], [], []
     for i in range(tokens):
-        logits, keys, values = step(y[None], mx.array(offset, dtype=mx.int32), keys, values)
-        nxt = mx.argmax(logits[:, -1], axis=-1)
-        mx.async_eval(nxt)
-        if i < 4:
-            firsts.append(logits[:, -1])
-        out.append(y.item())
-        stamps.append(time.perf_counter())
-        y, offset = nxt, offset + 1
-    return out, [b - a for a, b in zip(stamps, stamps[1:])], firsts
-
-
-def run_mlx_lm(model, prompt, tokens):
-    cache = make_prompt_cache(model)
-    logits = model(prompt[None], cache=cache)
-    y = mx.argmax(logits[:, -1], axis=-1)
-    out, stamps, firsts = [], [], []
-    for i in range(tokens):
-        logits = model(y[None], cache=cache)
+        logits = step(y)
         nxt = mx.argmax(logits[:, -1], axis=-1)
         mx.async_eval(nxt)
         if i < 4:
@@ -104,6 +84,33 @@ def run_mlx_lm(model, prompt, tokens):
         stamps.append(time.perf_counter())
         y = nxt
     return out, [b - a for a, b in zip(stamps, stamps[1:])], firsts
+
+
+def prefilled(model, prompt):
+    """mlx-lm's cache after the prompt, and the first greedy token."""
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)
+    return cache, mx.argmax(logits[:, -1], axis=-1)
+
+
+def run_whole(model, prompt, tokens, size):
+    cache, y = prefilled(model, prompt)
+    state = [*buffers(cache, size), cache[0].offset]  # keys, values, offset
+    compiled = whole_step(model)
+
+    def step(y):
+        keys, values, offset = state
+        logits, state[0], state[1] = compiled(y[None], mx.array(offset, dtype=mx.int32),
+                                              keys, values)
+        state[2] = offset + 1
+        return logits
+
+    return greedy(y, step, tokens)
+
+
+def run_mlx_lm(model, prompt, tokens):
+    cache, y = prefilled(model, prompt)
+    return greedy(y, lambda y: model(y[None], cache=cache), tokens)
 
 
 def compare(model, prompt, tokens: int) -> dict:
