@@ -15,6 +15,12 @@ this module chooses the dtype and the tiles and chains them:
 - each tile's decode waits for x (the first) or the previous tile's product
   (`mx.depends`), so a matrix has at most a tile or two decoded at once, and MLX does not
   decode every layer's first tile ahead of the model.
+
+MoE experts prefill the same way through MLX's gathered GEMM (`gathered_matmul`): the
+experts in use decoded together (a run of at most `CHUNK` weights a launch), then
+`mx.gather_mm` over every (token, expert) pair, one product for many experts where a
+product per expert would be bound by its launches (on the H200, 2048 tokens of a
+Qwen3-30B-A3B shape: 14-17K prompt tok/s against 8-10K per expert).
 """
 
 from __future__ import annotations
