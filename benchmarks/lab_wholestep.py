@@ -9,8 +9,12 @@ The idea: no Python between layers, and 7 operations a layer instead of 9 (no ca
 slices). Measured on the H200 (`benchmarks/results/session20-h200.txt`, machine 4):
 - the logits are WRONG on CUDA (max diff 3.6-4.0 against values of ~2.7; greedy tokens
   part at once), while on the CPU (pure-MLX kernels) they equal mlx-lm's step exactly
-  (`tests/test_lab_wholestep.py`). Not diagnosed: the boolean mask in CUDA's sdpa at
-  L = 1, or the dynamic slice_update on CUDA, are the suspects;
+  (`tests/test_lab_wholestep.py`). The likely cause, not yet confirmed on the GPU: MLX's
+  CUDA sdpa at L = 1 ignoring the array mask (one version of MLX's
+  `mlx/backend/cuda/scaled_dot_product_attention.cu` takes the vector kernel whatever
+  the mask and passes it none; a later one falls back to unfused ops when a mask is
+  given), so the buffer's unwritten zero keys take part in the softmax. The dynamic
+  slice_update on CUDA is the other suspect;
 - and it is slower: 208.8-209.5 tok/s against mlx-lm's step 250.7-255.3 with graphs
   off (0.82-0.83x), 234.4-238.7 against 243.6-256.8 with graphs on (0.93-0.96x): the
   masked attention reads the whole buffer, and the cache buffers may be copied rather
