@@ -1,11 +1,14 @@
-"""Prefill's tiled product (`kernels/tiles.py`), shared by the GPU backends: the dtype it
-multiplies in, how a matrix is cut into tiles, and the product against the reference's
-with the reference's decode standing in for a backend's kernel."""
+"""Prefill's tiled product and gathered experts (`kernels/tiles.py`), shared by the GPU
+backends: the dtype it multiplies in, how a matrix is cut into tiles, and the products
+against the reference's with the reference's decode standing in for a backend's kernel."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turboquant.kernels import reference, tiles
 from turboquant.stages import encode
@@ -60,3 +63,44 @@ def test_what_the_tiles_do_not_cover_is_declined():
         tiles.tiled_matmul(x, qt.codes[None], qt.scales[None], 4, 32, 8, 64, decode)
     with pytest.raises(NotImplementedError):  # the wrong width: the reference names it
         tiles.tiled_matmul(x[:, :32], qt.codes, qt.scales, 4, 32, 8, 64, decode)
+
+
+@settings(max_examples=40, deadline=None)
+@given(experts=st.integers(2, 6), tokens=st.integers(1, 12), top=st.integers(1, 3),
+       per_launch=st.integers(1, 6), sort=st.booleans(), seed=st.integers(0, 2**16))
+def test_gathered_matmul_makes_the_references_result(experts, tokens, top, per_launch, sort,
+                                                     seed):
+    """`gathered_matmul` (prefill's experts through gather_mm) for any routing, a run of
+    `per_launch` experts a decode: the reference's result, each expert in use decoded
+    once and launches of at most `CHUNK` weights; SwitchGLU's sorted layout (one pair a
+    row, in expert order) too."""
+    top = min(top, experts)
+    rng = np.random.default_rng(seed)
+    out_f, in_f = 24, 40
+    qts = [encode(mx.array(rng.standard_normal((out_f, in_f)).astype(np.float32)), 3, 32,
+                  seed=5) for _ in range(experts)]
+    k = qts[0].spec.padded_in
+    codes = mx.stack([q.codes for q in qts])
+    scales = mx.stack([q.scales for q in qts])
+    routing = np.stack([rng.choice(experts, top, replace=False) for _ in range(tokens)])
+    x = mx.array(rng.standard_normal((1, tokens, 1, 1, k)).astype(np.float32))
+    indices = mx.array(routing[None].astype(np.uint32))  # (1, tokens, top)
+    if sort:
+        order = np.argsort(routing.reshape(-1), kind="stable")
+        x = x.reshape(tokens, 1, k)[mx.array(order // top)]
+        indices = mx.array(routing.reshape(-1)[order].astype(np.uint32))
+    seen = []
+    old_chunk = tiles.CHUNK
+    tiles.CHUNK = per_launch * out_f * k
+    try:
+        y = tiles.gathered_matmul(x, codes, scales, indices, 3, 32, out_f, k,
+                                  _decode_recorded(3, 32, k, seen), sorted_indices=sort)
+    finally:
+        tiles.CHUNK = old_chunk
+    want = reference.tq_gather_matmul(x, codes, scales, indices, 3, 32, out_f, k)
+    assert y.shape == want.shape
+    assert mx.allclose(y, want, rtol=1e-5, atol=1e-5).item()
+    used = len(np.unique(routing))
+    assert sum(rows for rows, _ in seen) == used * out_f  # each expert in use once
+    assert all(rows <= per_launch * out_f for rows, _ in seen)
+    assert len(seen) == -(-used // per_launch)
