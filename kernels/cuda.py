@@ -17,12 +17,13 @@
   on tensor cores. A group's prefill (`prefill_group`) rotates the input for all its
   members in one `cuda_rotate` launch, in that dtype, then runs each member's product.
 
-Prefill's experts (`prefill_gather`) run the reference's grouping by expert with that
-tiled product for each expert in use. The GEMV reads codes in its own layout (3-bit codes
-as two planes, codes placed next to their activations), prepared once per weight (or
-group, or switch layer) on first use and kept beside the stored codes: in the caller's
-`prepared` dict when it passes one (runtime layers do), else in a cache keyed on what was
-built and the code arrays, freed with them.
+Prefill's experts (`prefill_gather`) decode the experts in use a run at a time for MLX's
+`gather_mm` (`tiles.gathered_matmul`; `GATHER_MM` off: the reference's grouping by expert
+with that tiled product for each expert in use). The GEMV reads codes in its own layout
+(3-bit codes as two planes, codes placed next to their activations), prepared once per
+weight (or group, or switch layer) on first use and kept beside the stored codes: in the
+caller's `prepared` dict when it passes one (runtime layers do), else in a cache keyed on
+what was built and the code arrays, freed with them.
 The small operands every block reads (codebooks, pair indices, biases, norm weights, the
 rotation's signs and mixes) are `cuda_memory.device_constant`s: pages of their own, on the
 GPU.

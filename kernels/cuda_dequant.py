@@ -143,20 +143,12 @@ def dequantize(codes: mx.array, scales: mx.array, bits, group_size: int, padded_
     )[0]
 
 
-def decoder(bits, group_size: int, padded_in: int):
-    """decode(codes_rows, scales_rows, dtype) for `kernels/tiles.py`: this kernel."""
-    def decode(codes_rows, scales_rows, dtype):
-        return dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype)
-
-    return decode
-
-
 def matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
            after=None, **_):
     """`reference.tq_matmul` (prefill) on CUDA: `tiles.tiled_matmul` with this kernel's
     decode."""
     return tiles.tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
-                              decoder(bits, group_size, padded_in), chunk=chunk, after=after)
+                              dequantize, chunk=chunk, after=after)
 
 
 def gather_matmul(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, *,
@@ -164,8 +156,7 @@ def gather_matmul(x_rot, codes, scales, indices, bits, group_size, out_features,
     """Prefill's experts on CUDA: `tiles.gathered_matmul` with this kernel's decode (in
     x_rot's dtype, then MLX's `gather_mm`)."""
     return tiles.gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_features,
-                                 padded_in, decoder(bits, group_size, padded_in),
-                                 sorted_indices=sorted_indices)
+                                 padded_in, dequantize, sorted_indices=sorted_indices)
 
 
 # ---------------------------------------------------------------------------- emulation
@@ -198,4 +189,4 @@ def emulate_codes8(words: np.ndarray, col: int, bits) -> list[int]:
     return out
 
 
-__all__ = ["decoder", "dequantize", "emulate_codes8", "gather_matmul", "matmul"]
+__all__ = ["dequantize", "emulate_codes8", "gather_matmul", "matmul"]

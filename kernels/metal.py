@@ -124,19 +124,11 @@ def dequantize(codes, scales, bits, group_size, padded_in, out_dtype=mx.float16)
     return w
 
 
-def decoder(bits, group_size: int, padded_in: int):
-    """decode(codes_rows, scales_rows, dtype) for `kernels/tiles.py`: this kernel."""
-    def decode(codes_rows, scales_rows, dtype):
-        return dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype)
-
-    return decode
-
-
 def tq_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in, *, chunk=None,
               after=None, **_):
     """Prefill: `tiles.tiled_matmul` with this decode, each tile through MLX's GEMM."""
     return tiles.tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
-                              decoder(bits, group_size, padded_in), chunk=chunk, after=after)
+                              dequantize, chunk=chunk, after=after)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,8 +195,7 @@ def tq_gather_matmul(
         out_dtype = kw.get("out_dtype") or x_rot.dtype
         y = tiles.gathered_matmul(x_rot.astype(tiles.compute_dtype(out_dtype)), codes, scales,
                                   indices, bits, group_size, out_features, padded_in,
-                                  decoder(bits, group_size, padded_in),
-                                  sorted_indices=kw.get("sorted_indices", False))
+                                  dequantize, sorted_indices=kw.get("sorted_indices", False))
         return y.astype(out_dtype)
     x = mx.broadcast_to(x_rot, (*batch, m, padded_in)).reshape(pairs, m, padded_in)
     idx = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.uint32)

@@ -4,7 +4,8 @@ time into the dtype the product runs in, each tile multiplied by MLX's own GEMM.
 Prefill is compute-bound (a 2048-token chunk does 2048 multiply-adds per weight), so a
 code's decode is paid once per tile, not per token, and the product is the backend's
 tuned GEMM (cuBLASLt on CUDA, MLX's Steel GEMM on Metal). The backend supplies the decode
-(`decode(codes_rows, scales_rows, dtype) -> (rows, padded_in)`, a kernel of its own);
+(`dequantize(codes_rows, scales_rows, bits, group_size, padded_in, dtype) -> (rows,
+padded_in)`, a kernel of its own);
 this module chooses the dtype and the tiles and chains them:
 
 - the product runs in x's dtype where it is float16 or bfloat16 (tensor cores, simdgroup
@@ -53,9 +54,10 @@ def rows_per_tile(out_features: int, padded_in: int, chunk: int | None = None) -
 
 
 def tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in,
-                 decode: Callable, *, chunk=None, after=None):
+                 dequantize: Callable, *, chunk=None, after=None):
     """`reference.tq_matmul` (x_rot (..., padded_in), many tokens -> (..., out_features) in
-    x's dtype) with `decode(codes_rows, scales_rows, dtype)` making each tile's weights.
+    x's dtype) with the backend's `dequantize(codes_rows, scales_rows, bits, group_size,
+    padded_in, dtype)` making each tile's weights.
     NotImplementedError for stacked experts or the wrong width (the reference names it)."""
     if codes.ndim != 2 or codes.shape[0] != out_features or x_rot.shape[-1] != padded_in:
         raise NotImplementedError
@@ -67,7 +69,8 @@ def tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in
     parts, prev = [], x if after is None else after
     for r0 in range(0, out_features, rows):
         r1 = min(r0 + rows, out_features)
-        w = decode(mx.depends(codes[r0:r1], prev), scales[r0:r1], dtype)
+        w = dequantize(mx.depends(codes[r0:r1], prev), scales[r0:r1], bits, group_size,
+                       padded_in, dtype)
         y = x @ w.T
         parts.append(y)
         prev = y
@@ -76,11 +79,11 @@ def tiled_matmul(x_rot, codes, scales, bits, group_size, out_features, padded_in
 
 
 def gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in,
-                    decode: Callable, *, sorted_indices=False):
+                    dequantize: Callable, *, sorted_indices=False):
     """`reference.tq_gather_matmul`'s result in x_rot's dtype (prefill's many pairs) through
-    MLX's `gather_mm`: the experts in use (one host read of the routing) decoded by
-    `decode(codes_rows, scales_rows, dtype)` in x's dtype, stacked, the routing renumbered
-    to the stack. At most `CHUNK` weights are decoded at once (or one expert, if larger):
+    MLX's `gather_mm`: the experts in use (one host read of the routing) decoded by the
+    backend's `dequantize` (as `tiled_matmul`'s) in x's dtype, stacked, the routing
+    renumbered to the stack. At most `CHUNK` weights are decoded at once (or one expert, if larger):
     where the experts in use hold more, the pairs run in expert order, a run of experts per
     launch, each launch's decode waiting for the previous product."""
     reference.check_args(x_rot, codes, scales, bits, group_size, out_features, padded_in,
@@ -89,8 +92,9 @@ def gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_feature
     routing = np.asarray(mx.broadcast_to(indices, batch).astype(mx.int32)).reshape(-1)
     used = np.unique(routing)
     per_launch = max(1, CHUNK // (out_features * padded_in))
+    spec = (dequantize, bits, group_size, padded_in)
     if len(used) <= per_launch:
-        w = _decoded_experts(codes, scales, used, decode, x_rot.dtype, x_rot)
+        w = _decoded_experts(codes, scales, used, spec, x_rot.dtype, x_rot)
         local = np.searchsorted(used, routing).astype(np.uint32).reshape(batch)
         return mx.gather_mm(x_rot, w.swapaxes(-1, -2), rhs_indices=mx.array(local),
                             sorted_indices=sorted_indices)
@@ -106,7 +110,7 @@ def gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_feature
         experts = used[first:first + per_launch]
         lo = np.searchsorted(routed, experts[0], side="left")
         hi = np.searchsorted(routed, experts[-1], side="right")
-        w = _decoded_experts(codes, scales, experts, decode, x.dtype, prev)
+        w = _decoded_experts(codes, scales, experts, spec, x.dtype, prev)
         local = mx.array(np.searchsorted(experts, routed[lo:hi]).astype(np.uint32))
         prev = mx.gather_mm(x[lo:hi], w.swapaxes(-1, -2), rhs_indices=local,
                             sorted_indices=True)
@@ -117,11 +121,12 @@ def gathered_matmul(x_rot, codes, scales, indices, bits, group_size, out_feature
     return y.reshape(*batch, m, out_features)
 
 
-def _decoded_experts(codes, scales, experts, decode: Callable, dtype, after):
+def _decoded_experts(codes, scales, experts, spec: tuple, dtype, after):
     """(len(experts), out, padded_in) in `dtype`: the experts' weights decoded in one
-    launch that waits for `after`."""
+    launch (`spec`: dequantize, bits, group_size, padded_in) that waits for `after`."""
+    dequantize, bits, group_size, padded_in = spec
     picked = mx.array(experts.astype(np.int32))
     rows = len(experts) * codes.shape[1]
-    w = decode(mx.depends(codes[picked], after).reshape(rows, -1),
-               scales[picked].reshape(rows, -1), dtype)
+    w = dequantize(mx.depends(codes[picked], after).reshape(rows, -1),
+                   scales[picked].reshape(rows, -1), bits, group_size, padded_in, dtype)
     return w.reshape(len(experts), codes.shape[1], -1)

@@ -31,11 +31,13 @@ def test_rows_per_tile():
 
 
 def _decode_recorded(bits, group_size, padded_in, tiles_seen):
-    def decode(codes, scales, dtype):
+    """A backend's `dequantize` stood in for by the reference's, its launches recorded."""
+    def dequantize(codes, scales, bits_, group_size_, padded_in_, dtype):
+        assert (bits_, group_size_, padded_in_) == (bits, group_size, padded_in)
         tiles_seen.append((codes.shape[0], dtype))
         return reference.dequantize(codes, scales, bits, group_size, padded_in).astype(dtype)
 
-    return decode
+    return dequantize
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
