@@ -12,7 +12,8 @@ built in turn in the same run: bf16; mlx-lm's affine 4-bit (`nn.quantize`, group
 TurboQuant 3-bit, every decoder Linear replaced by `TQLinear` with random codes. Embeddings
 and lm_head stay bf16 in all three. Each variant decodes `--tokens` tokens after a short
 prompt through mlx-lm's `generate_step`; the figure is tokens/s after the first token
-(`--token-times` adds each variant's per-token percentiles: steady or stalling).
+(`--token-times` adds each variant's per-token percentiles: steady or stalling;
+`--context N` makes the prompt N tokens, so each decoded token attends over N and more).
 `--prefill N` also times each variant's processing of an N-token prompt (prompt tokens/s,
 the median of 3 after one to warm up): prefill runs TurboQuant's "matmul" op (more than 8
 tokens a linear), not the decode kernels.
@@ -38,7 +39,7 @@ from mlx_lm.models import llama, qwen3_moe
 from mlx_lm.sample_utils import make_sampler
 
 from turboquant.kernels import cuda, dispatch
-from turboquant.runtime import fuse
+from turboquant.runtime import fuse, whole_step
 from turboquant.runtime.fuse import fuse_blocks, group_linears
 from turboquant.runtime.layers import TQLinear, TQSwitchLinear, padded
 from turboquant.kernels.reference import words_per_row
@@ -105,6 +106,7 @@ def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
             group_linears(model)  # q/k/v and gate/up as one kernel, as runtime.load does on CUDA
         if "-single" not in variant and "-grouped" not in variant and fuse.BLOCKS:
             fuse_blocks(model)  # norms, SwiGLU and residuals in the kernels, as runtime.load does
+            whole_step.enable(model)  # where WHOLE_STEP (the call checks it; -whole)
     mx.eval(model.parameters())
     return model
 
@@ -146,7 +148,9 @@ def variant_switches(variant: str):
             switched(fuse, "COMPILE_STEP", True if "-compiled" in variant
                      else False if "-eager" in variant else None), \
             switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None), \
-            switched(fuse, "ROPE", False if "-mlxrope" in variant else None):
+            switched(fuse, "ROPE", False if "-mlxrope" in variant else None), \
+            switched(whole_step, "WHOLE_STEP", True if "-whole" in variant
+                     else False if "-layers" in variant else None):
         yield
 
 
@@ -244,9 +248,10 @@ def run_variant(model, args, first: bool = False) -> list[float] | None:
     printed a profile instead. The `first` variant of a process warms up as long as it
     is timed: on the H200 a process's first round ran 35-45% slower than its others
     (session 20: affine-4 77 and 93 tok/s, then 126-155), which skewed its ratios."""
-    decode_tps(model, max(8, args.tokens) if first else 8)  # compile kernels, build layouts
+    # compile kernels, build layouts (and trace the buffer sizes the timed decode meets)
+    decode_tps(model, max(8, args.tokens) if first else 8, args.context)
     if not args.profile:
-        return token_gaps(model, args.tokens)
+        return token_gaps(model, args.tokens, args.context)
     import cProfile
     import pstats
 
@@ -275,7 +280,14 @@ def main() -> None:
                          "-mlxattn with their single-token attention through mlx-lm's "
                          "Attention (ATTENTION off), "
                          "-mlxrope with RoPE as mlx-lm's op after the q/k/v launch "
-                         "(ROPE off)")
+                         "(ROPE off), "
+                         "-whole with a token's step compiled whole, its attention over "
+                         "the cache's buffers (WHOLE_STEP on: TURBOQUANT_WHOLE_STEP=1), "
+                         "-layers with it compiled per layer around mlx-lm's cache (the "
+                         "default)")
+    ap.add_argument("--context", type=int, default=16, metavar="N",
+                    help="prompt tokens before the timed decode (each token then attends "
+                         "over N and more)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also time each variant's prefill of an N-token prompt")
     ap.add_argument("--token-times", action="store_true",

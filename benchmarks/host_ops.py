@@ -69,10 +69,10 @@ def _on_fake_cuda(patch=setattr) -> None:
     ops). Before anything binds a decode call: bound calls are kept per device type, not
     per `dispatch.backend()`. `patch(obj, name, value)`: setattr, or a test's
     `monkeypatch.setattr`, which undoes it all afterwards."""
-    from turboquant.kernels import cuda_gemv, cuda_linear, cuda_rotate, dispatch
+    from turboquant.kernels import cuda_attend, cuda_gemv, cuda_linear, cuda_rotate, dispatch
 
     patch(mx.fast, "cuda_kernel", lambda **kw: _StandInKernel(**kw))
-    for module in (cuda_gemv, cuda_linear, cuda_rotate):
+    for module in (cuda_attend, cuda_gemv, cuda_linear, cuda_rotate):
         # the kernel builders' caches of their own while faked: no real kernel is reused
         # here, no stand-in outlives the fake
         patch(module, "_kernel", functools.lru_cache(maxsize=None)(module._kernel.__wrapped__))

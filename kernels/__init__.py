@@ -2,9 +2,11 @@
 
 `reference` is pure MLX (the CPU path and the oracle); `dispatch` picks a CUDA, Metal or
 CPU (numba) kernel when one is registered for the current device, and the reference
-otherwise; `tiles` is the prefill product the GPU backends share.
+otherwise; `tiles` is the prefill product the GPU backends share; `attend` the attention
+of a decode step over a KV buffer whose length is an array (the compiled whole step's).
 """
 
+from .attend import buffer_attention
 from .dispatch import (
     add_op,
     backend,
@@ -33,6 +35,7 @@ __all__ = [
     "Rope",
     "add_op",
     "backend",
+    "buffer_attention",
     "bind_linear_group",
     "dequantize",
     "describe",

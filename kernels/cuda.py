@@ -43,6 +43,7 @@ import numpy as np
 
 from turboquant.stages import codebook_values, unpack_codes
 
+from . import cuda_attend  # noqa: F401 (registers "buffer_attention")
 from . import (cuda_dequant, cuda_gemv, cuda_linear, cuda_memory, cuda_rotate, dispatch, group,
                reference, tiles)
 

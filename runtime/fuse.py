@@ -240,24 +240,34 @@ def _step_after(block, o: mx.array, x: mx.array) -> mx.array:
 
 def _compiled_halves(block):
     """(before, after): `_queries` and the step after the attention (`_step_after`; for an
-    MoE block whose sparse MLP cannot be traced, `_attention_out`) compiled for this block.
-    A trace holds what it read as constants: traced again once a TurboQuant layer's arrays
-    were replaced (`layers._arrays_version`), any other array of the block was (a norm's
-    weight, a router's: `_watched`), or the kernels registered changed. (The backend is
-    the caller's check: a process has one GPU backend, the only kind that compiles.)"""
+    MoE block whose sparse MLP cannot be traced, `_attention_out`) compiled for this block
+    (`compiled_for`). (The backend is the caller's check: a process has one GPU backend,
+    the only kind that compiles.)"""
+    def build():
+        whole = isinstance(block, FusedDecoderBlock) or block.moe_compiles
+        return (mx.compile(functools.partial(_queries, block)),
+                mx.compile(functools.partial(_step_after if whole else _attention_out, block)))
+
+    return compiled_for(block, build)
+
+
+def compiled_for(owner: nn.Module, build):
+    """`build()` (compiled functions tracing `owner`'s modules), kept on `owner` and built
+    again when a trace's constants may be stale: a trace holds what it read as constants,
+    so it is traced again once a TurboQuant layer's arrays were replaced
+    (`layers._arrays_version`), any other array of `owner` was (a norm's weight, a
+    router's: `_watched`), or the kernels registered changed."""
     key = (layers._arrays_version, dispatch.GENERATION[0])
-    hit = block.__dict__.get("_step_compiled")
+    hit = owner.__dict__.get("_step_compiled")
     if hit is not None and hit[0] == key:
         for module, name, array in hit[1]:
             if module.get(name) is not array:
                 break
         else:
             return hit[2]
-    whole = isinstance(block, FusedDecoderBlock) or block.moe_compiles
-    halves = (mx.compile(functools.partial(_queries, block)),
-              mx.compile(functools.partial(_step_after if whole else _attention_out, block)))
-    block.__dict__["_step_compiled"] = (key, _watched(block), halves)
-    return halves
+    made = build()
+    owner.__dict__["_step_compiled"] = (key, _watched(owner), made)
+    return made
 
 
 def _watched(block) -> tuple:

@@ -104,7 +104,7 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
         from .experts import start_cache
 
         start_cache(model, repo, stream, wrapped)
-    groups = blocks = 0
+    groups = blocks = whole = 0
     # where a kernel runs q/k/v (gate/up) as one call: CUDA, and the CPU with numba
     if fuse and kernels.describe()["linear_group"] != "reference":
         from . import fuse as fusing
@@ -112,6 +112,10 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
         groups = fusing.group_linears(model)
         if fusing.BLOCKS and kernels.backend() == "cuda":  # norms and adds in its kernels
             blocks = fusing.fuse_blocks(model)
+            from . import whole_step
+
+            # a token's step as one compiled call, where TURBOQUANT_WHOLE_STEP=1
+            whole = whole_step.enable(model) if whole_step.WHOLE_STEP else 0
     for name, module in model.named_modules():  # a head's prefill logits: no eager kernel
         if isinstance(module, TQLinear) and name.rsplit(".", 1)[-1] == "lm_head":
             module.group().lazy = True
@@ -119,9 +123,9 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
     layers = [m for _, m in model.named_modules() if isinstance(m, tq_types)]
     log.info(
         "loaded %s (%s): %d TurboQuant layers, %d of them expert layers, %d kernel groups, "
-        "%d fused decoder blocks, dtype %s", repo.path, config.get("model_type"), len(layers),
+        "%d fused decoder blocks%s, dtype %s", repo.path, config.get("model_type"), len(layers),
         sum(isinstance(m, TQSwitchLinear) for m in layers), groups, blocks,
-        target or "as stored",
+        " (decode step compiled whole)" if whole else "", target or "as stored",
     )
     return model, config
 

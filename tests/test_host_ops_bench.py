@@ -113,7 +113,8 @@ def test_a_fused_gather_moe_layer_drops_the_rotations_ops(monkeypatch):
 
 
 def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
-    """The compiled single-token step (the default, `fuse.COMPILE_STEP`): no kernel call
+    """The compiled single-token step per layer (`fuse.COMPILE_STEP`, the whole step
+    off as by default): no kernel call
     made in Python (MLX replays the traced launches) and a few Python calls a layer (the
     block, the cache, the attention function): dense 7 against 23 built op by op, MoE 7
     against 41 (its sparse MLP in the trace). The dense graph is the same; the MoE one
@@ -125,13 +126,40 @@ def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
                head_dim=64)
     for shape, is_moe, small in (("LLAMA3_8B", False, dense), ("QWEN3_30B_A3B", True, moe)):
         eager = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-eager", **small)
-        compiled = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3", **small)
+        compiled = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-layers", **small)
         assert compiled["calls"] == 0 and eager["calls"] == (6 if is_moe else 4)
         assert compiled["py_calls"] <= 8 and eager["py_calls"] >= (40 if is_moe else 20)
         if is_moe:
             assert sum(compiled["ops"].values()) < sum(eager["ops"].values())
         else:
             assert compiled["ops"] == eager["ops"]
+
+
+def test_the_whole_step_builds_a_layer_without_python(monkeypatch):
+    """TURBOQUANT_WHOLE_STEP=1 on CUDA (`runtime/whole_step.py`): a token's step is one
+    compiled call, so a decoder layer costs no Python call at all (8 with the step
+    compiled per layer) and 7 operations instead of 9: its 4 launches, the attention's and the two buffer updates
+    at the position (no slices of the cache). Dense and MoE alike; 4 rows a warp, so the
+    dense layer's RoPE is in its q/k/v launch as a Llama-3-8B layer's is."""
+    from turboquant.kernels import cuda_gemv
+
+    monkeypatch.setattr(cuda_gemv, "WARPS_WANTED", 1)
+    dense = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
+    moe = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64)
+    for shape, is_moe, small in (("LLAMA3_8B", False, dense), ("QWEN3_30B_A3B", True, moe)):
+        layers = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-layers", **small)
+        whole = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-whole", **small)
+        assert whole["calls"] == 0 and whole["py_calls"] == 0 and layers["py_calls"] >= 7
+        assert whole["ops"]["ScatterAxis"] == 2  # the key and the value stored at the position
+        # the cache's two slices gone (an MoE router slices its top-k: those stay)
+        assert whole["ops"].get("Slice", 0) == layers["ops"]["Slice"] - 2
+        assert "SliceUpdate" not in whole["ops"]
+        assert sum(whole["ops"].values()) == sum(layers["ops"].values()) - 2
+        if not is_moe:
+            assert sum(whole["ops"].values()) == 7
 
 
 def test_rope_in_the_q_k_v_launch_drops_a_layers_two_rope_ops(monkeypatch):

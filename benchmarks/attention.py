@@ -1,0 +1,93 @@
+"""One token's attention over a KV buffer: `kernels/cuda_attend.py` against MLX's sdpa.
+
+The kernel reads the whole buffer's rows up to a position given as an array (what the
+opt-in whole decode step, `runtime/whole_step.py`, needs); MLX's
+`mx.fast.scaled_dot_product_attention` gets the buffer sliced to the same rows. Llama-3-8B
+heads (32 query heads, 8 KV heads of 128, bf16), one sequence; `--calls` independent
+calls an evaluation, so launch overhead is amortised the same way for both.
+
+`--compiled` instead times `--calls` kernel launches inside one `mx.compile`d function:
+on the H200 in session 22 that never finished (graphs on or off; the uncompiled calls and
+the whole step's one launch a layer did). `--give-up S` prints where it waits after S
+seconds and exits, so a run records the hang instead of eating its time limit.
+
+Reproduce (GPU machine, MLX CUDA build):  python benchmarks/attention.py [--compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import statistics
+import time
+
+import mlx.core as mx
+
+SIZES = (1024, 4096, 32768)
+
+
+def timed(run, repeats: int = 7) -> float:
+    """Median seconds of `run()` after one call to warm up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def buffers(size: int):
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, size, 128)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 8, size, 128)).astype(mx.bfloat16)
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=64, help="independent calls an evaluation")
+    ap.add_argument("--compiled", action="store_true",
+                    help="time the kernel's calls inside one compiled function instead")
+    ap.add_argument("--give-up", type=float, default=60, metavar="S",
+                    help="dump the stack and exit after S seconds (0: never)")
+    args = ap.parse_args()
+    if args.give_up:
+        faulthandler.dump_traceback_later(args.give_up, exit=True)
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py times the CUDA kernel: run it on a GPU "
+                         "machine with MLX's CUDA build")
+    from turboquant.kernels import cuda_attend
+
+    n, scale = args.calls, 128 ** -0.5
+    for size in SIZES:
+        q, k, v = buffers(size)
+        for row in (size // 4, size - 1):
+            position = mx.array(row, mx.int32)
+
+            def ours():
+                mx.eval([cuda_attend.buffer_attention(q + i, k, v, position, scale, slot=i)
+                         for i in range(n)])
+
+            if args.compiled:
+                step = mx.compile(lambda q, p: [
+                    cuda_attend.buffer_attention(q + i, k, v, p, scale, slot=i) for i in range(n)])
+                print(f"buffer {size:6d}, position {row:6d}: compiled ...", flush=True)
+                took = timed(lambda: mx.eval(step(q, position))) / n
+                print(f"{'':>33} {took * 1e6:7.1f} us a call", flush=True)
+                continue
+
+            def theirs():
+                mx.eval([mx.fast.scaled_dot_product_attention(
+                    q + i, k[:, :, :row + 1], v[:, :, :row + 1], scale=scale) for i in range(n)])
+
+            a, b = timed(ours) / n, timed(theirs) / n
+            print(f"buffer {size:6d}, position {row:6d}: kernel {a * 1e6:7.1f} us, "
+                  f"sdpa {b * 1e6:7.1f} us a call (kernel {b / a:.2f}x)", flush=True)
+    print(f"reproduce: python benchmarks/attention.py --calls {n}"
+          f"{' --compiled' if args.compiled else ''} (GPU machine, MLX CUDA build)")
+
+
+if __name__ == "__main__":
+    main()

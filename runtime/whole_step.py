@@ -1,0 +1,184 @@
+"""A fused model's single-token decode step as ONE compiled function (CUDA, opt-in).
+
+Decode on MLX's CUDA backend is bound by the host: every operation and every Python call
+of a token costs microseconds to build and encode, and a fused block still took 7 Python
+calls and 9 operations a layer around mlx-lm's cache (`fuse._compiled_halves`). Here the
+whole step, embedding to final norm, is one `mx.compile`d function of (tokens, position,
+every layer's key and value buffers), traced once for every position:
+
+- each layer's q/k/v launch (norm and RoPE inside, RoPE at `position`, an array);
+- the new key and value stored into mlx-lm's `KVCache` buffers at `position` by
+  `mx.put_along_axis` (one scatter launch each: `mx.slice_update` at an array start took
+  a launch more and ran slower on the H200, session 21). The buffers are the function's
+  inputs and its outputs: the cache drops its old arrays before they are evaluated, so
+  MLX updates them in place;
+- the attention over the whole buffer, its length read on the GPU ("buffer_attention":
+  `kernels/cuda_attend.py`), then o_proj, the MLP half (an MoE block's sparse one).
+
+Python then does per token what mlx-lm's cache did per layer: swap in the new buffers and
+count the offset. The buffers grow GROW tokens at a time (a new size is a new trace, so
+fewer, larger steps than mlx-lm's 256).
+
+It applies (`WholeStepModel.__call__`) to an inner model (`LlamaModel` and the other
+families' `*Model`: embed_tokens, layers, norm) whose blocks are all fused and compile
+(`fuse.fuse_blocks`; MoE blocks only while their experts stay in memory), for one new
+token a sequence, every cache a plain mlx-lm `KVCache` already holding the prompt, no
+embeddings passed in, on a backend with a "buffer_attention" kernel that takes the
+shapes (CUDA). Anything else runs mlx-lm's model call, as before.
+
+Off by default: TURBOQUANT_WHOLE_STEP=1 turns it on (else the per-layer compiled halves
+run). On the H200 (session 22, graphs off, 256 tokens after a 16-token prompt) it decoded
+an 8B-shaped TQ3 model 1.63-1.77x affine-4 against 1.35-1.64x per layer, but after a
+4096-token prompt it was slower than per layer (177 and 174 tok/s against 193), and a
+compiled function of several independent "buffer_attention" launches never finished
+there (`benchmarks/results/session22-h200.txt`): it stays a switch until that is
+understood.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from turboquant.kernels import dispatch
+
+from . import fuse
+
+WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "0") == "1"
+GROW = 1024  # tokens the KV buffers grow by when a step needs more rows
+BACKENDS = ("cuda",)  # where "buffer_attention" has a kernel (the reference masks MLX's sdpa)
+
+
+class WholeStepModel:
+    """Mixed into an inner model's class: a single-token step with plain KV caches runs
+    as one compiled function (see the module docstring)."""
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None, **kwargs):
+        if input_embeddings is None and not kwargs and _applies(self, inputs, cache):
+            return _run(self, inputs, cache)
+        if input_embeddings is not None:
+            kwargs["input_embeddings"] = input_embeddings
+        return super().__call__(inputs, cache, **kwargs)
+
+
+def _applies(model, inputs: mx.array, cache) -> bool:
+    """Whether this call is a step the compiled whole step takes."""
+    if not (WHOLE_STEP and fuse.COMPILE_STEP and fuse.ATTENTION) or cache is None:
+        return False
+    if inputs.ndim != 2 or inputs.shape[1] != 1 or not model.__dict__.get("whole_step"):
+        return False
+    if dispatch.backend() not in BACKENDS:
+        return False
+    first = cache[0]
+    if len(cache) != len(model.layers) or type(first) is not KVCache or first.keys is None:
+        return False
+    offset = first.offset
+    for c in cache:
+        if type(c) is not KVCache or c.keys is None or c.offset != offset:
+            return False
+    return _attention_fits(model, first.keys, first.values, inputs.shape[0])
+
+
+def _attention_fits(model, keys: mx.array, values: mx.array, batch: int) -> bool:
+    """Whether the backend's "buffer_attention" kernel takes every layer's shapes (kept
+    on the model for each batch size and dtype: the buffer's length does not matter)."""
+    known = model.__dict__.setdefault("_attention_fits", {})
+    key = (batch, keys.dtype, values.dtype, dispatch.GENERATION[0])
+    fits = known.get(key)
+    if fits is None:
+        # no kernel: the reference, which takes any shapes (BACKENDS says where it may run)
+        kernel = dispatch.registered(dispatch.backend(), "buffer_attention")
+        supports = getattr(kernel, "supports", lambda *shapes: True)
+        fits = known[key] = values.dtype == keys.dtype and all(
+            supports((batch, b.q_heads[0], 1, b.q_heads[1]),
+                     (batch, b.kv_heads[0], keys.shape[2], b.kv_heads[1]),
+                     (batch, b.kv_heads[0], keys.shape[2], b.kv_heads[2]), keys.dtype)
+            for b in model.layers)
+    return fits
+
+
+def _run(model, inputs: mx.array, cache) -> mx.array:
+    """One step: room for the token in every buffer, the compiled function, the cache
+    given its new buffers and offset."""
+    offset = cache[0].offset
+    _make_room(cache, offset + 1)
+    step = fuse.compiled_for(model, functools.partial(_build, model))
+    keys, values = [c.keys for c in cache], [c.values for c in cache]
+    h, keys, values = step(inputs, fuse._offset_array(offset), keys, values)
+    # the old buffers' only holder is now the step's graph: MLX updates them in place
+    for c, k, v in zip(cache, keys, values):
+        c.keys, c.values = k, v
+        c.offset = offset + 1
+    return h
+
+
+def _make_room(cache, rows: int) -> None:
+    """Every buffer at least `rows` rows long, grown to a multiple of GROW (zeros)."""
+    size = cache[0].keys.shape[2]
+    if rows <= size:
+        return
+    grown = -(-rows // GROW) * GROW
+    for c in cache:
+        b, h, _, dk = c.keys.shape
+        c.keys = mx.concatenate([c.keys, mx.zeros((b, h, grown - size, dk), c.keys.dtype)], 2)
+        dv = c.values.shape[3]
+        c.values = mx.concatenate(
+            [c.values, mx.zeros((b, h, grown - size, dv), c.values.dtype)], 2)
+
+
+def _build(model):
+    """The compiled step of `model` (an inner model: embed_tokens, layers, norm)."""
+    embed, norm, blocks = model["embed_tokens"], model["norm"], list(model.layers)
+    attend = dispatch.get("buffer_attention")
+
+    def step(tokens, position, keys, values):
+        h = embed(tokens)
+        at = position.reshape(1, 1, 1, 1)  # the row of every (batch, head)
+        new_keys, new_values = [], []
+        for i, (block, k_buf, v_buf) in enumerate(zip(blocks, keys, values)):
+            q, k, v = fuse._queries(block, h, position)
+            k_buf = mx.put_along_axis(k_buf, at, k, axis=2)
+            v_buf = mx.put_along_axis(v_buf, at, v, axis=2)
+            o = attend(q, k_buf, v_buf, position, block["self_attn"].scale, slot=i)
+            h = fuse._step_after(block, o, h)
+            new_keys.append(k_buf)
+            new_values.append(v_buf)
+        return norm(h), new_keys, new_values
+
+    return mx.compile(step)
+
+
+def eligible(model: nn.Module) -> bool:
+    """Whether every block of an inner model is fused, compiles, and (MoE) keeps its
+    sparse MLP in the trace: what the whole step needs besides the call's own checks."""
+    blocks = getattr(model, "layers", None)
+    if not blocks or not all(k in model for k in ("embed_tokens", "norm")):
+        return False
+    for block in blocks:
+        if not isinstance(block, (fuse.FusedDecoderBlock, fuse.FusedAttentionBlock)):
+            return False
+        if not block.compiles or not getattr(block, "moe_compiles", True):
+            return False
+    return True
+
+
+@functools.cache
+def _whole_class(cls: type) -> type:
+    return type(f"WholeStep{cls.__name__}", (WholeStepModel, cls), {})
+
+
+def enable(model: nn.Module) -> int:
+    """Give every eligible inner model of `model` (after `fuse.fuse_blocks`) the whole
+    step, in place; returns how many were."""
+    done = 0
+    for _, module in model.named_modules():
+        if isinstance(module, WholeStepModel) or not eligible(module):
+            continue
+        module.__class__ = _whole_class(type(module))
+        object.__setattr__(module, "whole_step", True)  # a flag, not a parameter
+        done += 1
+    return done

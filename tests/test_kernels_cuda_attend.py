@@ -1,0 +1,175 @@
+"""CUDA "buffer_attention" (`kernels/cuda_attend.py`): one token's attention over a KV
+buffer whose length is read on the GPU.
+
+Everywhere: the chunk plan and the shapes the kernel takes; where nvcc is installed, the
+three kernels' source compiled for the shapes models use. On the GPU machine (MLX's CUDA
+build): the kernel's values against the reference (`kernels/attend.py`) for one chunk and
+many, every group size and position, and a model's decode through the compiled whole step
+(`runtime/whole_step.py`) against its per-layer step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from turboquant.kernels import attend, cuda_attend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import cuda_source  # noqa: E402
+
+CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+on_gpu = pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
+
+
+# ---------------------------------------------------------------------------- everywhere
+
+
+@pytest.mark.parametrize("size", [1, 16, 64, 65, 256, 1024, 4096, 16384, 32768, 1 << 20])
+def test_the_plan_covers_the_buffer_in_whole_chunks(size):
+    rows, chunks = cuda_attend.plan(size)
+    assert rows >= cuda_attend.CHUNK_TOKENS and rows * chunks >= size > rows * (chunks - 1)
+    assert chunks <= cuda_attend.MAX_CHUNKS
+
+
+def test_the_kernel_takes_the_shapes_of_the_models_it_serves():
+    ok = cuda_attend.supports
+    for heads, kv, dim in ((32, 8, 128), (32, 4, 128), (28, 4, 128), (64, 8, 128), (16, 16, 64),
+                           (40, 8, 128), (14, 2, 64), (16, 2, 256), (8, 8, 256)):
+        assert ok((1, heads, 1, dim), (1, kv, 512, dim), (1, kv, 512, dim), mx.bfloat16)
+        assert ok((2, heads, 1, dim), (2, kv, 512, dim), (2, kv, 512, dim), mx.float16)
+    assert not ok((1, 32, 1, 128), (1, 8, 512, 128), (1, 8, 512, 128), mx.float32)
+    assert not ok((1, 32, 2, 128), (1, 8, 512, 128), (1, 8, 512, 128), mx.bfloat16)  # 2 queries
+    assert not ok((1, 32, 1, 96), (1, 8, 512, 96), (1, 8, 512, 96), mx.bfloat16)  # 96 / 8 = 12
+    assert not ok((1, 30, 1, 128), (1, 8, 512, 128), (1, 8, 512, 128), mx.bfloat16)
+    assert not ok((1, 32, 1, 128), (1, 2, 512, 128), (1, 2, 512, 128), mx.bfloat16)  # R = 16
+    assert not ok((1, 32, 1, 128), (1, 8, 512, 128), (1, 8, 512, 64), mx.bfloat16)  # Dv != D
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_kernel_compiles_without_spills(tmp_path):
+    source = cuda_attend._HEADER
+    body = "  constexpr float TQ_SCALE = 0.125f;\n" + cuda_attend._SOURCE.replace(
+        "@NT@", str(cuda_attend.NT))
+    ins = ["queries", "keys", "values", "position", "counter"]
+    for dtype in (mx.bfloat16, mx.float16):
+        for d, r in ((128, 4), (128, 8), (64, 7), (256, 2), (128, 1), (64, 8)):
+            name = f"attend_{d}_{r}_{dtype}".replace("mlx.core.", "")
+            source += cuda_source.kernel_source(
+                name, ins, ["out", "ml", "part"], body, [dtype, dtype, dtype, mx.int32, mx.int32],
+                [dtype, mx.float32, mx.float32],
+                [("T", dtype), ("D", d), ("R", r), ("CH", 64)])
+    cuda_source.compile_with_nvcc(source, tmp_path, "attend")
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads, kv, dim", [(32, 8, 128), (8, 8, 64), (28, 4, 128), (16, 2, 256)])
+@pytest.mark.parametrize("size, position", [(64, 0), (64, 63), (256, 0), (256, 16), (1024, 1023),
+                                            (1025, 700), (4096, 4095), (4096, 130),
+                                            (40000, 39000)])
+def test_the_kernel_matches_the_reference(dtype, heads, kv, dim, size, position):
+    mx.random.seed(size + position + heads)
+    q = mx.random.normal((2, heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((2, kv, size, dim)).astype(dtype)
+    v = mx.random.normal((2, kv, size, dim)).astype(dtype)
+    pos = mx.array(position, mx.int32)
+    got = cuda_attend.buffer_attention(q, k, v, pos, dim ** -0.5)
+    n = position + 1
+    want = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), k[:, :, :n].astype(mx.float32), v[:, :, :n].astype(mx.float32),
+        scale=dim ** -0.5)
+    assert got.shape == (2, heads, 1, dim) and got.dtype == dtype
+    err = mx.max(mx.abs(got.astype(mx.float32) - want)).item()
+    assert err <= 2e-2, err
+
+
+@on_gpu
+def test_rows_past_the_position_do_not_count():
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 8, 2048, 128)).astype(mx.bfloat16)
+    pos = mx.array(100, mx.int32)
+    a = cuda_attend.buffer_attention(q, k, v, pos, 0.1)
+    def junk(x):
+        return mx.concatenate([x[:, :, :101], 1e3 * mx.ones_like(x[:, :, 101:])], axis=2)
+
+    b = cuda_attend.buffer_attention(q, junk(k), junk(v), pos, 0.1)
+    assert mx.array_equal(a, b).item()
+
+
+@on_gpu
+def test_a_slot_serves_launch_after_launch():
+    """Launches sharing a slot's counters, one after another: each launch's last blocks
+    reset them for the next (a stale count would let a block merge before the others)."""
+    q = mx.random.normal((2, 32, 1, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((2, 8, 4096, 128)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 8, 4096, 128)).astype(mx.bfloat16)
+    want = cuda_attend.buffer_attention(q, k, v, mx.array(3000, mx.int32), 0.1)
+    for position in (3000, 10, 3000, 4095, 3000):
+        got = cuda_attend.buffer_attention(q, k, v, mx.array(position, mx.int32), 0.1, slot="t")
+        mx.eval(got)
+        if position == 3000:
+            assert mx.array_equal(got, want).item()
+    assert not mx.any(cuda_attend._counters("t")).item()
+
+
+@on_gpu
+def test_the_reference_is_the_kernels_oracle_through_dispatch():
+    from turboquant.kernels import dispatch
+
+    assert dispatch.registered("cuda", "buffer_attention") is cuda_attend.buffer_attention
+    assert dispatch.get("buffer_attention").__wrapped__ is cuda_attend.buffer_attention
+    assert attend.buffer_attention is not cuda_attend.buffer_attention
+
+
+@on_gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3_moe"])
+def test_the_whole_step_decodes_as_the_per_layer_step_on_the_gpu(monkeypatch, moe):
+    import decode
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from turboquant.runtime import whole_step
+
+    if moe:
+        monkeypatch.setattr(decode, "QWEN3_30B_A3B", dict(
+            decode.QWEN3_30B_A3B, num_hidden_layers=2, hidden_size=512, moe_intermediate_size=256,
+            num_experts=16, num_experts_per_tok=4, vocab_size=1024))
+    else:
+        monkeypatch.setattr(decode, "LLAMA3_8B", dict(
+            decode.LLAMA3_8B, num_hidden_layers=3, hidden_size=1024, intermediate_size=2048,
+            num_attention_heads=16, num_key_value_heads=4, vocab_size=1024))
+    monkeypatch.setattr(whole_step, "GROW", 64)
+    model = decode.build("tq3", moe=moe)
+    assert isinstance(model.model, whole_step.WholeStepModel)
+
+    def decode_with(on: bool, forced=None):
+        """Greedy tokens (or `forced` ones fed in) and each step's logits."""
+        monkeypatch.setattr(whole_step, "WHOLE_STEP", on)
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([list(range(1, 40))]), cache=cache)[:, -1]
+        tokens, rows = [], []
+        for i in range(300):  # past mlx-lm's 256 rows and several GROW steps
+            y = mx.argmax(logits, axis=-1) if forced is None else mx.array([forced[i]])
+            tokens.append(y.item())
+            logits = model(y[:, None], cache=cache)[:, -1]
+            rows.append(logits.astype(mx.float32))
+        return tokens, rows, cache
+
+    tokens, want, _ = decode_with(False)
+    _, got, cache = decode_with(True, forced=tokens)
+    assert cache[0].offset == 339 and cache[0].keys.shape[2] == 384
+    errors = [mx.max(mx.abs(a - b)).item() / mx.max(mx.abs(a)).item() for a, b in zip(want, got)]
+    # bf16 logits of random weights, two attention kernels: ~1% apart, a few steps ~3%
+    assert max(errors) <= 5e-2 and sorted(errors)[len(errors) // 2] <= 1.5e-2, errors
+    same = sum(mx.argmax(a).item() == mx.argmax(b).item() for a, b in zip(want, got))
+    assert same >= 0.95 * len(want)
