@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64, help="independent calls an evaluation")
     ap.add_argument("--compiled", action="store_true",
                     help="time the kernel's calls inside one compiled function instead")
+    ap.add_argument("--merge", choices=["block", "launch"], default=None,
+                    help="how the kernel merges a buffer's chunks (TURBOQUANT_CUDA_ATTEND_MERGE)")
     ap.add_argument("--give-up", type=float, default=60, metavar="S",
                     help="dump the stack and exit after S seconds (0: never)")
     args = ap.parse_args()
@@ -60,6 +62,8 @@ def main() -> None:
                          "machine with MLX's CUDA build")
     from turboquant.kernels import cuda_attend
 
+    if args.merge:
+        cuda_attend.MERGE = args.merge
     n, scale = args.calls, 128 ** -0.5
     for size in SIZES:
         q, k, v = buffers(size)
@@ -85,7 +89,7 @@ def main() -> None:
             a, b = timed(ours) / n, timed(theirs) / n
             print(f"buffer {size:6d}, position {row:6d}: kernel {a * 1e6:7.1f} us, "
                   f"sdpa {b * 1e6:7.1f} us a call (kernel {b / a:.2f}x)", flush=True)
-    print(f"reproduce: python benchmarks/attention.py --calls {n}"
+    print(f"reproduce: python benchmarks/attention.py --calls {n} --merge {cuda_attend.MERGE}"
           f"{' --compiled' if args.compiled else ''} (GPU machine, MLX CUDA build)")
 
 

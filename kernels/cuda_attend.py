@@ -15,8 +15,11 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
 - One chunk: that block writes the output. Several: each block writes its partial (max,
   sum, unnormalised output), then counts itself done on its (batch, KV head)'s counter;
   the last block of a group merges the group's partials and resets the counter for the
-  next launch (a persistent int32 array every launch shares: launches on one stream
-  never overlap). No second launch, so a layer's attention is one operation to encode.
+  next launch (a persistent int32 array per `slot`: launches in order on one stream
+  may share one, launches that may run at once must not). No second launch, so a layer's attention is one operation to encode.
+  MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
+  one block a group and no counters: written to bisect a hang seen on the H200 (a
+  compiled function of several independent launches never finished), not yet run there.
 
 Keys and values are float16 or bfloat16 of one head dim D with D / 8 a power of two
 (8..256: the dims of every model mlx-lm runs), R * 8 <= 64 accumulators a lane; anything
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import mlx.core as mx
 
@@ -39,6 +43,9 @@ CHUNK_TOKENS = 64  # rows a block walks (grown for long buffers: at most MAX_CHU
 MAX_CHUNKS = 256  # chunks a (batch, KV head) group: what its last block merges
 MAX_GROUPS = 1024  # batch * kv_heads: the counters a slot keeps
 MAX_ROWS = 8  # query rows a KV head (R): 8 dims each a lane, accumulated in registers
+# how a long buffer's chunks are merged: "block" (the last block of a group, through a
+# done-counter: one launch) or "launch" (a second launch, no counters; one operation more)
+MERGE = os.environ.get("TURBOQUANT_CUDA_ATTEND_MERGE", "block")
 
 _HEADER = r"""
 #include <cuda_fp16.h>
@@ -95,13 +102,14 @@ __device__ __forceinline__ void tq_attend_row(const T* type, uint4 kraw, uint4 v
 
 # Template: T (the buffers' and the output's element), D, R (query rows a KV head), CH
 # (rows a chunk). TQ_SCALE is put in front. Outputs: out, and the partials (ml, part).
-_SOURCE = r"""
+# _PARTIAL: a block's chunk, merged over its workers: the output itself when the buffer
+# is one chunk, else the chunk's partial.
+_PARTIAL = r"""
   constexpr int NT = @NT@;
   constexpr int PPR = D / 8, W = NT / PPR;  // lanes a row, workers a block
   __shared__ float qs[R * D];
   __shared__ float wm[W * R], wl[W * R];     // each worker's max and sum, a query row
   __shared__ float wacc[W * R * D + (NT / 32) * R];  // and its unnormalised output
-  __shared__ bool last;
   const int tid = threadIdx.x, worker = tid / PPR, piece = tid % PPR;
   const int chunk = blockIdx.x, chunks = gridDim.x, bk = blockIdx.y;
   const int kvh = keys_shape[1], S = keys_shape[2];
@@ -164,19 +172,13 @@ _SOURCE = r"""
     }
   }
   if (chunks == 1) return;
+"""
 
-  // the last block of the group to finish merges the group's chunks: warp w the chunks
-  // w, w + NWARPS, ... (weights from their maxima), a lane every 32nd output, then the
-  // warps' sums through shared memory
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int* done = const_cast<int*>(counter) + bk;
-    last = atomicAdd(done, 1) == chunks - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+# _MERGE: one block merges a (batch, KV head) group's partials (ml, part) of the chunks in
+# use into the output: warp w the chunks w, w + NWARPS, ... (weights from their maxima),
+# a lane every 32nd output, then the warps' sums through `wsum` (shared memory). Needs
+# tid, NT, b, g, H, group, chunks, len and `wsum` of NWARPS * (R * D + R) floats.
+_MERGE = r"""
   constexpr int NWARPS = NT / 32, ITEMS = (R * D + 31) / 32;
   const int used = min(chunks, (len + CH - 1) / CH), lane = tid & 31, warp = tid >> 5;
   float gmax[R];
@@ -205,8 +207,7 @@ _SOURCE = r"""
       if (i < R * D) o[k] += __ldcg(pc + i) * e[i / D];
     }
   }
-  __syncthreads();  // the workers' sums are read: their memory takes the warps' sums
-  float* wsum = wacc;  // NWARPS * (R * D + R) floats <= W * R * D
+  __syncthreads();  // what shared memory held before is read: it takes the warps' sums
   #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int i = lane + 32 * k;
@@ -226,8 +227,37 @@ _SOURCE = r"""
     }
     tq_store(out + (size_t)(b * H + g * R) * D + i, total / norm);
   }
+"""
+
+# MERGE "block": one launch; the last block of a group to finish merges it (its done-count
+# on the group's counter, which it resets for the next launch).
+_SOURCE = _PARTIAL + r"""
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* done = const_cast<int*>(counter) + bk;
+    last = atomicAdd(done, 1) == chunks - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float* wsum = wacc;  // NWARPS * (R * D + R) floats <= W * R * D
+""" + _MERGE + r"""
   if (tid == 0) const_cast<int*>(counter)[bk] = 0;  // ready for the next launch
 """
+
+# MERGE "launch": the partial kernel (_SPLIT: no counters) and a second launch of one
+# block a group merging its partials (_JOIN, grid (NT, batch * kv_heads)).
+_SPLIT = _PARTIAL
+_JOIN = r"""
+  constexpr int NT = @NT@;
+  __shared__ float wsum[(NT / 32) * (R * D + R)];
+  const int tid = threadIdx.x, bk = blockIdx.y, chunks = ml_shape[1];
+  const int H = KVH * R, b = bk / KVH, g = bk % KVH;
+  const int len = position[0] + 1;  // the chunks in use: min(chunks, ...) in _MERGE
+  const size_t group = (size_t)bk * chunks;
+""" + _MERGE
 
 
 def supports(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtype: mx.Dtype) -> bool:
@@ -253,13 +283,28 @@ def plan(size: int) -> tuple[int, int]:
     return chunk, -(-size // chunk)
 
 
+def _named(prefix: str, source: str) -> str:
+    return f"{prefix}_{hashlib.sha256((_HEADER + source).encode()).hexdigest()[:12]}"
+
+
 @functools.cache
-def _kernel(scale: float):
-    source = f"  constexpr float TQ_SCALE = {float(scale)!r}f;\n" + _SOURCE.replace("@NT@", str(NT))
-    tag = hashlib.sha256((_HEADER + source).encode()).hexdigest()[:12]
+def _kernel(scale: float, merge: str = "block"):
+    """The attention kernel: with its last-block merge ("block"), or the partials only
+    ("launch": `_join_kernel` merges them)."""
+    body = _SOURCE if merge == "block" else _SPLIT
+    source = f"  constexpr float TQ_SCALE = {float(scale)!r}f;\n" + body.replace("@NT@", str(NT))
+    inputs = ["queries", "keys", "values", "position"] + (["counter"] if merge == "block" else [])
     return mx.fast.cuda_kernel(
-        name=f"tq_attend_{tag}", input_names=["queries", "keys", "values", "position", "counter"],
-        output_names=["out", "ml", "part"], source=source, header=_HEADER)
+        name=_named("tq_attend" if merge == "block" else "tq_attend_split", source),
+        input_names=inputs, output_names=["out", "ml", "part"], source=source, header=_HEADER)
+
+
+@functools.cache
+def _join_kernel():
+    source = _JOIN.replace("@NT@", str(NT))
+    return mx.fast.cuda_kernel(
+        name=_named("tq_attend_join", source), input_names=["ml", "part", "position"],
+        output_names=["out"], source=source, header=_HEADER)
 
 
 @functools.cache
@@ -275,7 +320,8 @@ def _counters(slot) -> mx.array:
 def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
                      position: mx.array, scale: float, slot=None) -> mx.array:
     """`kernels.attend.buffer_attention` on CUDA (see the module docstring). `slot` names
-    the counters the launch uses (`_counters`); None: a zeroed array of its own."""
+    the counters the launch uses (`_counters`); None: a zeroed array of its own. With
+    MERGE "launch" a second launch merges the chunks instead (no counters)."""
     if not supports(queries.shape, keys.shape, values.shape, keys.dtype) or \
             queries.dtype != keys.dtype or values.dtype != keys.dtype:
         raise NotImplementedError(f"buffer attention of q {queries.shape} {queries.dtype} "
@@ -287,13 +333,22 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     r = h // kvh
     chunk, chunks = plan(size)
     parts = chunks if chunks > 1 else 0  # one chunk: no partials
-    return _kernel(scale)(
-        inputs=[queries, keys, values, position,
-                _counters(slot) if slot is not None else mx.zeros((b * kvh,), mx.int32)],
-        template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk)],
+    merge = MERGE if chunks > 1 else "block"  # one chunk: no merge, no counter touched
+    inputs = [queries, keys, values, position]
+    if merge == "block":
+        inputs.append(_counters(slot) if slot is not None else mx.zeros((b * kvh,), mx.int32))
+    out, ml, part = _kernel(scale, merge)(
+        inputs=inputs, template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk)],
         grid=(chunks * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(b, h, 1, d), (b * kvh, max(parts, 1), r, 2), (b * kvh, max(parts, 1), r, d)],
-        output_dtypes=[keys.dtype, mx.float32, mx.float32])[0]
+        output_dtypes=[keys.dtype, mx.float32, mx.float32])
+    if merge == "block":
+        return out
+    return _join_kernel()(
+        inputs=[ml, part, position],
+        template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk), ("KVH", kvh)],
+        grid=(NT, b * kvh, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(b, h, 1, d)], output_dtypes=[keys.dtype])[0]
 
 
 buffer_attention.supports = supports  # the whole step asks before it traces a call

@@ -53,18 +53,29 @@ def test_the_kernel_takes_the_shapes_of_the_models_it_serves():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_the_kernel_compiles_without_spills(tmp_path):
+def test_the_kernels_compile_without_spills(tmp_path):
+    """The one-launch kernel (last-block merge), and MERGE "launch"'s two: the partials
+    and the merge."""
     source = cuda_attend._HEADER
-    body = "  constexpr float TQ_SCALE = 0.125f;\n" + cuda_attend._SOURCE.replace(
-        "@NT@", str(cuda_attend.NT))
-    ins = ["queries", "keys", "values", "position", "counter"]
+    nt = str(cuda_attend.NT)
+    scale = "  constexpr float TQ_SCALE = 0.125f;\n"
+    block, split = (scale + s.replace("@NT@", nt) for s in (cuda_attend._SOURCE, cuda_attend._SPLIT))
+    join = cuda_attend._JOIN.replace("@NT@", nt)
+    ins = ["queries", "keys", "values", "position"]
     for dtype in (mx.bfloat16, mx.float16):
         for d, r in ((128, 4), (128, 8), (64, 7), (256, 2), (128, 1), (64, 8)):
-            name = f"attend_{d}_{r}_{dtype}".replace("mlx.core.", "")
+            name = f"{d}_{r}_{dtype}".replace("mlx.core.", "")
+            template = [("T", dtype), ("D", d), ("R", r), ("CH", 64)]
             source += cuda_source.kernel_source(
-                name, ins, ["out", "ml", "part"], body, [dtype, dtype, dtype, mx.int32, mx.int32],
-                [dtype, mx.float32, mx.float32],
-                [("T", dtype), ("D", d), ("R", r), ("CH", 64)])
+                "attend_" + name, ins + ["counter"], ["out", "ml", "part"], block,
+                [dtype, dtype, dtype, mx.int32, mx.int32], [dtype, mx.float32, mx.float32],
+                template)
+            source += cuda_source.kernel_source(
+                "split_" + name, ins, ["out", "ml", "part"], split,
+                [dtype, dtype, dtype, mx.int32], [dtype, mx.float32, mx.float32], template)
+            source += cuda_source.kernel_source(
+                "join_" + name, ["ml", "part", "position"], ["out"], join,
+                [mx.float32, mx.float32, mx.int32], [dtype], template + [("KVH", 8)])
     cuda_source.compile_with_nvcc(source, tmp_path, "attend")
 
 
@@ -91,6 +102,16 @@ def test_the_kernel_matches_the_reference(dtype, heads, kv, dim, size, position)
     assert got.shape == (2, heads, 1, dim) and got.dtype == dtype
     err = mx.max(mx.abs(got.astype(mx.float32) - want)).item()
     assert err <= 2e-2, err
+
+
+@on_gpu
+@pytest.mark.parametrize("size, position", [(64, 10), (1024, 1023), (1025, 700), (4096, 130),
+                                            (40000, 39000)])
+def test_the_two_launch_merge_matches_the_reference(monkeypatch, size, position):
+    """MERGE "launch": the chunks' partials merged by a second launch (no counters)."""
+    monkeypatch.setattr(cuda_attend, "MERGE", "launch")
+    test_the_kernel_matches_the_reference(mx.bfloat16, 32, 8, 128, size, position)
+    test_the_kernel_matches_the_reference(mx.float16, 28, 4, 128, size, position)
 
 
 @on_gpu
@@ -133,8 +154,9 @@ def test_the_reference_is_the_kernels_oracle_through_dispatch():
 
 
 @on_gpu
+@pytest.mark.parametrize("merge", ["block", "launch"])
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3_moe"])
-def test_the_whole_step_decodes_as_the_per_layer_step_on_the_gpu(monkeypatch, moe):
+def test_the_whole_step_decodes_as_the_per_layer_step_on_the_gpu(monkeypatch, moe, merge):
     import decode
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -149,6 +171,7 @@ def test_the_whole_step_decodes_as_the_per_layer_step_on_the_gpu(monkeypatch, mo
             decode.LLAMA3_8B, num_hidden_layers=3, hidden_size=1024, intermediate_size=2048,
             num_attention_heads=16, num_key_value_heads=4, vocab_size=1024))
     monkeypatch.setattr(whole_step, "GROW", 64)
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
     model = decode.build("tq3", moe=moe)
     assert isinstance(model.model, whole_step.WholeStepModel)
 
