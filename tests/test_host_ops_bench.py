@@ -112,19 +112,24 @@ def test_a_fused_gather_moe_layer_drops_the_rotations_ops(monkeypatch):
     assert fused["py_calls"] <= plain["py_calls"]
 
 
+# (benchmark shape, MoE, the small model's sizes) of the compiled-step tests
+SMALL_MODELS = (
+    ("LLAMA3_8B", False, dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2)),
+    ("QWEN3_30B_A3B", True, dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=128, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)),
+)
+
+
 def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
     """The compiled single-token step per layer (`fuse.COMPILE_STEP`, the whole step
-    off as by default): no kernel call
-    made in Python (MLX replays the traced launches) and a few Python calls a layer (the
-    block, the cache, the attention function): dense 7 against 23 built op by op, MoE 7
-    against 41 (its sparse MLP in the trace). The dense graph is the same; the MoE one
-    smaller (compile fuses the router's elementwise ops and drops its stop_gradients)."""
-    dense = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2)
-    moe = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
-               moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64)
-    for shape, is_moe, small in (("LLAMA3_8B", False, dense), ("QWEN3_30B_A3B", True, moe)):
+    off as by default): no kernel call made in Python (MLX replays the traced launches)
+    and a few Python calls a layer (the block, the cache, the attention function): dense
+    7 against 23 built op by op, MoE 7 against 41 (its sparse MLP in the trace). The
+    dense graph is the same; the MoE one smaller (compile fuses the router's elementwise
+    ops and drops its stop_gradients)."""
+    for shape, is_moe, small in SMALL_MODELS:
         eager = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-eager", **small)
         compiled = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-layers", **small)
         assert compiled["calls"] == 0 and eager["calls"] == (6 if is_moe else 4)
@@ -138,18 +143,14 @@ def test_a_compiled_step_replays_its_graph_in_fewer_calls(monkeypatch):
 def test_the_whole_step_builds_a_layer_without_python(monkeypatch):
     """TURBOQUANT_WHOLE_STEP=1 on CUDA (`runtime/whole_step.py`): a token's step is one
     compiled call, so a decoder layer costs no Python call at all (8 with the step
-    compiled per layer) and 7 operations instead of 9: its 4 launches, the attention's and the two buffer updates
-    at the position (no slices of the cache). Dense and MoE alike; 4 rows a warp, so the
-    dense layer's RoPE is in its q/k/v launch as a Llama-3-8B layer's is."""
+    compiled per layer) and 7 operations instead of 9: its 4 launches, the attention's
+    and the two buffer updates at the position (no slices of the cache). Dense and MoE
+    alike; 4 rows a warp, so the dense layer's RoPE is in its q/k/v launch as a
+    Llama-3-8B layer's is."""
     from turboquant.kernels import cuda_gemv
 
     monkeypatch.setattr(cuda_gemv, "WARPS_WANTED", 1)
-    dense = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2)
-    moe = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2,
-               moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64)
-    for shape, is_moe, small in (("LLAMA3_8B", False, dense), ("QWEN3_30B_A3B", True, moe)):
+    for shape, is_moe, small in SMALL_MODELS:
         layers = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-layers", **small)
         whole = _fake_cuda_layer(monkeypatch, shape, is_moe, "tq3-whole", **small)
         assert whole["calls"] == 0 and whole["py_calls"] == 0 and layers["py_calls"] >= 7
