@@ -73,14 +73,17 @@ def test_cpu_prefill_evaluates_the_cache_from_empty_each_run():
 
 def test_a_process_first_variant_warms_up_as_long_as_it_is_timed(monkeypatch):
     """A process's first round ran 35-45% slow on the H200: the first variant's warm-up
-    decodes as many tokens as the timed run, the others' 8."""
-    warmups = []
-    monkeypatch.setattr(decode, "decode_tps", lambda model, tokens: warmups.append(tokens))
-    monkeypatch.setattr(decode, "token_gaps", lambda model, tokens: [0.01] * tokens)
+    decodes as many tokens as the timed run, the others' 8; both after the prompt of
+    `--context` tokens (the warm-up traces the buffer sizes the timed run meets)."""
+    warmups, timed = [], []
+    monkeypatch.setattr(decode, "decode_tps",
+                        lambda model, tokens, prompt_len: warmups.append((tokens, prompt_len)))
+    monkeypatch.setattr(decode, "token_gaps",
+                        lambda model, tokens, prompt_len: timed.append(prompt_len) or [0.01] * tokens)
 
     class Args:
-        tokens, profile = 256, False
+        tokens, profile, context = 256, False, 4096
 
     assert decode.run_variant(None, Args, first=True) == [0.01] * 256
     decode.run_variant(None, Args)
-    assert warmups == [256, 8]
+    assert warmups == [(256, 4096), (8, 4096)] and timed == [4096, 4096]
