@@ -6,10 +6,14 @@ opt-in whole decode step, `runtime/whole_step.py`, needs); MLX's
 heads (32 query heads, 8 KV heads of 128, bf16), one sequence; `--calls` independent
 calls an evaluation, so launch overhead is amortised the same way for both.
 
-`--compiled` instead times `--calls` kernel launches inside one `mx.compile`d function:
-on the H200 in session 22 that never finished (graphs on or off; the uncompiled calls and
-the whole step's one launch a layer did). `--give-up S` prints where it waits after S
-seconds and exits, so a run records the hang instead of eating its time limit.
+`--compiled` instead times `--calls` kernel launches inside one `mx.compile`d function,
+its first call (trace and JIT compiles) apart from the timed ones. In session 22 such a
+function did not finish on the H200 (graphs on or off, within 20-80 s; the uncompiled
+calls and the whole step's one launch a layer did), but its queries were then `q + i`
+inside the function: scalar constants, which MLX's CUDA backend writes into the source of
+the elementwise kernels it fuses, so possibly one NVRTC compile per call rather than a
+hang. The queries are the function's inputs now. `--give-up S` prints where it waits
+after S seconds and exits, so a run records a hang instead of eating its time limit.
 
 Reproduce (GPU machine, MLX CUDA build):  python benchmarks/attention.py [--compiled]
 """
@@ -75,11 +79,18 @@ def main() -> None:
                          for i in range(n)])
 
             if args.compiled:
-                step = mx.compile(lambda q, p: [
-                    cuda_attend.buffer_attention(q + i, k, v, p, scale, slot=i) for i in range(n)])
+                queries = [q + i for i in range(n)]
+                mx.eval(queries)
+                step = mx.compile(lambda p, *qs: [
+                    cuda_attend.buffer_attention(x, k, v, p, scale, slot=i)
+                    for i, x in enumerate(qs)])
                 print(f"buffer {size:6d}, position {row:6d}: compiled ...", flush=True)
-                took = timed(lambda: mx.eval(step(q, position))) / n
-                print(f"{'':>33} {took * 1e6:7.1f} us a call", flush=True)
+                start = time.perf_counter()
+                mx.eval(step(position, *queries))
+                first = time.perf_counter() - start
+                took = timed(lambda: mx.eval(step(position, *queries))) / n
+                print(f"{'':>33} first call {first:.2f} s, then {took * 1e6:7.1f} us a call",
+                      flush=True)
                 continue
 
             def theirs():

@@ -18,8 +18,8 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   next launch (a persistent int32 array per `slot`: launches in order on one stream
   may share one, launches that may run at once must not). No second launch, so a layer's attention is one operation to encode.
   MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
-  one block a group and no counters: written to bisect a hang seen on the H200 (a
-  compiled function of several independent launches never finished), not yet run there.
+  one block a group and no counters: written to bisect a stall seen on the H200 (a
+  compiled function of several independent launches did not finish), not yet run there.
 
 Keys and values are float16 or bfloat16 of one head dim D with D / 8 a power of two
 (8..256: the dims of every model mlx-lm runs), R * 8 <= 64 accumulators a lane; anything

@@ -30,9 +30,9 @@ Off by default: TURBOQUANT_WHOLE_STEP=1 turns it on (else the per-layer compiled
 run). On the H200 (session 22, graphs off, 256 tokens after a 16-token prompt) it decoded
 an 8B-shaped TQ3 model 1.63-1.77x affine-4 against 1.35-1.64x per layer, but after a
 4096-token prompt it was slower than per layer (177 and 174 tok/s against 193), and a
-compiled function of several independent "buffer_attention" launches never finished
-there (`benchmarks/results/session22-h200.txt`): it stays a switch until that is
-understood.
+compiled function of several independent "buffer_attention" launches did not finish
+there within 20-80 s (`benchmarks/results/session22-h200.txt`; perhaps compile time, see
+`benchmarks/attention.py`): it stays a switch until both are settled.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def test_the_reference_attends_over_the_rows_up_to_the_position(size, position):
 
 
 def test_the_whole_step_is_off_unless_asked_for(cpu_whole_step, monkeypatch):
-    """Opt-in (TURBOQUANT_WHOLE_STEP=1) until its long-context speed and a hang seen on
+    """Opt-in (TURBOQUANT_WHOLE_STEP=1) until its long-context speed and a stall seen on
     the H200 are understood: with the module's default an enabled model steps per layer."""
     def read(env_value):
         env = {k: v for k, v in os.environ.items() if k != "TURBOQUANT_WHOLE_STEP"}
