@@ -2,7 +2,9 @@
 buffer whose length is read on the GPU.
 
 Everywhere: the chunk plan and the shapes the kernel takes; where nvcc is installed, the
-three kernels' source compiled for the shapes models use. On the GPU machine (MLX's CUDA
+three kernels' source compiled for the shapes models use; where a C++ compiler is, the
+kernels run on the CPU (`tests/cuda_emulation.py`) against float64 attention, both merges.
+On the GPU machine (MLX's CUDA
 build): the kernel's values against the reference (`kernels/attend.py`) for one chunk and
 many, every group size and position, and a model's decode through the compiled whole step
 (`runtime/whole_step.py`) against its per-layer step.
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from turboquant.kernels import attend, cuda_attend
@@ -22,6 +25,7 @@ from turboquant.kernels import attend, cuda_attend
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import cuda_emulation  # noqa: E402
 import cuda_source  # noqa: E402
 
 CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
@@ -77,6 +81,127 @@ def test_the_kernels_compile_without_spills(tmp_path):
                 "join_" + name, ["ml", "part", "position"], ["out"], join,
                 [mx.float32, mx.float32, mx.int32], [dtype], template + [("KVH", 8)])
     cuda_source.compile_with_nvcc(source, tmp_path, "attend")
+
+
+# ------------------------------------------------------- emulated on the CPU (any machine)
+
+
+class EmulatedAttention:
+    """`cuda_attend.buffer_attention`'s launches, each kernel run by `cuda_emulation`
+    (compiled once per dtype, head shape and chunk rows)."""
+
+    def __init__(self, folder):
+        self.folder, self.kernels = folder, {}
+
+    def kernel(self, kind, dtype, d, r, chunk, kvh):
+        key = (kind, dtype, d, r, chunk, kvh)
+        if key not in self.kernels:
+            nt = str(cuda_attend.NT)
+            template = [("T", dtype), ("D", d), ("R", r), ("CH", chunk)]
+            ins = ["queries", "keys", "values", "position"]
+            if kind == "join":
+                source, ins, outs = cuda_attend._JOIN, ["ml", "part", "position"], ["out"]
+                in_dtypes, out_dtypes = [mx.float32, mx.float32, mx.int32], [dtype]
+                template = template + [("KVH", kvh)]
+            else:
+                body = cuda_attend._SOURCE if kind == "block" else cuda_attend._SPLIT
+                source = "  constexpr float TQ_SCALE = 0.125f;\n" + body
+                ins = ins + (["counter"] if kind == "block" else [])
+                in_dtypes = [dtype] * 3 + [mx.int32] * (len(ins) - 3)
+                outs, out_dtypes = ["out", "ml", "part"], [dtype, mx.float32, mx.float32]
+            self.kernels[key] = cuda_emulation.EmulatedKernel(
+                self.folder, f"{kind}_{d}_{r}_{chunk}", cuda_attend._HEADER,
+                source.replace("@NT@", nt), ins, in_dtypes, outs, out_dtypes, template)
+        return self.kernels[key]
+
+    def __call__(self, q, k, v, position, merge, counter=None):
+        """(output, the counter after the launch) for scale 0.125 (TQ_SCALE above)."""
+        b, h, _, d = q.shape
+        kvh, size = k.shape[1], k.shape[2]
+        r, (chunk, chunks) = h // kvh, cuda_attend.plan(size)
+        kind = merge if chunks > 1 else "block"
+        parts = max(chunks, 1) if chunks > 1 else 1
+        inputs = [cuda_emulation.bits(x) for x in (q, k, v)] + [np.array([position], np.int32)]
+        if kind == "block":
+            inputs.append(np.zeros(b * kvh, np.int32) if counter is None else counter)
+        shapes = [(b, h, 1, d), (b * kvh, parts, r, 2), (b * kvh, parts, r, d)]
+        grid, block = (chunks * cuda_attend.NT, b * kvh, 1), (cuda_attend.NT, 1, 1)
+        (out, ml, part), back = self.kernel(kind, q.dtype, d, r, chunk, kvh)(
+            inputs, shapes, grid, block)
+        if kind == "launch":
+            (out,), _ = self.kernel("join", q.dtype, d, r, chunk, kvh)(
+                [ml, part, inputs[3]], [(b, h, 1, d)], (cuda_attend.NT, b * kvh, 1), block)
+        return cuda_emulation.from_bits(out, q.dtype), back[4] if kind == "block" else None
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    return EmulatedAttention(tmp_path_factory.mktemp("attend_emulated"))
+
+
+def _softmax_attention(q, k, v, position):
+    """float64 attention of q over rows 0..position, scale 0.125."""
+    q, k, v = (np.array(x.astype(mx.float32), np.float64) for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = (np.repeat(x[:, :, :position + 1], groups, axis=1) for x in (k, v))
+    s = np.einsum("bhld,bhtd->bhlt", q, k) * 0.125
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhlt,bhtd->bhld", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.skipif(cuda_emulation.CXX is None, reason="needs a C++ compiler to emulate")
+@pytest.mark.parametrize("merge", ["block", "launch"])
+@pytest.mark.parametrize("dtype, heads, kv, dim", [(mx.bfloat16, 8, 2, 64),
+                                                   (mx.float16, 16, 2, 128),
+                                                   (mx.bfloat16, 2, 2, 32)],
+                         ids=["bf16-R4-D64", "fp16-R8-D128", "bf16-R1-D32"])
+@pytest.mark.parametrize("size, position", [(64, 0), (64, 63), (256, 100), (1025, 700)])
+def test_the_emulated_kernel_matches_softmax_attention(emulated, merge, dtype, heads, kv, dim,
+                                                       size, position):
+    """Every chunk count (one: no merge; four with two in use; 17), query rows a KV head
+    1, 4 and 8, both merges: the kernel's indexing, workers, shuffles and merges."""
+    mx.random.seed(size + position + heads)
+    q = mx.random.normal((1, heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((1, kv, size, dim)).astype(dtype)
+    v = mx.random.normal((1, kv, size, dim)).astype(dtype)
+    got, counter = emulated(q, k, v, position, merge)
+    want = _softmax_attention(q, k, v, position)
+    assert got.shape == q.shape and got.dtype == dtype
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=1.5e-2, rtol=1e-2)
+    if counter is not None:  # the last block put its group's counter back to zero
+        assert not counter.any()
+
+
+@pytest.mark.skipif(cuda_emulation.CXX is None, reason="needs a C++ compiler to emulate")
+@pytest.mark.parametrize("merge", ["block", "launch"])
+def test_the_emulated_kernel_ignores_the_rows_past_the_position(emulated, merge):
+    mx.random.seed(3)
+    q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
+    k = mx.random.normal((2, 2, 300, 64)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 2, 300, 64)).astype(mx.bfloat16)
+    junk = 1e3 * mx.ones((2, 2, 300 - 131, 64), mx.bfloat16)
+    a, _ = emulated(q, k, v, 130, merge)
+    b, _ = emulated(q, mx.concatenate([k[:, :, :131], junk], 2),
+                    mx.concatenate([v[:, :, :131], junk], 2), 130, merge)
+    assert mx.array_equal(a, b).item()
+    np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                               _softmax_attention(q, k, v, 130), atol=1.5e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(cuda_emulation.CXX is None, reason="needs a C++ compiler to emulate")
+def test_the_emulated_counters_serve_launch_after_launch(emulated):
+    """The one-launch merge's counters: each launch's last blocks reset them, so the next
+    launch with the same array merges right (a stale count would merge early)."""
+    mx.random.seed(5)
+    q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
+    k = mx.random.normal((2, 2, 512, 64)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 2, 512, 64)).astype(mx.bfloat16)
+    counter = np.zeros(cuda_attend.MAX_GROUPS, np.int32)
+    for position in (511, 40, 300):
+        got, counter = emulated(q, k, v, position, "block", counter=counter)
+        assert not counter.any()
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                                   _softmax_attention(q, k, v, position), atol=1.5e-2, rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------- on the GPU

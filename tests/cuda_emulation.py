@@ -1,0 +1,256 @@
+"""An `mx.fast.cuda_kernel` kernel run on the CPU, so its logic is tested without a GPU.
+
+The kernel function is the one `tests/cuda_source.py` rebuilds (MLX's signature and
+template arguments), compiled as C++20 by the host compiler over a few shims: one
+std::thread per CUDA thread of a block, `__syncthreads` a barrier of the block, a warp
+shuffle two barriers of the warp around a shared slot, `__shared__` a static (one block
+runs at a time: blocks run one after another, in order), atomics and fences the host's,
+half and bfloat16 as their bits with round-to-nearest-even conversions.
+
+What it checks: indexing, the split of work over threads, warps and blocks, the merges'
+arithmetic and state that outlives a launch (an input the kernel writes comes back too).
+What it does not: blocks running at once (the order is fixed), memory ordering between
+blocks, speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`); a missing
+`__syncthreads` shows only when the threads happen to interleave (removing the merge's
+barrier before shared memory is reused went unnoticed here; dropping the counter's reset
+or a chunk of the merge failed 7 and 15 of the attention kernel's 27 cases). A `return` before a `__syncthreads` must be taken by
+the whole block (as the kernels here do), else the emulation deadlocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import cuda_source
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+
+# numpy's view of each MLX dtype's bytes (half and bfloat16 as their bits)
+_NUMPY = {mx.float32: np.float32, mx.float16: np.uint16, mx.bfloat16: np.uint16,
+          mx.int32: np.int32, mx.uint32: np.uint32}
+
+# what <cuda_fp16.h>, <cuda_bf16.h>, <cooperative_groups.h> and the CUDA built-ins give
+_SHIMS = r"""
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <array>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+inline thread_local int tq_emu_tid;  // x + y * blockDim.x + ...
+inline std::barrier<>* tq_emu_block_barrier;
+inline std::barrier<>** tq_emu_warp_barriers;
+inline uint64_t* tq_emu_slots;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __grid_constant__
+#define __restrict__
+#define __expf expf
+namespace cooperative_groups {}
+
+inline void __syncthreads() { tq_emu_block_barrier->arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline float __ldcg(const float* p) { return *(const volatile float*)p; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  const int tid = tq_emu_tid, warp = tid / 32, partner = warp * 32 + ((tid % 32) ^ lane_mask);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  tq_emu_slots[tid] = bits;
+  tq_emu_warp_barriers[warp]->arrive_and_wait();
+  T out;
+  std::memcpy(&out, &tq_emu_slots[partner], sizeof(T));
+  tq_emu_warp_barriers[warp]->arrive_and_wait();
+  return out;
+}
+
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct float2 { float x, y; };
+
+struct __half {
+  uint16_t bits;
+  operator float() const { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+};
+struct __half2 { __half x, y; };
+inline __half __float2half(float f) { _Float16 h = (_Float16)f; __half out; std::memcpy(&out.bits, &h, 2); return out; }
+inline float2 __half22float2(__half2 h) { return {float(h.x), float(h.y)}; }
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return {uint16_t(0x7fc0)};
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return {uint16_t(u >> 16)};
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {float(h.x), float(h.y)}; }
+
+namespace mlx::core::cu {
+using Shape = std::array<int32_t, 10>;
+using Strides = std::array<int64_t, 10>;
+}
+"""
+
+# runs the grid: argv = folder; spec.txt there gives grid and block sizes and each input's
+# shape; in<i>.bin hold the inputs, out<i>.bin get the outputs, inout<i>.bin the inputs
+# as the launch left them
+_DRIVER = r"""
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+static std::vector<char> tq_read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+static void tq_write(const std::string& path, const std::vector<char>& data) {
+  std::ofstream(path, std::ios::binary).write(data.data(), data.size());
+}
+
+int main(int argc, char** argv) {
+  const std::string dir = argv[1];
+  std::ifstream spec(dir + "/spec.txt");
+  unsigned blocks[3], threads[3];
+  spec >> blocks[0] >> blocks[1] >> blocks[2] >> threads[0] >> threads[1] >> threads[2];
+  std::vector<std::vector<char>> ins, outs;
+  std::vector<mlx::core::cu::Shape> shapes;
+  for (int i = 0; i < @INPUTS@; ++i) {
+    ins.push_back(tq_read(dir + "/in" + std::to_string(i) + ".bin"));
+    mlx::core::cu::Shape shape{};
+    int ndim;
+    spec >> ndim;
+    for (int d = 0; d < ndim; ++d) spec >> shape[d];
+    shapes.push_back(shape);
+  }
+  for (int i = 0; i < @OUTPUTS@; ++i) {
+    size_t bytes;
+    spec >> bytes;
+    outs.emplace_back(bytes, char(0xff));  // unwritten outputs read as NaN
+  }
+  gridDim = {blocks[0], blocks[1], blocks[2]};
+  blockDim = {threads[0], threads[1], threads[2]};
+  const int nt = threads[0] * threads[1] * threads[2], warps = (nt + 31) / 32;
+  std::barrier<> block_barrier(nt), grid_barrier(nt);
+  std::vector<std::barrier<>*> warp_barriers;
+  for (int w = 0; w < warps; ++w) warp_barriers.push_back(new std::barrier<>(min(32, nt - 32 * w)));
+  std::vector<uint64_t> slots(nt);
+  tq_emu_block_barrier = &block_barrier;
+  tq_emu_warp_barriers = warp_barriers.data();
+  tq_emu_slots = slots.data();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < nt; ++t) {
+    pool.emplace_back([&, t] {
+      tq_emu_tid = t;
+      threadIdx = {unsigned(t % threads[0]), unsigned(t / threads[0] % threads[1]),
+                   unsigned(t / (threads[0] * threads[1]))};
+      for (unsigned z = 0; z < blocks[2]; ++z)
+        for (unsigned y = 0; y < blocks[1]; ++y)
+          for (unsigned x = 0; x < blocks[0]; ++x) {
+            blockIdx = {x, y, z};
+            mlx::core::cu::@NAME@(@ARGS@);
+            grid_barrier.arrive_and_wait();  // the block's threads done: the next block
+          }
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (size_t i = 0; i < outs.size(); ++i) tq_write(dir + "/out" + std::to_string(i) + ".bin", outs[i]);
+  for (size_t i = 0; i < ins.size(); ++i) tq_write(dir + "/inout" + std::to_string(i) + ".bin", ins[i]);
+  return 0;
+}
+"""
+
+
+class EmulatedKernel:
+    """A kernel of `mx.fast.cuda_kernel` (its header, source, input and output names and
+    dtypes, template arguments) compiled for the CPU into `folder`."""
+
+    def __init__(self, folder: Path, name: str, header: str, source: str, inputs, input_dtypes,
+                 outputs, output_dtypes, template):
+        self.folder, self.inputs, self.input_dtypes = Path(folder), list(inputs), list(input_dtypes)
+        self.outputs, self.output_dtypes = list(outputs), list(output_dtypes)
+        function = cuda_source.kernel_source(name, inputs, outputs, source, input_dtypes,
+                                              output_dtypes, template)
+        args = []
+        for i, (n, dt) in enumerate(zip(inputs, input_dtypes)):
+            args.append(f"(const {cuda_source._CUDA_TYPES[dt]}*)ins[{i}].data()")
+            if n + "_shape" in source:
+                args.append(f"shapes[{i}]")
+        args += [f"({cuda_source._CUDA_TYPES[dt]}*)outs[{i}].data()"
+                 for i, dt in enumerate(output_dtypes)]
+        driver = (_DRIVER.replace("@INPUTS@", str(len(inputs)))
+                  .replace("@OUTPUTS@", str(len(outputs))).replace("@NAME@", name)
+                  .replace("@ARGS@", ", ".join(args)))
+        text = header + function + driver
+        tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+        include = self.folder / "include"
+        include.mkdir(parents=True, exist_ok=True)
+        (include / "tq_emu_shims.h").write_text(_SHIMS)
+        for shimmed in ("cuda_fp16.h", "cuda_bf16.h", "cooperative_groups.h"):
+            (include / shimmed).write_text('#pragma once\n#include "tq_emu_shims.h"\n')
+        src = self.folder / f"{name}_{tag}.cpp"
+        src.write_text('#include "tq_emu_shims.h"\n' + text)
+        self.exe = self.folder / f"{name}_{tag}"
+        res = subprocess.run(
+            [CXX, "-std=c++20", "-O1", "-w", "-pthread", "-fno-strict-aliasing",
+             "-I", str(include), str(src), "-o", str(self.exe)],
+            capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{CXX} failed on {src}:\n{res.stderr[-4000:]}"
+        self.runs = 0
+
+    def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup):
+        """(outputs, inputs as the launch left them), numpy arrays (half and bfloat16 as
+        uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does."""
+        run = self.folder / f"{self.exe.name}_run{self.runs}"
+        self.runs += 1
+        run.mkdir()
+        blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+        spec = [*blocks, *threadgroup]
+        for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes)):
+            x = np.ascontiguousarray(x, dtype=_NUMPY[dt])
+            (run / f"in{i}.bin").write_bytes(x.tobytes())
+            spec += [x.ndim, *x.shape]
+        sizes = [int(np.prod(s)) * np.dtype(_NUMPY[dt]).itemsize
+                 for s, dt in zip(output_shapes, self.output_dtypes)]
+        (run / "spec.txt").write_text(" ".join(str(v) for v in spec + sizes))
+        subprocess.run([str(self.exe), str(run)], check=True, timeout=300)
+        outs = [np.frombuffer((run / f"out{i}.bin").read_bytes(), _NUMPY[dt]).reshape(s)
+                for i, (s, dt) in enumerate(zip(output_shapes, self.output_dtypes))]
+        back = [np.frombuffer((run / f"inout{i}.bin").read_bytes(), _NUMPY[dt]).reshape(np.shape(x))
+                for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes))]
+        return outs, back
+
+
+def bits(x: mx.array) -> np.ndarray:
+    """An MLX array as numpy (half and bfloat16 as their bits)."""
+    return np.array(x.view(mx.uint16)) if x.dtype in (mx.float16, mx.bfloat16) else np.array(x)
+
+
+def from_bits(x: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """`bits` undone."""
+    return mx.array(x).view(dtype) if dtype in (mx.float16, mx.bfloat16) else mx.array(x)
