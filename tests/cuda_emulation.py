@@ -19,9 +19,11 @@ the whole block (as the kernels here do), else the emulation deadlocks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,6 +186,22 @@ int main(int argc, char** argv) {
   return 0;
 }
 """
+
+
+@functools.cache
+def available() -> bool:
+    """Whether a host compiler builds the shims (C++20's <barrier>, `_Float16`)."""
+    if CXX is None:
+        return False
+    with tempfile.TemporaryDirectory() as folder:
+        src = Path(folder) / "probe.cpp"
+        src.write_text(_SHIMS + "int main() { return int(float(__float2half(1.f))) - 1; }\n")
+        try:
+            res = subprocess.run([CXX, "-std=c++20", "-w", "-pthread", str(src), "-o",
+                                  str(Path(folder) / "probe")], capture_output=True, timeout=120)
+        except OSError:
+            return False
+        return res.returncode == 0
 
 
 class EmulatedKernel:
