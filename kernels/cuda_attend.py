@@ -18,8 +18,9 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   next launch (a persistent int32 array per `slot`: launches in order on one stream
   may share one, launches that may run at once must not). No second launch, so a layer's attention is one operation to encode.
   MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
-  one block a group and no counters: written to bisect a stall seen on the H200 (a
-  compiled function of several independent launches did not finish), not yet run there.
+  no counters, the merge spread over several blocks a group (see `_JOIN`): written to
+  bisect a stall seen on the H200 and for long buffers, checked by the CPU emulation
+  (`tests/cuda_emulation.py`), not yet run on a GPU.
 
 Keys and values are float16 or bfloat16 of one head dim D with D / 8 a power of two
 (8..256: the dims of every model mlx-lm runs), R * 8 <= 64 accumulators a lane; anything
@@ -247,17 +248,78 @@ _SOURCE = _PARTIAL + r"""
   if (tid == 0) const_cast<int*>(counter)[bk] = 0;  // ready for the next launch
 """
 
-# MERGE "launch": the partial kernel (_SPLIT: no counters) and a second launch of one
-# block a group merging its partials (_JOIN, grid (NT, batch * kv_heads)).
+# MERGE "launch": the partial kernel (_SPLIT: no counters) and a second launch that merges
+# the partials (_JOIN), several blocks a (batch, KV head) group, NT outputs a block: grid
+# (ceil(R * D / NT) * NT, batch * kv_heads). Each block takes the group's maxima and
+# weights over the chunks thread-parallel (a chunk a thread, a block reduction, the
+# weights in shared memory), then each thread one output over every chunk, eight chunks'
+# loads in flight. The merge is spread over the GPU instead of one block a group, which
+# a long buffer's many chunks make the slow tail of the one-launch kernel.
 _SPLIT = _PARTIAL
 _JOIN = r"""
-  constexpr int NT = @NT@;
-  __shared__ float wsum[(NT / 32) * (R * D + R)];
-  const int tid = threadIdx.x, bk = blockIdx.y, chunks = ml_shape[1];
+  constexpr int NT = @NT@, NWARPS = NT / 32, MAXC = @MAX_CHUNKS@;
+  __shared__ float red[NWARPS * R];  // the warps' maxima, then their sums
+  __shared__ float wts[MAXC * R];     // each chunk's weight, a query row
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bk = blockIdx.y, chunks = ml_shape[1];
   const int H = KVH * R, b = bk / KVH, g = bk % KVH;
-  const int len = position[0] + 1;  // the chunks in use: min(chunks, ...) in _MERGE
+  const int used = min(chunks, (position[0] + CH) / CH);  // chunks holding rows 0..position
   const size_t group = (size_t)bk * chunks;
-""" + _MERGE
+  float lm[R], ls[R], gmax[R];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) { lm[r] = TQ_NEG; ls[r] = 0.f; }
+  for (int c = tid; c < used; c += NT)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) lm[r] = fmaxf(lm[r], ml[((group + c) * R + r) * 2]);
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    for (int o = 16; o > 0; o >>= 1) lm[r] = fmaxf(lm[r], __shfl_xor_sync(0xffffffffu, lm[r], o));
+  if (lane == 0)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) red[warp * R + r] = lm[r];
+  __syncthreads();
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    gmax[r] = TQ_NEG;
+    #pragma unroll
+    for (int w = 0; w < NWARPS; ++w) gmax[r] = fmaxf(gmax[r], red[w * R + r]);
+  }
+  __syncthreads();  // the maxima are read: `red` takes the sums
+  for (int c = tid; c < used; c += NT)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const size_t at = ((group + c) * R + r) * 2;
+      const float e = __expf(ml[at] - gmax[r]);
+      wts[c * R + r] = e;
+      ls[r] += ml[at + 1] * e;
+    }
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    for (int o = 16; o > 0; o >>= 1) ls[r] += __shfl_xor_sync(0xffffffffu, ls[r], o);
+  if (lane == 0)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) red[warp * R + r] = ls[r];
+  __syncthreads();
+  const int i = blockIdx.x * NT + tid;  // this thread's output: row r, dim i % D
+  if (i >= R * D) return;
+  const int r = i / D;
+  float norm = 0.f;
+  #pragma unroll
+  for (int w = 0; w < NWARPS; ++w) norm += red[w * R + r];
+  const float* pc = part + group * R * D + i;
+  float o[8];
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = 0.f;
+  int c = 0;
+  for (; c + 8 <= used; c += 8)
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] += pc[(size_t)(c + j) * R * D] * wts[(c + j) * R + r];
+  for (; c < used; ++c) o[0] += pc[(size_t)c * R * D] * wts[c * R + r];
+  float total = 0.f;
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) total += o[j];
+  tq_store(out + (size_t)(b * H + g * R) * D + i, total / norm);
+"""
 
 
 def supports(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtype: mx.Dtype) -> bool:
@@ -301,7 +363,7 @@ def _kernel(scale: float, merge: str = "block"):
 
 @functools.cache
 def _join_kernel():
-    source = _JOIN.replace("@NT@", str(NT))
+    source = _JOIN.replace("@NT@", str(NT)).replace("@MAX_CHUNKS@", str(MAX_CHUNKS))
     return mx.fast.cuda_kernel(
         name=_named("tq_attend_join", source), input_names=["ml", "part", "position"],
         output_names=["out"], source=source, header=_HEADER)
@@ -347,7 +409,7 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     return _join_kernel()(
         inputs=[ml, part, position],
         template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk), ("KVH", kvh)],
-        grid=(NT, b * kvh, 1), threadgroup=(NT, 1, 1),
+        grid=(-(-r * d // NT) * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(b, h, 1, d)], output_dtypes=[keys.dtype])[0]
 
 

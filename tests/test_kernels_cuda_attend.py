@@ -64,7 +64,7 @@ def test_the_kernels_compile_without_spills(tmp_path):
     nt = str(cuda_attend.NT)
     scale = "  constexpr float TQ_SCALE = 0.125f;\n"
     block, split = (scale + s.replace("@NT@", nt) for s in (cuda_attend._SOURCE, cuda_attend._SPLIT))
-    join = cuda_attend._JOIN.replace("@NT@", nt)
+    join = cuda_attend._JOIN.replace("@NT@", nt).replace("@MAX_CHUNKS@", str(cuda_attend.MAX_CHUNKS))
     ins = ["queries", "keys", "values", "position"]
     for dtype in (mx.bfloat16, mx.float16):
         for d, r in ((128, 4), (128, 8), (64, 7), (256, 2), (128, 1), (64, 8)):
@@ -100,7 +100,8 @@ class EmulatedAttention:
             template = [("T", dtype), ("D", d), ("R", r), ("CH", chunk)]
             ins = ["queries", "keys", "values", "position"]
             if kind == "join":
-                source, ins, outs = cuda_attend._JOIN, ["ml", "part", "position"], ["out"]
+                source = cuda_attend._JOIN.replace("@MAX_CHUNKS@", str(cuda_attend.MAX_CHUNKS))
+                ins, outs = ["ml", "part", "position"], ["out"]
                 in_dtypes, out_dtypes = [mx.float32, mx.float32, mx.int32], [dtype]
                 template = template + [("KVH", kvh)]
             else:
@@ -129,8 +130,9 @@ class EmulatedAttention:
         (out, ml, part), back = self.kernel(kind, q.dtype, d, r, chunk, kvh)(
             inputs, shapes, grid, block)
         if kind == "launch":
+            join_grid = (-(-r * d // cuda_attend.NT) * cuda_attend.NT, b * kvh, 1)
             (out,), _ = self.kernel("join", q.dtype, d, r, chunk, kvh)(
-                [ml, part, inputs[3]], [(b, h, 1, d)], (cuda_attend.NT, b * kvh, 1), block)
+                [ml, part, inputs[3]], [(b, h, 1, d)], join_grid, block)
         return cuda_emulation.from_bits(out, q.dtype), back[4] if kind == "block" else None
 
 
@@ -154,8 +156,9 @@ def _softmax_attention(q, k, v, position):
 @pytest.mark.parametrize("merge", ["block", "launch"])
 @pytest.mark.parametrize("dtype, heads, kv, dim", [(mx.bfloat16, 8, 2, 64),
                                                    (mx.float16, 16, 2, 128),
-                                                   (mx.bfloat16, 2, 2, 32)],
-                         ids=["bf16-R4-D64", "fp16-R8-D128", "bf16-R1-D32"])
+                                                   (mx.bfloat16, 2, 2, 32),
+                                                   (mx.float16, 28, 4, 64)],
+                         ids=["bf16-R4-D64", "fp16-R8-D128", "bf16-R1-D32", "fp16-R7-D64"])
 @pytest.mark.parametrize("size, position", [(64, 0), (64, 63), (256, 100), (1025, 700)])
 def test_the_emulated_kernel_matches_softmax_attention(emulated, merge, dtype, heads, kv, dim,
                                                        size, position):
