@@ -117,7 +117,7 @@ _PARTIAL = r"""
   const int H = kvh * R, b = bk / kvh, g = bk % kvh;
   const int len = min(position[0] + 1, S);
   const int start = chunk * CH, end = min(start + CH, len);
-
+@EARLY_EXIT@
   for (int i = tid; i < R * D; i += NT)
     qs[i] = (float)queries[(size_t)(b * H + g * R) * D + i] * TQ_SCALE;
   __syncthreads();
@@ -232,7 +232,7 @@ _MERGE = r"""
 
 # MERGE "block": one launch; the last block of a group to finish merges it (its done-count
 # on the group's counter, which it resets for the next launch).
-_SOURCE = _PARTIAL + r"""
+_SOURCE = _PARTIAL.replace("@EARLY_EXIT@", "") + r"""
   __shared__ bool last;
   __threadfence();
   __syncthreads();
@@ -255,7 +255,8 @@ _SOURCE = _PARTIAL + r"""
 # weights in shared memory), then each thread one output over every chunk, eight chunks'
 # loads in flight. The merge is spread over the GPU instead of one block a group, which
 # a long buffer's many chunks make the slow tail of the one-launch kernel.
-_SPLIT = _PARTIAL
+# (a chunk past the length returns at once: the join reads the chunks in use only)
+_SPLIT = _PARTIAL.replace("@EARLY_EXIT@", "  if (start >= len) return;")
 _JOIN = r"""
   constexpr int NT = @NT@, NWARPS = NT / 32, MAXC = @MAX_CHUNKS@;
   __shared__ float red[NWARPS * R];  // the warps' maxima, then their sums
