@@ -232,21 +232,20 @@ class EmulatedKernel:
         for shimmed in ("cuda_fp16.h", "cuda_bf16.h", "cooperative_groups.h"):
             (include / shimmed).write_text('#pragma once\n#include "tq_emu_shims.h"\n')
         src = self.folder / f"{name}_{tag}.cpp"
-        src.write_text('#include "tq_emu_shims.h"\n' + text)
         self.exe = self.folder / f"{name}_{tag}"
+        if self.exe.exists():  # built before in this folder
+            return
+        src.write_text('#include "tq_emu_shims.h"\n' + text)
         res = subprocess.run(
             [CXX, "-std=c++20", "-O1", "-w", "-pthread", "-fno-strict-aliasing",
              "-I", str(include), str(src), "-o", str(self.exe)],
             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{CXX} failed on {src}:\n{res.stderr[-4000:]}"
-        self.runs = 0
 
     def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup):
         """(outputs, inputs as the launch left them), numpy arrays (half and bfloat16 as
         uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does."""
-        run = self.folder / f"{self.exe.name}_run{self.runs}"
-        self.runs += 1
-        run.mkdir()
+        run = Path(tempfile.mkdtemp(prefix=f"{self.exe.name}_run", dir=self.folder))
         blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
         spec = [*blocks, *threadgroup]
         for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes)):
@@ -272,3 +271,49 @@ def bits(x: mx.array) -> np.ndarray:
 def from_bits(x: np.ndarray, dtype: mx.Dtype) -> mx.array:
     """`bits` undone."""
     return mx.array(x).view(dtype) if dtype in (mx.float16, mx.bfloat16) else mx.array(x)
+
+
+class CudaKernelOnCPU:
+    """What `mx.fast.cuda_kernel(...)` returns, run by the emulation: put in its place
+    (`patch`), a kernel wrapper runs unchanged on the CPU, its own launch plan included.
+    Kernels are compiled once per source, template and input dtypes; `last_inputs` holds
+    the inputs as the last launch left them (state a kernel keeps in an input)."""
+
+    def __init__(self, folder: Path, name: str, input_names, output_names, source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False):
+        assert not atomic_outputs, "the emulation has no atomic outputs"
+        for n in input_names:
+            assert f"{n}_strides" not in source and f"{n}_ndim" not in source, n
+        self.folder, self.name, self.source, self.header = folder, name, source, header
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.compiled: dict = {}
+        self.last_inputs: list[np.ndarray] = []
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
+                 init_value=None, verbose=False, stream=None):
+        inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+        dtypes = [x.dtype for x in inputs]
+        key = (tuple(map(str, dtypes)), tuple((k, str(v)) for k, v in template),
+               tuple(map(str, output_dtypes)))
+        if key not in self.compiled:
+            self.compiled[key] = EmulatedKernel(
+                self.folder, self.name, self.header, self.source,
+                self.input_names, dtypes, self.output_names, output_dtypes, list(template))
+        if init_value is not None:
+            raise NotImplementedError("init_value: the emulation leaves outputs unwritten (NaN)")
+        kernel = self.compiled[key]
+        outs, self.last_inputs = kernel([bits(x) for x in inputs], output_shapes, grid, threadgroup)
+        return [from_bits(np.array(o), dt) for o, dt in zip(outs, output_dtypes)]
+
+
+def patch(monkeypatch, folder: Path) -> list[CudaKernelOnCPU]:
+    """`mx.fast.cuda_kernel` made `CudaKernelOnCPU`; returns the kernels made since."""
+    made: list[CudaKernelOnCPU] = []
+
+    def cuda_kernel(**kwargs):
+        kernel = CudaKernelOnCPU(folder, **kwargs)
+        made.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    return made

@@ -86,61 +86,28 @@ def test_the_kernels_compile_without_spills(tmp_path):
 # ------------------------------------------------------- emulated on the CPU (any machine)
 
 
-class EmulatedAttention:
-    """`cuda_attend.buffer_attention`'s launches, each kernel run by `cuda_emulation`
-    (compiled once per dtype, head shape and chunk rows)."""
-
-    def __init__(self, folder):
-        self.folder, self.kernels = folder, {}
-
-    def kernel(self, kind, dtype, d, r, chunk, kvh):
-        key = (kind, dtype, d, r, chunk, kvh)
-        if key not in self.kernels:
-            nt = str(cuda_attend.NT)
-            template = [("T", dtype), ("D", d), ("R", r), ("CH", chunk)]
-            ins = ["queries", "keys", "values", "position"]
-            if kind == "join":
-                source = cuda_attend._JOIN.replace("@MAX_CHUNKS@", str(cuda_attend.MAX_CHUNKS))
-                ins, outs = ["ml", "part", "position"], ["out"]
-                in_dtypes, out_dtypes = [mx.float32, mx.float32, mx.int32], [dtype]
-                template = template + [("KVH", kvh)]
-            else:
-                body = cuda_attend._SOURCE if kind == "block" else cuda_attend._SPLIT
-                source = "  constexpr float TQ_SCALE = 0.125f;\n" + body
-                ins = ins + (["counter"] if kind == "block" else [])
-                in_dtypes = [dtype] * 3 + [mx.int32] * (len(ins) - 3)
-                outs, out_dtypes = ["out", "ml", "part"], [dtype, mx.float32, mx.float32]
-            self.kernels[key] = cuda_emulation.EmulatedKernel(
-                self.folder, f"{kind}_{d}_{r}_{chunk}", cuda_attend._HEADER,
-                source.replace("@NT@", nt), ins, in_dtypes, outs, out_dtypes, template)
-        return self.kernels[key]
-
-    def __call__(self, q, k, v, position, merge, counter=None):
-        """(output, the counter after the launch) for scale 0.125 (TQ_SCALE above)."""
-        b, h, _, d = q.shape
-        kvh, size = k.shape[1], k.shape[2]
-        r, (chunk, chunks) = h // kvh, cuda_attend.plan(size)
-        kind = merge if chunks > 1 else "block"
-        parts = max(chunks, 1) if chunks > 1 else 1
-        inputs = [cuda_emulation.bits(x) for x in (q, k, v)] + [np.array([position], np.int32)]
-        if kind == "block":
-            inputs.append(np.zeros(b * kvh, np.int32) if counter is None else counter)
-        shapes = [(b, h, 1, d), (b * kvh, parts, r, 2), (b * kvh, parts, r, d)]
-        grid, block = (chunks * cuda_attend.NT, b * kvh, 1), (cuda_attend.NT, 1, 1)
-        (out, ml, part), back = self.kernel(kind, q.dtype, d, r, chunk, kvh)(
-            inputs, shapes, grid, block)
-        if kind == "launch":
-            join_grid = (-(-r * d // cuda_attend.NT) * cuda_attend.NT, b * kvh, 1)
-            (out,), _ = self.kernel("join", q.dtype, d, r, chunk, kvh)(
-                [ml, part, inputs[3]], [(b, h, 1, d)], join_grid, block)
-        return cuda_emulation.from_bits(out, q.dtype), back[4] if kind == "block" else None
-
-
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
+def emulation_folder(tmp_path_factory):
     if not cuda_emulation.available():
         pytest.skip("needs a C++20 compiler (g++ or clang++) to emulate the kernels")
-    return EmulatedAttention(tmp_path_factory.mktemp("attend_emulated"))
+    return tmp_path_factory.mktemp("attend_emulated")
+
+
+@pytest.fixture
+def emulated(monkeypatch, emulation_folder):
+    """`cuda_attend.buffer_attention` itself, its kernels run by `cuda_emulation` (built
+    once a module: the folder keeps them); returns the kernels made."""
+    made = cuda_emulation.patch(monkeypatch, emulation_folder)
+    cuda_attend._kernel.cache_clear()
+    cuda_attend._join_kernel.cache_clear()
+    yield made
+    cuda_attend._kernel.cache_clear()  # the real kernels again
+    cuda_attend._join_kernel.cache_clear()
+
+
+def _attend(q, k, v, position, merge, monkeypatch, slot=None):
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    return cuda_attend.buffer_attention(q, k, v, mx.array(position, mx.int32), 0.125, slot=slot)
 
 
 def _softmax_attention(q, k, v, position):
@@ -160,48 +127,53 @@ def _softmax_attention(q, k, v, position):
                                                    (mx.float16, 28, 4, 64)],
                          ids=["bf16-R4-D64", "fp16-R8-D128", "bf16-R1-D32", "fp16-R7-D64"])
 @pytest.mark.parametrize("size, position", [(64, 0), (64, 63), (256, 100), (1025, 700)])
-def test_the_emulated_kernel_matches_softmax_attention(emulated, merge, dtype, heads, kv, dim,
-                                                       size, position):
+def test_the_emulated_kernel_matches_softmax_attention(emulated, monkeypatch, merge, dtype,
+                                                       heads, kv, dim, size, position):
     """Every chunk count (one: no merge; four with two in use; 17), query rows a KV head
     1, 4 and 8, both merges: the kernel's indexing, workers, shuffles and merges."""
     mx.random.seed(size + position + heads)
     q = mx.random.normal((1, heads, 1, dim)).astype(dtype)
     k = mx.random.normal((1, kv, size, dim)).astype(dtype)
     v = mx.random.normal((1, kv, size, dim)).astype(dtype)
-    got, counter = emulated(q, k, v, position, merge)
+    got = _attend(q, k, v, position, merge, monkeypatch)
     want = _softmax_attention(q, k, v, position)
     assert got.shape == q.shape and got.dtype == dtype
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=1.5e-2, rtol=1e-2)
-    if counter is not None:  # the last block put its group's counter back to zero
-        assert not counter.any()
+    first = emulated[0]  # the attention kernel (the join, when there is one, is second)
+    if merge == "block" and size > cuda_attend.CHUNK_TOKENS:  # the counter is back to zero
+        assert not first.last_inputs[4].any()
 
 
 @pytest.mark.parametrize("merge", ["block", "launch"])
-def test_the_emulated_kernel_ignores_the_rows_past_the_position(emulated, merge):
+def test_the_emulated_kernel_ignores_the_rows_past_the_position(emulated, monkeypatch, merge):
     mx.random.seed(3)
     q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
     k = mx.random.normal((2, 2, 300, 64)).astype(mx.bfloat16)
     v = mx.random.normal((2, 2, 300, 64)).astype(mx.bfloat16)
     junk = 1e3 * mx.ones((2, 2, 300 - 131, 64), mx.bfloat16)
-    a, _ = emulated(q, k, v, 130, merge)
-    b, _ = emulated(q, mx.concatenate([k[:, :, :131], junk], 2),
-                    mx.concatenate([v[:, :, :131], junk], 2), 130, merge)
+    a = _attend(q, k, v, 130, merge, monkeypatch)
+    b = _attend(q, mx.concatenate([k[:, :, :131], junk], 2),
+                mx.concatenate([v[:, :, :131], junk], 2), 130, merge, monkeypatch)
     assert mx.array_equal(a, b).item()
     np.testing.assert_allclose(np.array(a.astype(mx.float32)),
                                _softmax_attention(q, k, v, 130), atol=1.5e-2, rtol=1e-2)
 
 
-def test_the_emulated_counters_serve_launch_after_launch(emulated):
+def test_the_emulated_counters_serve_launch_after_launch(emulated, monkeypatch):
     """The one-launch merge's counters: each launch's last blocks reset them, so the next
-    launch with the same array merges right (a stale count would merge early)."""
+    launch with the same array merges right (a stale count would merge early). The
+    emulation cannot write into an MLX array: each launch gets the counters the last
+    left, through the slot's array."""
     mx.random.seed(5)
     q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
     k = mx.random.normal((2, 2, 512, 64)).astype(mx.bfloat16)
     v = mx.random.normal((2, 2, 512, 64)).astype(mx.bfloat16)
-    counter = np.zeros(cuda_attend.MAX_GROUPS, np.int32)
+    counters = {"emulated": mx.zeros((cuda_attend.MAX_GROUPS,), mx.int32)}
+    monkeypatch.setattr(cuda_attend, "_counters", lambda slot: counters[slot])
     for position in (511, 40, 300):
-        got, counter = emulated(q, k, v, position, "block", counter=counter)
-        assert not counter.any()
+        got = _attend(q, k, v, position, "block", monkeypatch, slot="emulated")
+        counters["emulated"] = mx.array(emulated[0].last_inputs[4])
+        assert not emulated[0].last_inputs[4].any()
         np.testing.assert_allclose(np.array(got.astype(mx.float32)),
                                    _softmax_attention(q, k, v, position), atol=1.5e-2, rtol=1e-2)
 
