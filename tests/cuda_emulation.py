@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -62,8 +63,23 @@ inline uint64_t* tq_emu_slots;
 #define __shared__ static
 #define __grid_constant__
 #define __restrict__
+#define __align__(n) __attribute__((aligned(n)))
 #define __expf expf
 namespace cooperative_groups {}
+inline char* tq_emu_dynamic_shared;  // `extern __shared__` arrays (rewritten to use it)
+
+template <typename T> T __ldg(const T* p) { return *p; }
+inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+// PRMT's default mode: byte i of the result is byte (s >> 4i) & 7 of {y, x} (x low)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t both = (uint64_t(y) << 32) | x;
+  unsigned out = 0;
+  for (int i = 0; i < 4; ++i) out |= unsigned((both >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return out;
+}
 
 inline void __syncthreads() { tq_emu_block_barrier->arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -85,30 +101,48 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   return out;
 }
 
-struct uint4 { unsigned x, y, z, w; };
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct float2 { float x, y; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float4 { float x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
+// (a constructor from float: `static_cast<__half>(v)` must round, not take v's integer part)
 struct __half {
   uint16_t bits;
+  __half() = default;
+  __half(float f) { _Float16 h = (_Float16)f; std::memcpy(&bits, &h, 2); }
   operator float() const { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
 };
 struct __half2 { __half x, y; };
-inline __half __float2half(float f) { _Float16 h = (_Float16)f; __half out; std::memcpy(&out.bits, &h, 2); return out; }
+inline __half __float2half(float f) { return __half(f); }
+inline __half __float2half_rn(float f) { return __float2half(f); }
+inline float __half2float(__half h) { return float(h); }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline float2 __half22float2(__half2 h) { return {float(h.x), float(h.y)}; }
+inline __half2 __floats2half2_rn(float a, float b) { return {__float2half(a), __float2half(b)}; }
+inline __half2 __float2half2_rn(float a) { return {__float2half(a), __float2half(a)}; }
+// one rounding of a * b + c to half, as HFMA2 (a * b is exact in float)
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return {__float2half(float(a.x) * float(b.x) + float(c.x)),
+          __float2half(float(a.y) * float(b.y) + float(c.y))};
+}
 
 struct __nv_bfloat16 {
   uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = std::isnan(f) ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }  // round to nearest even
   operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-inline __nv_bfloat16 __float2bfloat16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return {uint16_t(0x7fc0)};
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return {uint16_t(u >> 16)};
-}
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {float(h.x), float(h.y)}; }
 
 namespace mlx::core::cu {
@@ -123,6 +157,7 @@ using Strides = std::array<int64_t, 10>;
 _DRIVER = r"""
 #include <cstdio>
 #include <fstream>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -165,6 +200,7 @@ int main(int argc, char** argv) {
   tq_emu_block_barrier = &block_barrier;
   tq_emu_warp_barriers = warp_barriers.data();
   tq_emu_slots = slots.data();
+  tq_emu_dynamic_shared = new (std::align_val_t(16)) char[@SHARED@ + 16];
   std::vector<std::thread> pool;
   for (int t = 0; t < nt; ++t) {
     pool.emplace_back([&, t] {
@@ -188,6 +224,23 @@ int main(int argc, char** argv) {
 """
 
 
+# inline PTX the kernels use, as the shims' C++ (the emulation's only source rewrites, with
+# `extern __shared__` arrays made pointers into the launch's dynamic shared memory)
+_ASM = {
+    'asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));':
+        "d = __byte_perm(a, b, sel);",
+}
+_EXTERN_SHARED = re.compile(r"extern __shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+(\w+)\[\];")
+
+
+def for_the_host(text: str) -> str:
+    """A kernel's source with its PTX and dynamic shared memory in the shims' terms."""
+    for ptx, cpp in _ASM.items():
+        text = text.replace(ptx, cpp)
+    assert "asm(" not in text and "asm volatile" not in text, "PTX the emulation lacks"
+    return _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(tq_emu_dynamic_shared);", text)
+
+
 @functools.cache
 def available() -> bool:
     """Whether a host compiler builds the shims (C++20's <barrier>, `_Float16`)."""
@@ -209,11 +262,11 @@ class EmulatedKernel:
     dtypes, template arguments) compiled for the CPU into `folder`."""
 
     def __init__(self, folder: Path, name: str, header: str, source: str, inputs, input_dtypes,
-                 outputs, output_dtypes, template):
+                 outputs, output_dtypes, template, shared_memory: int = 0):
         self.folder, self.inputs, self.input_dtypes = Path(folder), list(inputs), list(input_dtypes)
         self.outputs, self.output_dtypes = list(outputs), list(output_dtypes)
-        function = cuda_source.kernel_source(name, inputs, outputs, source, input_dtypes,
-                                              output_dtypes, template)
+        function = cuda_source.kernel_source(name, inputs, outputs, for_the_host(source),
+                                              input_dtypes, output_dtypes, template)
         args = []
         for i, (n, dt) in enumerate(zip(inputs, input_dtypes)):
             args.append(f"(const {cuda_source._CUDA_TYPES[dt]}*)ins[{i}].data()")
@@ -223,8 +276,9 @@ class EmulatedKernel:
                  for i, dt in enumerate(output_dtypes)]
         driver = (_DRIVER.replace("@INPUTS@", str(len(inputs)))
                   .replace("@OUTPUTS@", str(len(outputs))).replace("@NAME@", name)
-                  .replace("@ARGS@", ", ".join(args)))
-        text = header + function + driver
+                  .replace("@ARGS@", ", ".join(args))
+                  .replace("@SHARED@", str(shared_memory)))
+        text = for_the_host(header) + function + driver
         tag = hashlib.sha256(text.encode()).hexdigest()[:12]
         include = self.folder / "include"
         include.mkdir(parents=True, exist_ok=True)
@@ -280,16 +334,18 @@ class CudaKernelOnCPU:
     the inputs as the last launch left them (state a kernel keeps in an input)."""
 
     def __init__(self, folder: Path, name: str, input_names, output_names, source: str,
-                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False):
+                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
+                 shared_memory: int = 0):
         assert not atomic_outputs, "the emulation has no atomic outputs"
         for n in input_names:
             assert f"{n}_strides" not in source and f"{n}_ndim" not in source, n
         self.folder, self.name, self.source, self.header = folder, name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
+        self.shared_memory = shared_memory
         self.compiled: dict = {}
         self.last_inputs: list[np.ndarray] = []
 
-    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
+    def __call__(self, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(),
                  init_value=None, verbose=False, stream=None):
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
         dtypes = [x.dtype for x in inputs]
@@ -298,7 +354,8 @@ class CudaKernelOnCPU:
         if key not in self.compiled:
             self.compiled[key] = EmulatedKernel(
                 self.folder, self.name, self.header, self.source,
-                self.input_names, dtypes, self.output_names, output_dtypes, list(template))
+                self.input_names, dtypes, self.output_names, output_dtypes, list(template),
+                self.shared_memory)
         if init_value is not None:
             raise NotImplementedError("init_value: the emulation leaves outputs unwritten (NaN)")
         kernel = self.compiled[key]

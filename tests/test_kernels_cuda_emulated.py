@@ -1,0 +1,75 @@
+"""The CUDA linear kernels on the CPU: `tests/test_kernels_cuda_linear.py`'s checks at
+small shapes, every launch run by `tests/cuda_emulation.py` (the kernel dispatch told it
+is on CUDA), so a change to a CUDA kernel's source or its launch plan is tested without
+a GPU: the fused rotation + GEMV of a group (2, 3, 4 bits; bf16, fp16, float32 rows),
+its norm / SwiGLU / residual extras, the unfused launches, the GEMV alone (ternary as
+2-bit codes), the gathered experts and the fused gather. What the emulation does not
+check (races, speed, registers) the GPU file and nvcc do. Skipped without a C++20
+compiler.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, dispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cuda_emulation  # noqa: E402
+import test_kernels_cuda_linear as gpu  # noqa: E402  (its checks, run here at small shapes)
+
+
+def _forget_kernels():
+    """Built kernels and plans hold the kernel objects: none may outlive the emulation."""
+    for built in (cuda_linear._kernel, cuda_gemv._kernel, cuda_rotate._kernel):
+        built.cache_clear()
+    cuda._PREPARED.clear()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    if not cuda_emulation.available():
+        pytest.skip("needs a C++20 compiler (g++ or clang++) to emulate the kernels")
+    return tmp_path_factory.mktemp("cuda_emulated")
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch, folder):
+    _forget_kernels()
+    cuda_emulation.patch(monkeypatch, folder)
+    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+    yield
+    _forget_kernels()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_fused_group_launch(emulated_cuda, bits):
+    gpu.test_group_matches_reference(bits, 992, (64, 40))  # 31 x 32 rotation, padded input
+
+
+@pytest.mark.parametrize("in_f, outs, kind", [(992, (64, 40), "norm"), (992, (64,), "residual"),
+                                              (512, (64,), "gate+residual")])
+def test_the_extras_in_the_launch(emulated_cuda, in_f, outs, kind):
+    gpu.test_extras_match_reference(in_f, outs, kind)
+
+
+def test_the_unfused_launches(emulated_cuda, monkeypatch):
+    gpu.test_unfused_launches_match_reference(monkeypatch, 992, (64, 40))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
+def test_the_gemv_alone(emulated_cuda, bits):
+    gpu.test_matvec_matches_reference(bits, 992, 40)
+
+
+@pytest.mark.parametrize("bits", [3, "ternary"])
+def test_the_gathered_experts(emulated_cuda, bits):
+    gpu.test_gathered_experts_match_reference(bits, 992, 40, 2)
+
+
+def test_the_fused_gather(emulated_cuda, monkeypatch):
+    gpu.test_fused_gather_matches_rotation_then_reference(monkeypatch, 2, 992, 256)
