@@ -3,7 +3,9 @@ members) against the reference.
 
 Runs only where MLX runs on an NVIDIA GPU (skipped elsewhere): on the GPU machine,
 `python3 -m pytest -q tests/test_kernels_cuda_linear.py`. The decomposition the rotation
-kernel uses is checked on the CPU in tests/test_kernels_cuda_rotate.py.
+kernel uses is checked on the CPU in tests/test_kernels_cuda_rotate.py, and these checks
+run at small shapes on the CPU, every launch emulated, in
+tests/test_kernels_cuda_emulated.py.
 """
 
 from __future__ import annotations
