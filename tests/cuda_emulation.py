@@ -7,14 +7,18 @@ shuffle two barriers of the warp around a shared slot, `__shared__` a static (on
 runs at a time: blocks run one after another, in order), atomics and fences the host's,
 half and bfloat16 as their bits with round-to-nearest-even conversions.
 
-What it checks: indexing, the split of work over threads, warps and blocks, the merges'
-arithmetic and state that outlives a launch (an input the kernel writes comes back too).
-What it does not: blocks running at once (the order is fixed), memory ordering between
-blocks, speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`); a missing
-`__syncthreads` shows only when the threads happen to interleave (removing the merge's
-barrier before shared memory is reused went unnoticed here; dropping the counter's reset
-or a chunk of the merge failed 7 and 15 of the attention kernel's 27 cases). A `return` before a `__syncthreads` must be taken by
-the whole block (as the kernels here do), else the emulation deadlocks.
+Two source rewrites (`for_the_host`): the inline PTX the kernels use as C++ (`_ASM`),
+`extern __shared__` arrays as pointers into the launch's dynamic shared memory.
+
+What it checks: indexing, the split of work over threads, warps and blocks, arithmetic,
+and state that outlives a launch (an input the kernel writes comes back too). What it
+does not: blocks running at once (the order is fixed), memory ordering between blocks,
+speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`). A missing
+`__syncthreads` shows only when the threads happen to interleave (removing the attention
+merge's barrier before shared memory is reused went unnoticed; dropping its counter
+reset or a chunk of its merge failed 7 and 15 of 27 cases). A `return` before a
+`__syncthreads` must be taken by the whole block (as the kernels here do), else the
+emulation deadlocks. Not emulated yet: `mma.sync` (the KV kernels, `cuda_kv.py`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ small shapes, every launch run by `tests/cuda_emulation.py` (the kernel dispatch
 is on CUDA), so a change to a CUDA kernel's source or its launch plan is tested without
 a GPU: the fused rotation + GEMV of a group (2, 3, 4 bits; bf16, fp16, float32 rows),
 its norm / SwiGLU / residual extras, the unfused launches, the GEMV alone (ternary as
-2-bit codes), the gathered experts and the fused gather. What the emulation does not
-check (races, speed, registers) the GPU file and nvcc do. Skipped without a C++20
-compiler.
+2-bit codes), the gathered experts and the fused gather, and prefill's tile decode
+(`tests/test_kernels_cuda_dequant.py`'s exact check). What the emulation does not check
+(races, speed, registers) the GPU files and nvcc do. Skipped without a C++20 compiler.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from turboquant.kernels import cuda, cuda_gemv, cuda_linear, cuda_rotate, dispatch
+from turboquant.kernels import cuda, cuda_dequant, cuda_gemv, cuda_linear, cuda_rotate, dispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_emulation  # noqa: E402
+import test_kernels_cuda_dequant as dequant  # noqa: E402  (its GPU checks, run here)
 import test_kernels_cuda_linear as gpu  # noqa: E402  (its checks, run here at small shapes)
 
 
 def _forget_kernels():
     """Built kernels and plans hold the kernel objects: none may outlive the emulation."""
-    for built in (cuda_linear._kernel, cuda_gemv._kernel, cuda_rotate._kernel):
+    for built in (cuda_linear._kernel, cuda_gemv._kernel, cuda_rotate._kernel,
+                  cuda_dequant._kernel):
         built.cache_clear()
     cuda._PREPARED.clear()
 
@@ -73,3 +75,8 @@ def test_the_gathered_experts(emulated_cuda, bits):
 
 def test_the_fused_gather(emulated_cuda, monkeypatch):
     gpu.test_fused_gather_matches_rotation_then_reference(monkeypatch, 2, 992, 256)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
+def test_the_prefill_tile_decode(emulated_cuda, bits):
+    dequant.test_kernel_decodes_the_reference_values(bits, 64)  # exact, every out dtype
