@@ -23,6 +23,7 @@ emulation deadlocks. Not emulated yet: `mma.sync` (the KV kernels, `cuda_kv.py`)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
@@ -378,3 +379,25 @@ def patch(monkeypatch, folder: Path) -> list[CudaKernelOnCPU]:
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
     return made
+
+
+def folder_or_skip(tmp_path_factory, name: str) -> Path:
+    """A folder for a test module's built kernels; the module skips without a compiler."""
+    import pytest
+
+    if not available():
+        pytest.skip("needs a C++20 compiler (g++ or clang++) to emulate the kernels")
+    return tmp_path_factory.mktemp(name)
+
+
+@contextlib.contextmanager
+def emulating(monkeypatch, folder: Path, forget):
+    """`patch` for the block, with `forget()` (dropping the caches that hold built
+    kernels) called before and after, so no emulated kernel outlives it nor a real one
+    is used inside; yields the kernels made."""
+    forget()
+    made = patch(monkeypatch, folder)
+    try:
+        yield made
+    finally:
+        forget()

@@ -88,21 +88,20 @@ def test_the_kernels_compile_without_spills(tmp_path):
 
 @pytest.fixture(scope="module")
 def emulation_folder(tmp_path_factory):
-    if not cuda_emulation.available():
-        pytest.skip("needs a C++20 compiler (g++ or clang++) to emulate the kernels")
-    return tmp_path_factory.mktemp("attend_emulated")
+    return cuda_emulation.folder_or_skip(tmp_path_factory, "attend_emulated")
+
+
+def _forget_kernels():
+    cuda_attend._kernel.cache_clear()
+    cuda_attend._join_kernel.cache_clear()
 
 
 @pytest.fixture
 def emulated(monkeypatch, emulation_folder):
     """`cuda_attend.buffer_attention` itself, its kernels run by `cuda_emulation` (built
-    once a module: the folder keeps them); returns the kernels made."""
-    made = cuda_emulation.patch(monkeypatch, emulation_folder)
-    cuda_attend._kernel.cache_clear()
-    cuda_attend._join_kernel.cache_clear()
-    yield made
-    cuda_attend._kernel.cache_clear()  # the real kernels again
-    cuda_attend._join_kernel.cache_clear()
+    once a module: the folder keeps them); yields the kernels made."""
+    with cuda_emulation.emulating(monkeypatch, emulation_folder, _forget_kernels) as made:
+        yield made
 
 
 def _attend(q, k, v, position, merge, monkeypatch, slot=None):

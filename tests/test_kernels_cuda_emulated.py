@@ -34,18 +34,14 @@ def _forget_kernels():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    if not cuda_emulation.available():
-        pytest.skip("needs a C++20 compiler (g++ or clang++) to emulate the kernels")
-    return tmp_path_factory.mktemp("cuda_emulated")
+    return cuda_emulation.folder_or_skip(tmp_path_factory, "cuda_emulated")
 
 
 @pytest.fixture
 def emulated_cuda(monkeypatch, folder):
-    _forget_kernels()
-    cuda_emulation.patch(monkeypatch, folder)
-    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
-    yield
-    _forget_kernels()
+    with cuda_emulation.emulating(monkeypatch, folder, _forget_kernels):
+        monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+        yield
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
