@@ -16,7 +16,8 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   sum, unnormalised output), then counts itself done on its (batch, KV head)'s counter;
   the last block of a group merges the group's partials and resets the counter for the
   next launch (a persistent int32 array per `slot`: launches in order on one stream
-  may share one, launches that may run at once must not). No second launch, so a layer's attention is one operation to encode.
+  may share one, launches that may run at once must not). No second launch, so a
+  layer's attention is one operation to encode.
   MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
   no counters, the merge spread over several blocks a group (see `_JOIN`): written to
   bisect a stall seen on the H200 and for long buffers, checked by the CPU emulation

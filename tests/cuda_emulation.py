@@ -317,8 +317,8 @@ class EmulatedKernel:
         subprocess.run([str(self.exe), str(run)], check=True, timeout=300)
         outs = [np.frombuffer((run / f"out{i}.bin").read_bytes(), _NUMPY[dt]).reshape(s)
                 for i, (s, dt) in enumerate(zip(output_shapes, self.output_dtypes))]
-        back = [np.frombuffer((run / f"inout{i}.bin").read_bytes(), _NUMPY[dt]).reshape(np.shape(x))
-                for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes))]
+        back = [np.frombuffer((run / f"inout{i}.bin").read_bytes(), _NUMPY[dt])
+                .reshape(np.shape(x)) for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes))]
         return outs, back
 
 
