@@ -18,7 +18,11 @@ speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`). A missing
 merge's barrier before shared memory is reused went unnoticed; dropping its counter
 reset or a chunk of its merge failed 7 and 15 of 27 cases). A `return` before a
 `__syncthreads` must be taken by the whole block (as the kernels here do), else the
-emulation deadlocks. Not emulated yet: `mma.sync` (the KV kernels, `cuda_kv.py`).
+emulation deadlocks. `mma.sync` (m16n8k16, fp16 in, float32 sums: the KV kernels) gathers
+the warp's 32 fragments through shared slots and sums each output in order; with a
+fragment mapped wrong the KV kernel's tensor-core cases failed, mapped right its exact
+(hi + lo) products meet float32's tolerance. Strided inputs arrive as contiguous copies
+with their row-major strides.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ inline thread_local int tq_emu_tid;  // x + y * blockDim.x + ...
 inline std::barrier<>* tq_emu_block_barrier;
 inline std::barrier<>** tq_emu_warp_barriers;
 inline uint64_t* tq_emu_slots;
+inline uint32_t* tq_emu_mma_slots;  // 6 words a thread: its A and B fragments
 
 #define __global__
 #define __device__
@@ -93,6 +98,8 @@ inline float __ldcg(const float* p) { return *(const volatile float*)p; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
+inline void tq_emu_warp_sync() { tq_emu_warp_barriers[tq_emu_tid / 32]->arrive_and_wait(); }
+
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   const int tid = tq_emu_tid, warp = tid / 32, partner = warp * 32 + ((tid % 32) ^ lane_mask);
@@ -107,6 +114,47 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
 }
 
 struct float2 { float x, y; };
+// mma.sync m16n8k16, row-major A, column-major B, fp16 in, float32 sums: the warp's 32
+// fragments gathered (g = lane / 4, c = lane % 4: a = {(g, 2c..), (g+8, 2c..), (g, 2c+8..),
+// (g+8, 2c+8..)}, b = {(2c.., g), (2c+8.., g)}, d = {(g, 2c), (g, 2c+1), (g+8, 2c),
+// (g+8, 2c+1)}, the lower half of a word the lower index)
+inline float tq_emu_half(uint32_t word, int upper) {
+  _Float16 h;
+  const uint16_t bits = uint16_t(upper ? word >> 16 : word & 0xffffu);
+  std::memcpy(&h, &bits, 2);
+  return float(h);
+}
+void tq_emu_warp_sync();
+inline void tq_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const int tid = tq_emu_tid, warp = tid / 32, lane = tid % 32;
+  uint32_t* mine = tq_emu_mma_slots + 6 * tid;
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  tq_emu_warp_sync();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const uint32_t* s = tq_emu_mma_slots + 6 * (warp * 32 + l);
+    const int g = l / 4, c = l % 4;
+    for (int j = 0; j < 2; ++j) {
+      A[g][2 * c + j] = tq_emu_half(s[0], j);
+      A[g + 8][2 * c + j] = tq_emu_half(s[1], j);
+      A[g][2 * c + 8 + j] = tq_emu_half(s[2], j);
+      A[g + 8][2 * c + 8 + j] = tq_emu_half(s[3], j);
+      B[2 * c + j][g] = tq_emu_half(s[4], j);
+      B[2 * c + 8 + j][g] = tq_emu_half(s[5], j);
+    }
+  }
+  tq_emu_warp_sync();
+  const int g = lane / 4, c = lane % 4;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * c, 2 * c + 1, 2 * c, 2 * c + 1};
+  for (int i = 0; i < 4; ++i) {
+    float sum = 0.f;
+    for (int k = 0; k < 16; ++k) sum += A[rows[i]][k] * B[k][cols[i]];
+    d[i] += sum;
+  }
+}
+
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
@@ -182,13 +230,19 @@ int main(int argc, char** argv) {
   spec >> blocks[0] >> blocks[1] >> blocks[2] >> threads[0] >> threads[1] >> threads[2];
   std::vector<std::vector<char>> ins, outs;
   std::vector<mlx::core::cu::Shape> shapes;
+  std::vector<mlx::core::cu::Strides> strides;  // row-major: the inputs arrive contiguous
+  std::vector<int> ndims;
   for (int i = 0; i < @INPUTS@; ++i) {
     ins.push_back(tq_read(dir + "/in" + std::to_string(i) + ".bin"));
     mlx::core::cu::Shape shape{};
+    mlx::core::cu::Strides stride{};
     int ndim;
     spec >> ndim;
     for (int d = 0; d < ndim; ++d) spec >> shape[d];
+    for (int d = ndim - 1, step = 1; d >= 0; step *= shape[d], --d) stride[d] = step;
     shapes.push_back(shape);
+    strides.push_back(stride);
+    ndims.push_back(ndim);
   }
   for (int i = 0; i < @OUTPUTS@; ++i) {
     size_t bytes;
@@ -206,6 +260,8 @@ int main(int argc, char** argv) {
   tq_emu_warp_barriers = warp_barriers.data();
   tq_emu_slots = slots.data();
   tq_emu_dynamic_shared = new (std::align_val_t(16)) char[@SHARED@ + 16];
+  std::vector<uint32_t> mma_slots(6 * nt);
+  tq_emu_mma_slots = mma_slots.data();
   std::vector<std::thread> pool;
   for (int t = 0; t < nt; ++t) {
     pool.emplace_back([&, t] {
@@ -234,6 +290,12 @@ int main(int argc, char** argv) {
 _ASM = {
     'asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));':
         "d = __byte_perm(a, b, sel);",
+    'asm volatile(\n'
+    '      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "\n'
+    '      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"\n'
+    '      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])\n'
+    '      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));':
+        "tq_emu_mma(d, a, b0, b1);",
 }
 _EXTERN_SHARED = re.compile(r"extern __shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+(\w+)\[\];")
 
@@ -277,6 +339,10 @@ class EmulatedKernel:
             args.append(f"(const {cuda_source._CUDA_TYPES[dt]}*)ins[{i}].data()")
             if n + "_shape" in source:
                 args.append(f"shapes[{i}]")
+            if n + "_strides" in source:  # a strided view arrives as a contiguous copy
+                args.append(f"strides[{i}]")
+            if n + "_ndim" in source:
+                args.append(f"ndims[{i}]")
         args += [f"({cuda_source._CUDA_TYPES[dt]}*)outs[{i}].data()"
                  for i, dt in enumerate(output_dtypes)]
         driver = (_DRIVER.replace("@INPUTS@", str(len(inputs)))
@@ -342,8 +408,6 @@ class CudaKernelOnCPU:
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
                  shared_memory: int = 0):
         assert not atomic_outputs, "the emulation has no atomic outputs"
-        for n in input_names:
-            assert f"{n}_strides" not in source and f"{n}_ndim" not in source, n
         self.folder, self.name, self.source, self.header = folder, name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.shared_memory = shared_memory
