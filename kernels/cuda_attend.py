@@ -396,7 +396,6 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     kvh, size = keys.shape[1], keys.shape[2]
     r = h // kvh
     chunk, chunks = plan(size)
-    parts = chunks if chunks > 1 else 0  # one chunk: no partials
     merge = MERGE if chunks > 1 else "block"  # one chunk: no merge, no counter touched
     inputs = [queries, keys, values, position]
     if merge == "block":
@@ -404,7 +403,7 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     out, ml, part = _kernel(scale, merge)(
         inputs=inputs, template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk)],
         grid=(chunks * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(b, h, 1, d), (b * kvh, max(parts, 1), r, 2), (b * kvh, max(parts, 1), r, d)],
+        output_shapes=[(b, h, 1, d), (b * kvh, chunks, r, 2), (b * kvh, chunks, r, d)],
         output_dtypes=[keys.dtype, mx.float32, mx.float32])
     if merge == "block":
         return out

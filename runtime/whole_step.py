@@ -73,12 +73,11 @@ def _applies(model, inputs: mx.array, cache) -> bool:
         return False
     if dispatch.backend() not in BACKENDS:
         return False
-    first = cache[0]
-    if len(cache) != len(model.layers) or type(first) is not KVCache or first.keys is None:
+    if len(cache) != len(model.layers):
         return False
-    offset = first.offset
-    for c in cache:
-        if type(c) is not KVCache or c.keys is None or c.offset != offset:
+    first = cache[0]
+    for c in cache:  # a loop, not any(): a generator is a Python call a layer, every token
+        if type(c) is not KVCache or c.keys is None or c.offset != first.offset:
             return False
     return _attention_fits(model, first.keys, first.values, inputs.shape[0])
 
@@ -121,13 +120,15 @@ def _make_room(cache, rows: int) -> None:
     size = cache[0].keys.shape[2]
     if rows <= size:
         return
-    grown = -(-rows // GROW) * GROW
+    more = -(-rows // GROW) * GROW - size
     for c in cache:
-        b, h, _, dk = c.keys.shape
-        c.keys = mx.concatenate([c.keys, mx.zeros((b, h, grown - size, dk), c.keys.dtype)], 2)
-        dv = c.values.shape[3]
-        c.values = mx.concatenate(
-            [c.values, mx.zeros((b, h, grown - size, dv), c.values.dtype)], 2)
+        c.keys, c.values = _longer(c.keys, more), _longer(c.values, more)
+
+
+def _longer(buffer: mx.array, rows: int) -> mx.array:
+    """`buffer` (B, heads, S, D) with `rows` rows of zeros after its own."""
+    b, h, _, d = buffer.shape
+    return mx.concatenate([buffer, mx.zeros((b, h, rows, d), buffer.dtype)], 2)
 
 
 def _build(model):

@@ -330,8 +330,8 @@ class EmulatedKernel:
 
     def __init__(self, folder: Path, name: str, header: str, source: str, inputs, input_dtypes,
                  outputs, output_dtypes, template, shared_memory: int = 0):
-        self.folder, self.inputs, self.input_dtypes = Path(folder), list(inputs), list(input_dtypes)
-        self.outputs, self.output_dtypes = list(outputs), list(output_dtypes)
+        self.folder, self.input_dtypes = Path(folder), list(input_dtypes)
+        self.output_dtypes = list(output_dtypes)
         function = cuda_source.kernel_source(name, inputs, outputs, for_the_host(source),
                                               input_dtypes, output_dtypes, template)
         args = []
