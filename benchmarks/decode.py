@@ -38,7 +38,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3_moe
 from mlx_lm.sample_utils import make_sampler
 
-from turboquant.kernels import cuda, dispatch
+from turboquant.kernels import cuda, cuda_attend, dispatch
 from turboquant.runtime import fuse, whole_step
 from turboquant.runtime.fuse import fuse_blocks, group_linears
 from turboquant.runtime.layers import TQLinear, TQSwitchLinear, padded
@@ -150,7 +150,9 @@ def variant_switches(variant: str):
             switched(fuse, "ATTENTION", False if "-mlxattn" in variant else None), \
             switched(fuse, "ROPE", False if "-mlxrope" in variant else None), \
             switched(whole_step, "WHOLE_STEP", True if "-whole" in variant
-                     else False if "-layers" in variant else None):
+                     else False if "-layers" in variant else None), \
+            switched(whole_step, "MAX_CONTEXT", 0 if "-whole" in variant else None), \
+            switched(cuda_attend, "MERGE", "launch" if "-joinmerge" in variant else None):
         yield
 
 
@@ -284,7 +286,8 @@ def main() -> None:
                          "-whole with a token's step compiled whole, its attention over "
                          "the cache's buffers (WHOLE_STEP on: TURBOQUANT_WHOLE_STEP=1), "
                          "-layers with it compiled per layer around mlx-lm's cache (the "
-                         "default)")
+                         "default), -joinmerge with that attention's chunks merged by a "
+                         "second launch (TURBOQUANT_CUDA_ATTEND_MERGE=launch)")
     ap.add_argument("--context", type=int, default=16, metavar="N",
                     help="prompt tokens before the timed decode (each token then attends "
                          "over N and more)")

@@ -21,12 +21,19 @@ from . import dispatch
 
 
 def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
-                     position: mx.array, scale: float, slot=None) -> mx.array:
+                     position: mx.array, scale: float, slot=None, store=None) -> mx.array:
     """queries (B, H, 1, D), keys (B, KVH, S, D), values (B, KVH, S, Dv) with H a multiple
     of KVH; position: an int32 scalar array, the query's position, its key and value
     already stored there. -> (B, H, 1, Dv), softmax(scale * q k^T) v over rows 0..position.
     `slot`: a kernel's scratch for this call site (calls that may run at once need
-    different ones; the CUDA kernel's counters); the reference has none."""
+    different ones; the CUDA kernel's counters); the reference has none. `store`: the
+    token's (key, value), each (B, KVH, 1, D), attended as if stored at `position`; a
+    kernel with `stores_in_place` also writes them into the buffers (the reference
+    cannot: the caller stores them itself)."""
+    if store is not None:
+        at = position.reshape(1, 1, 1, 1)
+        keys = mx.put_along_axis(keys, at, store[0], axis=2)
+        values = mx.put_along_axis(values, at, store[1], axis=2)
     size = keys.shape[2]
     mask = (mx.arange(size) <= position).reshape(1, 1, 1, size)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

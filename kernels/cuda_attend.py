@@ -14,14 +14,17 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   shared memory.
 - One chunk: that block writes the output. Several: each block writes its partial (max,
   sum, unnormalised output), then counts itself done on its (batch, KV head)'s counter;
-  the last block of a group merges the group's partials and resets the counter for the
-  next launch (a persistent int32 array per `slot`: launches in order on one stream
-  may share one, launches that may run at once must not). No second launch, so a
-  layer's attention is one operation to encode.
+  the last block of a group merges the group's partials (`_COMBINE`: the maxima and
+  weights over the chunks thread-parallel, then a float4 of outputs a thread over the
+  chunks, eight chunks' loads in flight) and resets the counter for the next launch (a
+  persistent int32 array per `slot`: launches in order on one stream may share one,
+  launches that may run at once must not). No second launch, so a layer's attention is
+  one operation to encode. (Until session 23 every thread of that block took the maxima
+  over all chunks serially and its warps a chunk at a time: ~64 dependent L2 loads at 4K
+  rows, suspected of the whole step's loss after a long prompt.)
   MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
-  no counters, the merge spread over several blocks a group (see `_JOIN`): written to
-  bisect a stall seen on the H200 and for long buffers, checked by the CPU emulation
-  (`tests/cuda_emulation.py`), not yet run on a GPU.
+  no counters (see `_JOIN`): written to bisect a stall seen on the H200, checked by the
+  CPU emulation (`tests/cuda_emulation.py`).
 
 Keys and values are float16 or bfloat16 of one head dim D with D / 8 a power of two
 (8..256: the dims of every model mlx-lm runs), R * 8 <= 64 accumulators a lane; anything
@@ -43,6 +46,7 @@ from . import dispatch
 NT = 128  # threads a block
 CHUNK_TOKENS = 64  # rows a block walks (grown for long buffers: at most MAX_CHUNKS)
 MAX_CHUNKS = 256  # chunks a (batch, KV head) group: what its last block merges
+WAVE_BLOCKS = 1024  # blocks a launch aims at (an H200 holds ~4 a SM): longer chunks past it
 MAX_GROUPS = 1024  # batch * kv_heads: the counters a slot keeps
 MAX_ROWS = 8  # query rows a KV head (R): 8 dims each a lane, accumulated in registers
 # how a long buffer's chunks are merged: "block" (the last block of a group, through a
@@ -72,6 +76,32 @@ __device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __flo
 // One row of a worker's online softmax: the row's key and value pieces (8 dims a lane),
 // the R query pieces; the score summed over the worker's PPR lanes (every lane of the
 // warp takes part: `ok` false adds nothing).
+// A float4 of a group's merged outputs: the partials at `p` (chunk c at p + c * R * D)
+// of chunks c0, c0 + step, ... below `used`, each times its weight (chunk c's at w[c * R]),
+// eight chunks' loads in flight.
+template <int R, int D>
+__device__ __forceinline__ float4 tq_combine(const float* p, const float* w, int c0, int step,
+                                             int used) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  int c = c0;
+  for (; c + 7 * step < used; c += 8 * step) {
+    float4 x[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = __ldcg(reinterpret_cast<const float4*>(p + (size_t)(c + j * step) * R * D));
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float e = w[(c + j * step) * R];
+      a.x += x[j].x * e; a.y += x[j].y * e; a.z += x[j].z * e; a.w += x[j].w * e;
+    }
+  }
+  for (; c < used; c += step) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(p + (size_t)c * R * D));
+    const float e = w[c * R];
+    a.x += x.x * e; a.y += x.y * e; a.z += x.z * e; a.w += x.w * e;
+  }
+  return a;
+}
+
 template <typename T, int R, int PPR>
 __device__ __forceinline__ void tq_attend_row(const T* type, uint4 kraw, uint4 vraw, bool ok,
                                               const float (&q)[R][8], float (&m)[R],
@@ -104,11 +134,16 @@ __device__ __forceinline__ void tq_attend_row(const T* type, uint4 kraw, uint4 v
 
 # Template: T (the buffers' and the output's element), D, R (query rows a KV head), CH
 # (rows a chunk). TQ_SCALE is put in front. Outputs: out, and the partials (ml, part).
-# _PARTIAL: a block's chunk, merged over its workers: the output itself when the buffer
-# is one chunk, else the chunk's partial.
+# _PARTIAL: a block's chunk, merged over its workers: the output itself when the rows in
+# use are one chunk (`alone`), else the chunk's partial. A block whose chunk starts past
+# the length returns at once: only the `used` chunks count and merge.
+# @STORE@: with the new token's key and value as inputs (new_keys, new_values), the block
+# holding row `at` (the position) writes them into the buffers (in place) and reads that
+# row from them, so no other operation stores the token; without: `at` is -1.
 _PARTIAL = r"""
   constexpr int NT = @NT@;
   constexpr int PPR = D / 8, W = NT / PPR;  // lanes a row, workers a block
+  constexpr int STEP = R <= 4 ? 4 : 2;       // rows a worker loads at once
   __shared__ float qs[R * D];
   __shared__ float wm[W * R], wl[W * R];     // each worker's max and sum, a query row
   __shared__ float wacc[W * R * D + (NT / 32) * R];  // and its unnormalised output
@@ -117,8 +152,11 @@ _PARTIAL = r"""
   const int kvh = keys_shape[1], S = keys_shape[2];
   const int H = kvh * R, b = bk / kvh, g = bk % kvh;
   const int len = min(position[0] + 1, S);
+  const int used = min(chunks, (len + CH - 1) / CH);  // chunks holding rows 0..position
   const int start = chunk * CH, end = min(start + CH, len);
-@EARLY_EXIT@
+  const bool alone = @ALONE@;  // this block's output is the output itself
+  if (start >= len) return;
+@STORE@
   for (int i = tid; i < R * D; i += NT)
     qs[i] = (float)queries[(size_t)(b * H + g * R) * D + i] * TQ_SCALE;
   __syncthreads();
@@ -132,17 +170,24 @@ _PARTIAL = r"""
   }
   const T* kb = keys + (size_t)bk * S * D + piece * 8;
   const T* vb = values + (size_t)bk * S * D + piece * 8;
-  // every lane runs the same steps (the score's shuffles need the whole warp)
-  for (int t0 = start; t0 < end; t0 += 2 * W) {
-    const int t1 = t0 + worker, t2 = t1 + W;
-    const bool ok1 = t1 < end, ok2 = t2 < end;
-    uint4 k1 = make_uint4(0, 0, 0, 0), v1 = k1, k2 = k1, v2 = k1;
-    if (ok1) { k1 = *reinterpret_cast<const uint4*>(kb + (size_t)t1 * D);
-               v1 = *reinterpret_cast<const uint4*>(vb + (size_t)t1 * D); }
-    if (ok2) { k2 = *reinterpret_cast<const uint4*>(kb + (size_t)t2 * D);
-               v2 = *reinterpret_cast<const uint4*>(vb + (size_t)t2 * D); }
-    tq_attend_row<T, R, PPR>(keys, k1, v1, ok1, q, m, l, acc);
-    tq_attend_row<T, R, PPR>(keys, k2, v2, ok2, q, m, l, acc);
+  // every lane runs the same steps (the score's shuffles need the whole warp); a worker
+  // takes rows worker, worker + W, ... of the chunk, STEP rows' loads in flight together
+  for (int t0 = start; t0 < end; t0 += STEP * W) {
+    uint4 kr[STEP], vr[STEP];
+    bool ok[STEP];
+    #pragma unroll
+    for (int s = 0; s < STEP; ++s) {
+      const int t = t0 + worker + s * W;
+      ok[s] = t < end;
+      kr[s] = make_uint4(0, 0, 0, 0);
+      vr[s] = kr[s];
+      if (ok[s]) {
+        kr[s] = *reinterpret_cast<const uint4*>(t == at ? kn : kb + (size_t)t * D);
+        vr[s] = *reinterpret_cast<const uint4*>(t == at ? vn : vb + (size_t)t * D);
+      }
+    }
+    #pragma unroll
+    for (int s = 0; s < STEP; ++s) tq_attend_row<T, R, PPR>(keys, kr[s], vr[s], ok[s], q, m, l, acc);
   }
   #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -166,113 +211,45 @@ _PARTIAL = r"""
       sum += wl[w * R + r] * e;
       o += wacc[(w * R + r) * D + d] * e;
     }
-    if (chunks == 1) {
+    if (alone) {
       tq_store(out + (size_t)(b * H + g * R + r) * D + d, o / sum);
     } else {
       part[((group + chunk) * R + r) * D + d] = o;
       if (d == 0) { ml[((group + chunk) * R + r) * 2] = mx; ml[((group + chunk) * R + r) * 2 + 1] = sum; }
     }
   }
-  if (chunks == 1) return;
+  if (alone) return;
 """
-
-# _MERGE: one block merges a (batch, KV head) group's partials (ml, part) of the chunks in
-# use into the output: warp w the chunks w, w + NWARPS, ... (weights from their maxima),
-# a lane every 32nd output, then the warps' sums through `wsum` (shared memory). Needs
-# tid, NT, b, g, H, group, chunks, len and `wsum` of NWARPS * (R * D + R) floats.
-_MERGE = r"""
-  constexpr int NWARPS = NT / 32, ITEMS = (R * D + 31) / 32;
-  const int used = min(chunks, (len + CH - 1) / CH), lane = tid & 31, warp = tid >> 5;
-  float gmax[R];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    gmax[r] = TQ_NEG;
-    for (int c = 0; c < used; ++c) gmax[r] = fmaxf(gmax[r], __ldcg(ml + ((group + c) * R + r) * 2));
-  }
-  float o[ITEMS], sum[R];
-  #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) o[k] = 0.f;
-  #pragma unroll
-  for (int r = 0; r < R; ++r) sum[r] = 0.f;
-  for (int c = warp; c < used; c += NWARPS) {
-    float e[R];
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const size_t at = ((group + c) * R + r) * 2;
-      e[r] = __expf(__ldcg(ml + at) - gmax[r]);
-      sum[r] += __ldcg(ml + at + 1) * e[r];
-    }
-    const float* pc = part + (group + c) * R * D;
-    #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const int i = lane + 32 * k;
-      if (i < R * D) o[k] += __ldcg(pc + i) * e[i / D];
-    }
-  }
-  __syncthreads();  // what shared memory held before is read: it takes the warps' sums
-  #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int i = lane + 32 * k;
-    if (i < R * D) wsum[warp * R * D + i] = o[k];
-  }
-  if (lane == 0)
-    #pragma unroll
-    for (int r = 0; r < R; ++r) wsum[NWARPS * R * D + warp * R + r] = sum[r];
-  __syncthreads();
-  for (int i = tid; i < R * D; i += NT) {
-    const int r = i / D;
-    float total = 0.f, norm = 0.f;
-    #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) {
-      total += wsum[w * R * D + i];
-      norm += wsum[NWARPS * R * D + w * R + r];
-    }
-    tq_store(out + (size_t)(b * H + g * R) * D + i, total / norm);
+_STORE = r"""
+  const int at = len - 1;
+  const T* kn = new_keys + (size_t)bk * D + piece * 8;
+  const T* vn = new_values + (size_t)bk * D + piece * 8;
+  if (start <= at && at < end && tid < D / 8) {
+    const size_t row = ((size_t)bk * S + at) * D / 8;
+    reinterpret_cast<uint4*>(const_cast<T*>(keys))[row + tid] =
+        reinterpret_cast<const uint4*>(new_keys + (size_t)bk * D)[tid];
+    reinterpret_cast<uint4*>(const_cast<T*>(values))[row + tid] =
+        reinterpret_cast<const uint4*>(new_values + (size_t)bk * D)[tid];
   }
 """
+_NO_STORE = "  const int at = -1;\n  const T* kn = keys;\n  const T* vn = values;\n"
 
-# MERGE "block": one launch; the last block of a group to finish merges it (its done-count
-# on the group's counter, which it resets for the next launch).
-_SOURCE = _PARTIAL.replace("@EARLY_EXIT@", "") + r"""
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int* done = const_cast<int*>(counter) + bk;
-    last = atomicAdd(done, 1) == chunks - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float* wsum = wacc;  // NWARPS * (R * D + R) floats <= W * R * D
-""" + _MERGE + r"""
-  if (tid == 0) const_cast<int*>(counter)[bk] = 0;  // ready for the next launch
-"""
-
-# MERGE "launch": the partial kernel (_SPLIT: no counters) and a second launch that merges
-# the partials (_JOIN), several blocks a (batch, KV head) group, NT outputs a block: grid
-# (ceil(R * D / NT) * NT, batch * kv_heads). Each block takes the group's maxima and
+# _COMBINE: a (batch, KV head) group's partials (ml, part) of chunks 0..used-1 merged into
+# the output, float4 outputs first4..first4+count4-1 (of R * D / 4): the maxima and the
 # weights over the chunks thread-parallel (a chunk a thread, a block reduction, the
-# weights in shared memory), then each thread one output over every chunk, eight chunks'
-# loads in flight. The merge is spread over the GPU instead of one block a group, which
-# a long buffer's many chunks make the slow tail of the one-launch kernel.
-# (a chunk past the length returns at once: the join reads the chunks in use only)
-_SPLIT = _PARTIAL.replace("@EARLY_EXIT@", "  if (start >= len) return;")
-_JOIN = r"""
-  constexpr int NT = @NT@, NWARPS = NT / 32, MAXC = @MAX_CHUNKS@;
-  __shared__ float red[NWARPS * R];  // the warps' maxima, then their sums
-  __shared__ float wts[MAXC * R];     // each chunk's weight, a query row
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bk = blockIdx.y, chunks = ml_shape[1];
-  const int H = KVH * R, b = bk / KVH, g = bk % KVH;
-  const int used = min(chunks, (position[0] + CH) / CH);  // chunks holding rows 0..position
-  const size_t group = (size_t)bk * chunks;
-  float lm[R], ls[R], gmax[R];
+# weights in shared memory), then each thread a float4 of outputs over the chunks, eight
+# chunks' loads in flight; fewer outputs than threads: the chunks split over `split`
+# threads an output, summed through shared memory. Needs tid, NT, b, g, H, group, used
+# and shared `wts` (MAXC * R floats), `red` (NWARPS * R), `spill` (NT * 4).
+_COMBINE = r"""
+  constexpr int NWARPS = NT / 32;
+  const int lane = tid & 31, warp = tid >> 5;
+  float lm[R], ls[R], gmax[R], norm[R];
   #pragma unroll
   for (int r = 0; r < R; ++r) { lm[r] = TQ_NEG; ls[r] = 0.f; }
   for (int c = tid; c < used; c += NT)
     #pragma unroll
-    for (int r = 0; r < R; ++r) lm[r] = fmaxf(lm[r], ml[((group + c) * R + r) * 2]);
+    for (int r = 0; r < R; ++r) lm[r] = fmaxf(lm[r], __ldcg(ml + ((group + c) * R + r) * 2));
   #pragma unroll
   for (int r = 0; r < R; ++r)
     for (int o = 16; o > 0; o >>= 1) lm[r] = fmaxf(lm[r], __shfl_xor_sync(0xffffffffu, lm[r], o));
@@ -291,9 +268,9 @@ _JOIN = r"""
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       const size_t at = ((group + c) * R + r) * 2;
-      const float e = __expf(ml[at] - gmax[r]);
+      const float e = __expf(__ldcg(ml + at) - gmax[r]);
       wts[c * R + r] = e;
-      ls[r] += ml[at + 1] * e;
+      ls[r] += __ldcg(ml + at + 1) * e;
     }
   #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -302,26 +279,79 @@ _JOIN = r"""
     #pragma unroll
     for (int r = 0; r < R; ++r) red[warp * R + r] = ls[r];
   __syncthreads();
-  const int i = blockIdx.x * NT + tid;  // this thread's output: row r, dim i % D
-  if (i >= R * D) return;
-  const int r = i / D;
-  float norm = 0.f;
   #pragma unroll
-  for (int w = 0; w < NWARPS; ++w) norm += red[w * R + r];
-  const float* pc = part + group * R * D + i;
-  float o[8];
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] = 0.f;
-  int c = 0;
-  for (; c + 8 <= used; c += 8)
+  for (int r = 0; r < R; ++r) {
+    norm[r] = 0.f;
     #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] += pc[(size_t)(c + j) * R * D] * wts[(c + j) * R + r];
-  for (; c < used; ++c) o[0] += pc[(size_t)c * R * D] * wts[c * R + r];
-  float total = 0.f;
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) total += o[j];
-  tq_store(out + (size_t)(b * H + g * R) * D + i, total / norm);
+    for (int w = 0; w < NWARPS; ++w) norm[r] += red[w * R + r];
+  }
+  const float* pg = part + group * R * D;
+  if (count4 >= NT) {
+    for (int o4 = tid; o4 < count4; o4 += NT) {
+      const int i = (first4 + o4) * 4, r = i / D;
+      const float4 a = tq_combine<R, D>(pg + i, wts + r, 0, 1, used);
+      T* y = out + (size_t)(b * H + g * R) * D + i;
+      tq_store(y, a.x / norm[r]); tq_store(y + 1, a.y / norm[r]);
+      tq_store(y + 2, a.z / norm[r]); tq_store(y + 3, a.w / norm[r]);
+    }
+  } else {
+    const int split = NT / count4, o4 = tid % count4, s = tid / count4;
+    const int i = (first4 + o4) * 4, r = i / D;
+    if (s < split) {
+      const float4 a = tq_combine<R, D>(pg + i, wts + r, s, split, used);
+      spill[tid * 4] = a.x; spill[tid * 4 + 1] = a.y; spill[tid * 4 + 2] = a.z; spill[tid * 4 + 3] = a.w;
+    }
+    __syncthreads();
+    if (s == 0) {
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int t = 0; t < split; ++t)
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) a[k] += spill[(t * count4 + o4) * 4 + k];
+      T* y = out + (size_t)(b * H + g * R) * D + i;
+      #pragma unroll
+      for (int k = 0; k < 4; ++k) tq_store(y + k, a[k] / norm[r]);
+    }
+  }
 """
+
+# MERGE "block": one launch; the last block of a group to finish merges it (its done-count
+# on the group's counter, which it resets for the next launch). Blocks past the length
+# returned at once: the used chunks count.
+_SOURCE = _PARTIAL.replace("@ALONE@", "used == 1") + r"""
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* done = const_cast<int*>(counter) + bk;
+    last = atomicAdd(done, 1) == used - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  constexpr int MAXC = @MAX_CHUNKS@;
+  const int first4 = 0, count4 = R * D / 4;
+  // shared memory the workers' merge no longer needs: MAXC * R + NWARPS * R + NT * 4
+  // floats <= W * R * D (= 8 * NT * R)
+  float* wts = wacc;
+  float* red = wacc + MAXC * R;
+  float* spill = red + (NT / 32) * R;
+""" + _COMBINE + r"""
+  if (tid == 0) const_cast<int*>(counter)[bk] = 0;  // ready for the next launch
+"""
+
+# MERGE "launch": the partial kernel (_SPLIT: no counters, a chunk past the length returns
+# at once) and a second launch that merges the chunks in use (_JOIN: _COMBINE over NT
+# float4s of outputs a block, grid (ceil(R * D / (4 * NT)) * NT, batch * kv_heads)).
+_SPLIT = _PARTIAL.replace("@ALONE@", "false")
+_JOIN = r"""
+  constexpr int NT = @NT@, MAXC = @MAX_CHUNKS@;
+  __shared__ float wts[MAXC * R], red[(NT / 32) * R], spill[NT * 4];
+  const int tid = threadIdx.x, bk = blockIdx.y, chunks = ml_shape[1];
+  const int H = KVH * R, b = bk / KVH, g = bk % KVH;
+  const int used = min(chunks, (position[0] + CH) / CH);  // chunks holding rows 0..position
+  const size_t group = (size_t)bk * chunks;
+  const int first4 = blockIdx.x * NT, count4 = min(NT, R * D / 4 - first4);
+""" + _COMBINE
 
 
 def supports(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtype: mx.Dtype) -> bool:
@@ -339,25 +369,42 @@ def supports(q_shape: tuple, k_shape: tuple, v_shape: tuple, dtype: mx.Dtype) ->
     return 4 * floats <= 48 * 1024  # static shared memory
 
 
-def plan(size: int) -> tuple[int, int]:
-    """(rows a chunk, chunks) for a buffer of `size` rows."""
+def plan(size: int, groups: int = 1) -> tuple[int, int]:
+    """(rows a chunk, chunks) for a buffer of `size` rows over `groups` (batch x KV heads):
+    CHUNK_TOKENS rows a chunk, doubled while a group would pass MAX_CHUNKS chunks or the
+    grid WAVE_BLOCKS blocks (the last block's merge takes a round of loads per eight
+    chunks, a worker one per STEP rows: at 16K rows and 8 groups, 128 chunks of 128 rows
+    rather than 256 of 64)."""
+    limit = max(1, min(MAX_CHUNKS, WAVE_BLOCKS // max(1, groups)))
     chunk = CHUNK_TOKENS
-    while -(-size // chunk) > MAX_CHUNKS:
+    while -(-size // chunk) > limit:
         chunk *= 2
     return chunk, -(-size // chunk)
+
+
+def _filled(body: str) -> str:
+    """A kernel body with its block size and chunk bound written in."""
+    return body.replace("@NT@", str(NT)).replace("@MAX_CHUNKS@", str(MAX_CHUNKS))
 
 
 def _named(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha256((_HEADER + source).encode()).hexdigest()[:12]}"
 
 
-@functools.cache
-def _kernel(scale: float, merge: str = "block"):
-    """The attention kernel: with its last-block merge ("block"), or the partials only
-    ("launch": `_join_kernel` merges them)."""
-    body = _SOURCE if merge == "block" else _SPLIT
-    source = f"  constexpr float TQ_SCALE = {float(scale)!r}f;\n" + body.replace("@NT@", str(NT))
+def kernel_source(scale: float, merge: str = "block", store: bool = False):
+    """(input names, source) of the attention kernel: with its last-block merge ("block"),
+    or the partials only ("launch": `_join_kernel` merges them); with `store`, the new
+    token's key and value as inputs, written into the buffers by the launch."""
+    body = (_SOURCE if merge == "block" else _SPLIT).replace(
+        "@STORE@", _STORE if store else _NO_STORE)
+    source = f"  constexpr float TQ_SCALE = {float(scale)!r}f;\n" + _filled(body)
     inputs = ["queries", "keys", "values", "position"] + (["counter"] if merge == "block" else [])
+    return inputs + (["new_keys", "new_values"] if store else []), source
+
+
+@functools.cache
+def _kernel(scale: float, merge: str = "block", store: bool = False):
+    inputs, source = kernel_source(scale, merge, store)
     return mx.fast.cuda_kernel(
         name=_named("tq_attend" if merge == "block" else "tq_attend_split", source),
         input_names=inputs, output_names=["out", "ml", "part"], source=source, header=_HEADER)
@@ -365,7 +412,7 @@ def _kernel(scale: float, merge: str = "block"):
 
 @functools.cache
 def _join_kernel():
-    source = _JOIN.replace("@NT@", str(NT)).replace("@MAX_CHUNKS@", str(MAX_CHUNKS))
+    source = _filled(_JOIN)
     return mx.fast.cuda_kernel(
         name=_named("tq_attend_join", source), input_names=["ml", "part", "position"],
         output_names=["out"], source=source, header=_HEADER)
@@ -382,10 +429,14 @@ def _counters(slot) -> mx.array:
 
 
 def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
-                     position: mx.array, scale: float, slot=None) -> mx.array:
+                     position: mx.array, scale: float, slot=None, store=None) -> mx.array:
     """`kernels.attend.buffer_attention` on CUDA (see the module docstring). `slot` names
     the counters the launch uses (`_counters`); None: a zeroed array of its own. With
-    MERGE "launch" a second launch merges the chunks instead (no counters)."""
+    MERGE "launch" a second launch merges the chunks instead (no counters). `store`: the
+    new token's (key, value), each (B, KV heads, 1, D), written at `position` into
+    `keys` and `values` themselves by the launch (`stores_in_place`): the buffers are its
+    inputs, not outputs, so MLX neither copies them nor knows they changed; the caller
+    orders later reads after this call (`mx.depends` on its output)."""
     if not supports(queries.shape, keys.shape, values.shape, keys.dtype) or \
             queries.dtype != keys.dtype or values.dtype != keys.dtype:
         raise NotImplementedError(f"buffer attention of q {queries.shape} {queries.dtype} "
@@ -394,13 +445,19 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
         raise NotImplementedError(f"buffer attention's position must be one int32, not {position}")
     b, h, _, d = queries.shape
     kvh, size = keys.shape[1], keys.shape[2]
+    if store is not None and any(x.shape != (b, kvh, 1, d) or x.dtype != keys.dtype
+                                 for x in store):
+        raise NotImplementedError(f"buffer attention's stored key and value must be "
+                                  f"{(b, kvh, 1, d)} {keys.dtype}, not "
+                                  f"{[(x.shape, x.dtype) for x in store]}")
     r = h // kvh
-    chunk, chunks = plan(size)
+    chunk, chunks = plan(size, b * kvh)
     merge = MERGE if chunks > 1 else "block"  # one chunk: no merge, no counter touched
     inputs = [queries, keys, values, position]
     if merge == "block":
         inputs.append(_counters(slot) if slot is not None else mx.zeros((b * kvh,), mx.int32))
-    out, ml, part = _kernel(scale, merge)(
+    inputs += list(store) if store is not None else []
+    out, ml, part = _kernel(scale, merge, store is not None)(
         inputs=inputs, template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk)],
         grid=(chunks * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(b, h, 1, d), (b * kvh, chunks, r, 2), (b * kvh, chunks, r, d)],
@@ -410,9 +467,10 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     return _join_kernel()(
         inputs=[ml, part, position],
         template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk), ("KVH", kvh)],
-        grid=(-(-r * d // NT) * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
+        grid=(-(-r * d // (4 * NT)) * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(b, h, 1, d)], output_dtypes=[keys.dtype])[0]
 
 
 buffer_attention.supports = supports  # the whole step asks before it traces a call
+buffer_attention.stores_in_place = True  # `store` writes into the buffers themselves
 dispatch.register("cuda", "buffer_attention", buffer_attention)

@@ -48,7 +48,10 @@ from turboquant.kernels import dispatch
 
 from . import fuse
 
-WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "0") == "1"
+WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "1") == "1"
+# cached tokens from which mlx-lm's per-layer step takes over (0: never): past a few
+# thousand rows MLX's attention (cuDNN's on the H200) outruns "buffer_attention"
+MAX_CONTEXT = int(os.environ.get("TURBOQUANT_WHOLE_STEP_MAX_CONTEXT", "2048"))
 GROW = 1024  # tokens the KV buffers grow by when a step needs more rows
 BACKENDS = ("cuda",)  # where "buffer_attention" has a kernel (the reference masks MLX's sdpa)
 
@@ -76,6 +79,8 @@ def _applies(model, inputs: mx.array, cache) -> bool:
     if len(cache) != len(model.layers):
         return False
     first = cache[0]
+    if first.keys is None or (MAX_CONTEXT and first.offset >= MAX_CONTEXT):
+        return False
     for c in cache:  # a loop, not any(): a generator is a Python call a layer, every token
         if type(c) is not KVCache or c.keys is None or c.offset != first.offset:
             return False
@@ -135,6 +140,7 @@ def _build(model):
     """The compiled step of `model` (an inner model: embed_tokens, layers, norm)."""
     embed, norm, blocks = model["embed_tokens"], model["norm"], list(model.layers)
     attend = dispatch.get("buffer_attention")
+    in_place = getattr(attend, "stores_in_place", False)
 
     def step(tokens, position, keys, values):
         h = embed(tokens)
@@ -142,9 +148,16 @@ def _build(model):
         new_keys, new_values = [], []
         for i, (block, k_buf, v_buf) in enumerate(zip(blocks, keys, values)):
             q, k, v = fuse._queries(block, h, position)
-            k_buf = mx.put_along_axis(k_buf, at, k, axis=2)
-            v_buf = mx.put_along_axis(v_buf, at, v, axis=2)
-            o = attend(q, k_buf, v_buf, position, block["self_attn"].scale, slot=i)
+            scale = block["self_attn"].scale
+            if in_place:  # the launch stores k and v: the buffers, ordered after it
+                if k.dtype != k_buf.dtype:
+                    k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
+                o = attend(q, k_buf, v_buf, position, scale, slot=i, store=(k, v))
+                k_buf, v_buf = mx.depends([k_buf, v_buf], [o])
+            else:
+                k_buf = mx.put_along_axis(k_buf, at, k, axis=2)
+                v_buf = mx.put_along_axis(v_buf, at, v, axis=2)
+                o = attend(q, k_buf, v_buf, position, scale, slot=i)
             h = fuse._step_after(block, o, h)
             new_keys.append(k_buf)
             new_values.append(v_buf)

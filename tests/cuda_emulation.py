@@ -160,6 +160,7 @@ struct uint2 { unsigned x, y; };
 struct float4 { float x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float4 __ldcg(const float4* p) { return {__ldcg(&p->x), __ldcg(&p->y), __ldcg(&p->z), __ldcg(&p->w)}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
@@ -308,20 +309,35 @@ def for_the_host(text: str) -> str:
     return _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(tq_emu_dynamic_shared);", text)
 
 
+def _builds(folder: str, name: str, text: str) -> subprocess.CompletedProcess | None:
+    src = Path(folder) / f"{name}.cpp"
+    src.write_text(text)
+    try:
+        return subprocess.run([CXX, "-std=c++20", "-w", "-pthread", str(src), "-o",
+                               str(Path(folder) / name)], capture_output=True, text=True,
+                              timeout=120)
+    except OSError:
+        return None
+
+
 @functools.cache
 def available() -> bool:
-    """Whether a host compiler builds the shims (C++20's <barrier>, `_Float16`)."""
+    """Whether a host compiler builds C++20 threads (<barrier>, `_Float16`): else the
+    emulated tests skip. A compiler that does but fails on the shims raises: the shims
+    are broken, and the tests must not skip quietly."""
     if CXX is None:
         return False
     with tempfile.TemporaryDirectory() as folder:
-        src = Path(folder) / "probe.cpp"
-        src.write_text(_SHIMS + "int main() { return int(float(__float2half(1.f))) - 1; }\n")
-        try:
-            res = subprocess.run([CXX, "-std=c++20", "-w", "-pthread", str(src), "-o",
-                                  str(Path(folder) / "probe")], capture_output=True, timeout=120)
-        except OSError:
+        probe = _builds(folder, "cxx20", "#include <barrier>\n"
+                        "int main() { _Float16 h = 1; std::barrier b(1); b.arrive_and_wait();"
+                        " return int(h) - 1; }\n")
+        if probe is None or probe.returncode != 0:
             return False
-        return res.returncode == 0
+        shims = _builds(folder, "shims", _SHIMS + "int main() { return 0; }\n")
+        if shims is None or shims.returncode != 0:
+            raise RuntimeError("tests/cuda_emulation.py: the shims do not compile with "
+                               f"{CXX}:\n{shims.stderr[-3000:] if shims else ''}")
+        return True
 
 
 class EmulatedKernel:

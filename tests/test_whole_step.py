@@ -175,9 +175,9 @@ def test_the_reference_attends_over_the_rows_up_to_the_position(size, position):
     assert mx.allclose(got, want, atol=1e-6, rtol=1e-5).item()
 
 
-def test_the_whole_step_is_off_unless_asked_for(cpu_whole_step, monkeypatch):
-    """Opt-in (TURBOQUANT_WHOLE_STEP=1) until its long-context speed and a stall seen on
-    the H200 are understood: with the module's default an enabled model steps per layer."""
+def test_the_whole_step_is_on_by_default_and_off_when_asked(cpu_whole_step, monkeypatch):
+    """On by default since session 23 (TURBOQUANT_WHOLE_STEP=0 turns it off): off, an
+    enabled model steps per layer."""
     def read(env_value):
         env = {k: v for k, v in os.environ.items() if k != "TURBOQUANT_WHOLE_STEP"}
         if env_value is not None:
@@ -187,9 +187,23 @@ def test_the_whole_step_is_off_unless_asked_for(cpu_whole_step, monkeypatch):
              "print(w.WHOLE_STEP)"], env=env, capture_output=True, text=True, check=True)
         return out.stdout.strip()
 
-    assert (read(None), read("0"), read("1")) == ("False", "False", "True")
+    assert (read(None), read("0"), read("1")) == ("True", "False", "True")
     model = _model(monkeypatch)
     calls = _counting_runs(monkeypatch)
     monkeypatch.setattr(whole_step, "WHOLE_STEP", False)
     _greedy(model, [1, 2, 3], 3, make_prompt_cache(model))
     assert not calls
+
+
+def test_past_max_context_the_per_layer_step_takes_over(cpu_whole_step, monkeypatch):
+    """From MAX_CONTEXT cached tokens on, mlx-lm's per-layer step runs (MLX's attention is
+    faster there), on the same cache: the tokens match the per-layer decode's."""
+    model = _model(monkeypatch)
+    prompt = list(range(3, 12))
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", False)
+    want, _, _ = _greedy(model, prompt, 12, make_prompt_cache(model))
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", True)
+    monkeypatch.setattr(whole_step, "MAX_CONTEXT", len(prompt) + 5)
+    calls = _counting_runs(monkeypatch)
+    got, _, cache = _greedy(model, prompt, 12, make_prompt_cache(model))
+    assert len(calls) == 5 and got == want and cache[0].offset == len(prompt) + 12
