@@ -283,10 +283,10 @@ def main() -> None:
                          "Attention (ATTENTION off), "
                          "-mlxrope with RoPE as mlx-lm's op after the q/k/v launch "
                          "(ROPE off), "
-                         "-whole with a token's step compiled whole, its attention over "
-                         "the cache's buffers (WHOLE_STEP on: TURBOQUANT_WHOLE_STEP=1), "
-                         "-layers with it compiled per layer around mlx-lm's cache (the "
-                         "default), -joinmerge with that attention's chunks merged by a "
+                         "-whole with a token's step compiled whole at any context "
+                         "(the default below TURBOQUANT_WHOLE_STEP_MAX_CONTEXT cached "
+                         "tokens), -layers with it compiled per layer around mlx-lm's "
+                         "cache (TURBOQUANT_WHOLE_STEP=0), -joinmerge with that attention's chunks merged by a "
                          "second launch (TURBOQUANT_CUDA_ATTEND_MERGE=launch)")
     ap.add_argument("--context", type=int, default=16, metavar="N",
                     help="prompt tokens before the timed decode (each token then attends "

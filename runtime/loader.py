@@ -114,7 +114,7 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
             blocks = fusing.fuse_blocks(model)
             from . import whole_step
 
-            # a token's step as one compiled call, where TURBOQUANT_WHOLE_STEP=1
+            # a token's step as one compiled call (TURBOQUANT_WHOLE_STEP=0: per layer)
             whole = whole_step.enable(model) if whole_step.WHOLE_STEP else 0
     for name, module in model.named_modules():  # a head's prefill logits: no eager kernel
         if isinstance(module, TQLinear) and name.rsplit(".", 1)[-1] == "lm_head":

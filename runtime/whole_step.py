@@ -1,4 +1,4 @@
-"""A fused model's single-token decode step as ONE compiled function (CUDA, opt-in).
+"""A fused model's single-token decode step as ONE compiled function (CUDA).
 
 Decode on MLX's CUDA backend is bound by the host: every operation and every Python call
 of a token costs microseconds to build and encode, and a fused block still took 7 Python
@@ -7,11 +7,12 @@ whole step, embedding to final norm, is one `mx.compile`d function of (tokens, p
 every layer's key and value buffers), traced once for every position:
 
 - each layer's q/k/v launch (norm and RoPE inside, RoPE at `position`, an array);
-- the new key and value stored into mlx-lm's `KVCache` buffers at `position` by
-  `mx.put_along_axis` (one scatter launch each: `mx.slice_update` at an array start took
-  a launch more and ran slower on the H200, session 21). The buffers are the function's
-  inputs and its outputs: the cache drops its old arrays before they are evaluated, so
-  MLX updates them in place;
+- the new key and value written into mlx-lm's `KVCache` buffers at `position` by the
+  attention launch itself where the backend's kernel `stores_in_place` (CUDA): the
+  buffers are its inputs, so nothing copies them (a scatter's output would be a copy
+  whenever the last token's work still holds the buffer: generate_step's pipelining),
+  and `mx.depends` on the launch's output hands them on, so MLX orders later reads
+  after the write. Elsewhere `mx.put_along_axis` stores them first (the reference);
 - the attention over the whole buffer, its length read on the GPU ("buffer_attention":
   `kernels/cuda_attend.py`), then o_proj, the MLP half (an MoE block's sparse one).
 
@@ -26,13 +27,13 @@ token a sequence, every cache a plain mlx-lm `KVCache` already holding the promp
 embeddings passed in, on a backend with a "buffer_attention" kernel that takes the
 shapes (CUDA). Anything else runs mlx-lm's model call, as before.
 
-Off by default: TURBOQUANT_WHOLE_STEP=1 turns it on (else the per-layer compiled halves
-run). On the H200 (session 22, graphs off, 256 tokens after a 16-token prompt) it decoded
-an 8B-shaped TQ3 model 1.63-1.77x affine-4 against 1.35-1.64x per layer, but after a
-4096-token prompt it was slower than per layer (177 and 174 tok/s against 193), and a
-compiled function of several independent "buffer_attention" launches did not finish
-there within 20-80 s (`benchmarks/results/session22-h200.txt`; perhaps compile time, see
-`benchmarks/attention.py`): it stays a switch until both are settled.
+On by default since session 23 (TURBOQUANT_WHOLE_STEP=0 turns it off: the per-layer
+compiled halves run), up to MAX_CONTEXT cached tokens: past them mlx-lm's per-layer step
+takes over on the same cache, MLX's attention being faster over long buffers. On the
+H200 (graphs off, 8B shape, 256 tokens after a 16-token prompt) it decoded TQ3 at
+1.59-1.91x of affine-4 (median 1.83x) against 1.46-1.67x per layer; after 2048 tokens
+1.75x against 1.44x, after 4096 1.33-1.45x against 1.70-1.78x
+(`benchmarks/results/session23-h200.txt`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def cpu_whole_step(monkeypatch):
     device = mx.default_device()
     mx.set_default_device(mx.cpu)
     monkeypatch.setattr(whole_step, "BACKENDS", ("cpu",))
-    monkeypatch.setattr(whole_step, "WHOLE_STEP", True)  # TURBOQUANT_WHOLE_STEP=1
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", True)  # the default (TURBOQUANT_WHOLE_STEP=1)
     try:
         with decode.reference_kernel("linear_group", True), \
                 decode.reference_kernel("matvec", True), \
