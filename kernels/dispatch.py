@@ -171,8 +171,9 @@ def _with_fallback(fn: Callable, ref: Callable) -> Callable:
         except NotImplementedError:
             return ref(*args, **kwargs)
 
-    call.__wrapped__ = fn
-    return call
+    # the kernel's attributes too (`supports`, `stores_in_place`): callers ask them of
+    # what `get` returns (until session 25 the whole step never saw `stores_in_place`)
+    return functools.update_wrapper(call, fn)
 
 
 def describe() -> dict[str, str]:

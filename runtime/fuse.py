@@ -279,21 +279,43 @@ def _watched(block) -> tuple:
                  for name, v in m.items() if isinstance(v, mx.array))
 
 
-# (offset, the array of it) last given to a compiled step, shared by a token's layers; one
-# tuple swapped whole, so a reader never pairs one offset with another's array
-_last_offset: tuple = (None, None)
+# (offset, its 4-lane int32 buffer, the scalar view of lane 0) last given to a compiled
+# step, shared by a token's layers; one tuple swapped whole, so a reader never pairs one
+# offset with another's array
+_last_offset: tuple = (None, None, None)
+# int32 lanes of a position's buffer: 16 bytes, past MLX's CUDA pool of arrays of <= 8
+# bytes. That pool is managed memory the host also writes (every new scalar lands there),
+# so a kernel's read of a scalar from it waited on a page migration: on the H200 (session
+# 25, ncu) ~20 us of every attention launch stalled on reading its position
+POSITION_LANES = 4
 
 
 def _offset_array(offset):
-    """A cache's offset as the array RoPE takes in a compiled step (traced once for every
-    position); an array offset (batched caches) as it is."""
+    """A cache's offset as the array RoPE and the attention take in a compiled step (traced
+    once for every position); an array offset (batched caches) as it is. The next offset's
+    array is this one's plus one, computed on the device (no host write, none of MLX's
+    small-array pool: see POSITION_LANES); any other offset is filled on the device."""
     global _last_offset
     if type(offset) is not int:
         return offset
-    last = _last_offset
-    if last[0] != offset:
-        last = _last_offset = (offset, mx.array(offset, dtype=mx.int32))
-    return last[1]
+    last, lanes, view = _last_offset
+    if last == offset:
+        return view
+    if last is not None and last + 1 == offset:
+        lanes = lanes + _ones()
+    else:
+        lanes = mx.full((POSITION_LANES,), offset, dtype=mx.int32)
+    view = lanes[:1].reshape(())  # a view: no kernel writes a scalar of its own
+    _last_offset = (offset, lanes, view)
+    return view
+
+
+@functools.cache
+def _ones() -> mx.array:
+    """POSITION_LANES int32 ones, made once: a step's increment broadcasts no scalar."""
+    ones = mx.ones((POSITION_LANES,), dtype=mx.int32)
+    mx.eval(ones)
+    return ones
 
 
 def _mlp_half(block, h: mx.array) -> mx.array:

@@ -194,6 +194,15 @@ def test_dispatch_uses_the_cpu_kernels_on_cpu_and_a_registered_kernel_on_its_gpu
     finally:
         dispatch.unregister("metal", "matvec")
     assert dispatch.registered("metal", "matvec") is None
+    # what `get` hands out keeps the kernel's attributes (the whole step asks
+    # `stores_in_place` of it: lost behind the wrapper until session 25)
+    fake.stores_in_place = True
+    dispatch.register("metal", "matvec", fake)
+    try:
+        fn = dispatch.get("matvec", device_backend="metal")
+        assert fn is not fake and fn.__wrapped__ is fake and fn.stores_in_place is True
+    finally:
+        dispatch.unregister("metal", "matvec")
     with pytest.raises(ValueError):
         dispatch.register("tpu", "matvec", fake)
     with pytest.raises(ValueError):

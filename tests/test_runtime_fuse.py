@@ -426,7 +426,14 @@ def test_a_fused_single_token_step_skips_the_head_transposes(tmp_path, monkeypat
     mx.eval(model(PROMPT, cache=cache))
     plain = _step_ops(model, cache)
     assert fuse_blocks(model) == len(model.layers) == 2
+    from turboquant.runtime import fuse
+
+    _step_ops(model, cache)  # the position's first buffer (fuse._offset_array), if it takes one
+    last = fuse._last_offset[0]
     fused = _step_ops(model, cache)
+    if fuse._last_offset[0] != last:  # RoPE in the q/k/v call (an array position): a steady
+        for op in ("Add", "Slice", "Reshape"):  # step's is the last one's plus one, a view
+            fused[op] -= 1
     # mlx-lm's attention: a reshape and a transpose for each of q, k, v and the output
     assert plain["Transpose"] - fused.get("Transpose", 0) == 4 * 2
     assert plain["Reshape"] == fused["Reshape"]
@@ -521,3 +528,23 @@ def test_a_fused_block_asks_its_q_k_v_call_for_rope(tmp_path, monkeypatch, kind,
         rotated.clear()
         _decode(model, steps=3)
         assert len(rotated) == (3 * 2 if on and head else 0)  # 3 steps, 2 layers
+
+
+def test_a_steps_position_is_the_last_ones_plus_one_on_the_device(monkeypatch):
+    """`fuse._offset_array`: the offset as a scalar view of a 4-lane int32 buffer (past
+    MLX's CUDA pool of arrays of <= 8 bytes, which the host writes), the next offset's
+    buffer the last one's plus one, so no new scalar is written by the host a token."""
+    from turboquant.runtime import fuse
+
+    monkeypatch.setattr(fuse, "_last_offset", (None, None, None))
+    first = fuse._offset_array(7)
+    lanes = fuse._last_offset[1]
+    assert first.shape == () and first.dtype == mx.int32 and first.item() == 7
+    assert lanes.shape == (fuse.POSITION_LANES,) and lanes.nbytes > 8
+    assert fuse._offset_array(7) is first  # a token's layers share it
+    second = fuse._offset_array(8)
+    assert second.item() == 8 and fuse._last_offset[1] is not lanes
+    assert fuse._last_offset[1].tolist() == [8] * fuse.POSITION_LANES
+    assert fuse._offset_array(3).item() == 3 and fuse._offset_array(4).item() == 4
+    batched = mx.array([2, 5], mx.int32)
+    assert fuse._offset_array(batched) is batched
