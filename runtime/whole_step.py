@@ -17,8 +17,10 @@ every layer's key and value buffers), traced once for every position:
   `kernels/cuda_attend.py`), then o_proj, the MLP half (an MoE block's sparse one).
 
 Python then does per token what mlx-lm's cache did per layer: swap in the new buffers and
-count the offset. The buffers grow GROW tokens at a time (a new size is a new trace, so
-fewer, larger steps than mlx-lm's 256).
+count the offset. A new buffer size is a new trace, so the buffers grow by half their size
+(at least GROW rows, in multiples of GROW): from a short prompt to 32K tokens, 8 traces
+rather than 32 of a fixed step, for about a third of the buffers' rows unused just after
+they grow.
 
 It applies (`WholeStepModel.__call__`) to an inner model (`LlamaModel` and the other
 families' `*Model`: embed_tokens, layers, norm) whose blocks are all fused and compile
@@ -28,12 +30,14 @@ embeddings passed in, on a backend with a "buffer_attention" kernel that takes t
 shapes (CUDA). Anything else runs mlx-lm's model call, as before.
 
 On by default since session 23 (TURBOQUANT_WHOLE_STEP=0 turns it off: the per-layer
-compiled halves run), up to MAX_CONTEXT cached tokens: past them mlx-lm's per-layer step
-takes over on the same cache, MLX's attention being faster over long buffers. On the
-H200 (graphs off, 8B shape, 256 tokens after a 16-token prompt) it decoded TQ3 at
-1.59-1.91x of affine-4 (median 1.83x) against 1.46-1.67x per layer; after 2048 tokens
-1.75x against 1.44x, after 4096 1.33-1.45x against 1.70-1.78x
-(`benchmarks/results/session23-h200.txt`).
+compiled halves run), at any context since session 25 (TURBOQUANT_WHOLE_STEP_MAX_CONTEXT=N
+hands over to mlx-lm's per-layer step from N cached tokens). On the H200 (graphs off, 8B
+shape) it decoded TQ3 at 1.76-1.83x of affine-4 after a 16-token prompt, 2.13-2.29x after
+4096 tokens, 2.05x after 16K and 1.82x after 32K, against 1.39-1.65x per layer
+(`benchmarks/results/session25-h200.txt`). Until session 25 every attention launch
+stalled ~20 us on reading its position from MLX's host-written small-array pool
+(`fuse._offset_array`), and the K/V were stored by scatters: it then lost to the
+per-layer step past 2048 tokens.
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from turboquant.kernels import dispatch
 from . import fuse
 
 WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "1") == "1"
-# cached tokens from which mlx-lm's per-layer step takes over (0: never): past a few
-# thousand rows MLX's attention (cuDNN's on the H200) outruns "buffer_attention"
-MAX_CONTEXT = int(os.environ.get("TURBOQUANT_WHOLE_STEP_MAX_CONTEXT", "2048"))
-GROW = 1024  # tokens the KV buffers grow by when a step needs more rows
+# cached tokens from which mlx-lm's per-layer step takes over (0: never; the whole step
+# was the faster at every context measured, up to 32K, in session 25)
+MAX_CONTEXT = int(os.environ.get("TURBOQUANT_WHOLE_STEP_MAX_CONTEXT", "0"))
+GROW = 1024  # the least the KV buffers grow by, and the multiple their sizes take
 BACKENDS = ("cuda",)  # where "buffer_attention" has a kernel (the reference masks MLX's sdpa)
 
 
@@ -121,12 +125,19 @@ def _run(model, inputs: mx.array, cache) -> mx.array:
     return h
 
 
+def grown_size(size: int, rows: int) -> int:
+    """The buffers' new size when `rows` rows do not fit in `size`: half as long again (at
+    least GROW rows more, and `rows`), rounded up to a multiple of GROW."""
+    wanted = max(rows, size + max(GROW, size // 2))
+    return -(-wanted // GROW) * GROW
+
+
 def _make_room(cache, rows: int) -> None:
-    """Every buffer at least `rows` rows long, grown to a multiple of GROW (zeros)."""
+    """Every buffer at least `rows` rows long, grown by `grown_size` (zeros)."""
     size = cache[0].keys.shape[2]
     if rows <= size:
         return
-    more = -(-rows // GROW) * GROW - size
+    more = grown_size(size, rows) - size
     for c in cache:
         c.keys, c.values = _longer(c.keys, more), _longer(c.values, more)
 

@@ -118,9 +118,25 @@ def test_the_buffers_grow_and_hold_what_mlx_lms_cache_holds(cpu_whole_step, monk
     n = len(prompt) + 20
     for a, b in zip(want, got):
         assert b.offset == a.offset == n
-        assert b.keys.shape[2] == 32  # grown from 16 by GROW rows at a time
+        assert b.keys.shape[2] == 40  # 16 -> 24 -> 40: half as long again, GROW's multiples
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert mx.array_equal(x[..., :n, :], y[..., :n, :]).item()
+
+
+def test_the_buffers_grow_by_half_so_a_long_decode_retraces_few_times():
+    """Each new buffer size is a new trace of the whole step: from a short prompt's 256 rows
+    to 32K tokens the buffers take 8 sizes (32 at a fixed GROW), each a multiple of GROW
+    and at least the rows asked for, with fewer rows to spare than half the rows in use
+    plus 2 GROW."""
+    grow, sizes, size = whole_step.GROW, [], 256
+    for rows in range(257, 32769):
+        if rows > size:
+            size = whole_step.grown_size(size, rows)
+            sizes.append(size)
+            assert size >= rows and size % grow == 0
+            assert size - rows < max(rows // 2, grow) + grow
+    assert sizes == [2048, 3072, 5120, 8192, 12288, 18432, 27648, 41984]
+    assert whole_step.grown_size(4352, 5000) == 7168  # after a 4K prompt: 4352 * 1.5, rounded
 
 
 def test_the_buffers_are_updated_in_place(cpu_whole_step, monkeypatch):
