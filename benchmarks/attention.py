@@ -65,6 +65,7 @@ def main() -> None:
         raise SystemExit("benchmarks/attention.py times the CUDA kernel: run it on a GPU "
                          "machine with MLX's CUDA build")
     from turboquant.kernels import cuda_attend
+    from turboquant.runtime import fuse
 
     if args.merge:
         cuda_attend.MERGE = args.merge
@@ -72,7 +73,10 @@ def main() -> None:
     for size in SIZES:
         q, k, v = buffers(size)
         for row in (size // 4, size - 1):
-            position = mx.array(row, mx.int32)
+            # as the whole step passes it: not a host-made scalar (MLX's pool of <= 8-byte
+            # arrays stalled every launch ~15 us reading one, session 25)
+            position = fuse._offset_array(row)
+            mx.eval(position)
 
             def ours():
                 mx.eval([cuda_attend.buffer_attention(q + i, k, v, position, scale, slot=i)

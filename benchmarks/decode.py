@@ -284,8 +284,8 @@ def main() -> None:
                          "-mlxrope with RoPE as mlx-lm's op after the q/k/v launch "
                          "(ROPE off), "
                          "-whole with a token's step compiled whole at any context "
-                         "(the default below TURBOQUANT_WHOLE_STEP_MAX_CONTEXT cached "
-                         "tokens), -layers with it compiled per layer around mlx-lm's "
+                         "(the default, unless TURBOQUANT_WHOLE_STEP_MAX_CONTEXT sets a "
+                         "limit), -layers with it compiled per layer around mlx-lm's "
                          "cache (TURBOQUANT_WHOLE_STEP=0), -joinmerge with that attention's chunks merged by a "
                          "second launch (TURBOQUANT_CUDA_ATTEND_MERGE=launch)")
     ap.add_argument("--context", type=int, default=16, metavar="N",

@@ -31,9 +31,13 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   so a launch stays near WAVE_BLOCKS blocks. Workers load 4 rows at once (2 for R > 4).
 - `store=(k, v)`: the block holding the position writes the token's key and value into
   the buffers (in place: the whole step's store, no scatter) and reads that row from
-  its inputs. On the H200 (ncu, 8B heads, session 23) a launch took 20.9 us over 256
-  rows, 35.6 over 4096 and 59 over 16K, against cuDNN's 11.3, 21.6 + 4.7 and 34 + 4.7:
-  hence the whole step's switch to the per-layer step past 2048 cached tokens.
+  its inputs.
+- `position` should not be a scalar from MLX's CUDA pool of arrays of <= 8 bytes
+  (managed memory the host writes): reading it stalled every block ~15 us on the H200.
+  The whole step passes a view of a 16-byte buffer made on the GPU (`fuse._offset_array`);
+  then (ncu, real clocks, 8B heads, session 25) a launch took 10.5 us over a 1024-row
+  buffer at position 255 and 16.1-17.9 us over 4352 rows, against cuDNN's 21.4 + 3.7
+  (with a host scalar: 23-24 and 31-33 us).
 
 Keys and values are float16 or bfloat16 of one head dim D with D / 8 a power of two
 (8..256: the dims of every model mlx-lm runs), R * 8 <= 64 accumulators a lane; anything

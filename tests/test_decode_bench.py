@@ -87,3 +87,20 @@ def test_a_process_first_variant_warms_up_as_long_as_it_is_timed(monkeypatch):
     assert decode.run_variant(None, Args, first=True) == [0.01] * 256
     decode.run_variant(None, Args)
     assert warmups == [(256, 4096), (8, 4096)] and timed == [4096, 4096]
+
+
+def test_decode_ncu_profiles_only_the_steady_tokens_it_is_asked_for(monkeypatch):
+    """benchmarks/decode_ncu.py: the profiler range opens after WARM steady tokens and
+    closes `tokens` later, once each, on the profiled round only."""
+    import decode_ncu
+
+    calls = []
+    monkeypatch.setattr(decode_ncu, "profiler", lambda start: calls.append(start) or True)
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))
+    model, prompt = llama.Model(args), decode_ncu.mx.array([1, 2, 3])
+    assert decode_ncu.decode_round(model, prompt, tokens=3, profiled=False) > 0
+    assert calls == []
+    assert decode_ncu.decode_round(model, prompt, tokens=3, profiled=True) > 0
+    assert calls == [True, False]
