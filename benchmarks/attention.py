@@ -1,7 +1,7 @@
 """One token's attention over a KV buffer: `kernels/cuda_attend.py` against MLX's sdpa.
 
 The kernel reads the whole buffer's rows up to a position given as an array (what the
-opt-in whole decode step, `runtime/whole_step.py`, needs); MLX's
+whole decode step, `runtime/whole_step.py`, needs); MLX's
 `mx.fast.scaled_dot_product_attention` gets the buffer sliced to the same rows. Llama-3-8B
 heads (32 query heads, 8 KV heads of 128, bf16), one sequence; `--calls` independent
 calls an evaluation, so launch overhead is amortised the same way for both.
