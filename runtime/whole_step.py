@@ -35,7 +35,7 @@ hands over to mlx-lm's per-layer step from N cached tokens). On the H200 (graphs
 shape) it decoded TQ3 at 1.76-1.83x of affine-4 after a 16-token prompt, 2.13-2.29x after
 4096 tokens, 2.05x after 16K and 1.82x after 32K, against 1.39-1.65x per layer
 (`benchmarks/results/session25-h200.txt`). Until session 25 every attention launch
-stalled ~20 us on reading its position from MLX's host-written small-array pool
+stalled ~15 us on reading its position from MLX's host-written small-array pool
 (`fuse._offset_array`), and the K/V were stored by scatters: it then lost to the
 per-layer step past 2048 tokens.
 """
