@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -58,6 +59,13 @@ QWEN3_30B_A3B = dict(
     mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, vocab_size=151936,
     rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=40960,
 )
+
+# --tiny: 2-layer models of the same families (smoke runs on the CPU)
+TINY_LLAMA = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+TINY_MOE = dict(num_hidden_layers=2, hidden_size=256, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, vocab_size=512)
 
 
 def _random_codes(lead: tuple, in_f: int, b: int) -> tuple[mx.array, mx.array]:
@@ -154,6 +162,18 @@ def variant_switches(variant: str):
             switched(whole_step, "MAX_CONTEXT", 0 if "-whole" in variant else None), \
             switched(cuda_attend, "MERGE", "launch" if "-joinmerge" in variant else None):
         yield
+
+
+def cuda_profiler(start: bool) -> bool:
+    """cuProfilerStart (or Stop) once the GPU is idle, for ncu's `--profile-from-start off`
+    or nsys's `--capture-range=cudaProfilerApi`; False without the CUDA driver."""
+    mx.synchronize()
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+    return True
 
 
 def token_gaps(model, tokens: int, prompt_len: int = 16) -> list[float]:
@@ -320,12 +340,8 @@ def main() -> None:
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     QWEN3_30B_A3B.update(num_hidden_layers=args.layers)
     if args.tiny:
-        LLAMA3_8B.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-        QWEN3_30B_A3B.update(num_hidden_layers=2, hidden_size=256, num_experts=8,
-                             num_experts_per_tok=2, moe_intermediate_size=128,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                             vocab_size=512)
+        LLAMA3_8B.update(TINY_LLAMA)
+        QWEN3_30B_A3B.update(TINY_MOE)
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     prefills: dict[str, list[float]] = {}  # variant -> prompt tokens/s of each round
     for i, variant in enumerate(args.variants.split(",")):

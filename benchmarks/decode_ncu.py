@@ -21,7 +21,6 @@ skipped.  Reproduce: python benchmarks/decode_ncu.py --tiny (a smoke run on the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import mlx.core as mx
@@ -33,17 +32,6 @@ import decode
 WARM = 16  # tokens of the profiled round before the range opens
 
 
-def profiler(start: bool) -> bool:
-    """cuProfilerStart (or Stop) after the GPU is idle; False without the CUDA driver."""
-    mx.synchronize()
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
-    return True
-
-
 def decode_round(model, prompt: mx.array, tokens: int, profiled: bool) -> float:
     """Seconds a token over the WARM tokens before the range (the first, prefill's, left
     out); with `profiled`, the profiler range around the `tokens` after them."""
@@ -52,9 +40,9 @@ def decode_round(model, prompt: mx.array, tokens: int, profiled: bool) -> float:
                                         sampler=make_sampler(0.0))):
         stamps.append(time.perf_counter())
         if profiled and i == WARM:
-            profiler(True)
+            decode.cuda_profiler(True)
         if profiled and i == WARM + tokens:
-            profiler(False)
+            decode.cuda_profiler(False)
     steady = stamps[1:WARM + 1]
     return (steady[-1] - steady[0]) / (len(steady) - 1)
 
@@ -70,8 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     decode.LLAMA3_8B.update(num_hidden_layers=args.layers)
     if args.tiny:
-        decode.LLAMA3_8B.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        decode.LLAMA3_8B.update(decode.TINY_LLAMA)
     with decode.variant_switches(args.variant):
         model = decode.build(args.variant)
         prompt = mx.array([i % 250 + 1 for i in range(args.context)])

@@ -233,13 +233,10 @@ def greedy(model, cache):
 def _profiler_range(start: bool) -> None:
     """cuProfilerStart / Stop around the steady tokens when TQ_PROFILER_RANGE=1, for
     `nsys profile --capture-range=cudaProfilerApi` (GPU time per steady token)."""
-    if os.environ.get("TQ_PROFILER_RANGE") != "1":
-        return
-    import ctypes
+    if os.environ.get("TQ_PROFILER_RANGE") == "1":
+        import decode
 
-    mx.synchronize()
-    lib = ctypes.CDLL("libcuda.so.1")
-    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+        decode.cuda_profiler(start)
 
 
 def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:

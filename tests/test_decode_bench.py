@@ -95,7 +95,7 @@ def test_decode_ncu_profiles_only_the_steady_tokens_it_is_asked_for(monkeypatch)
     import decode_ncu
 
     calls = []
-    monkeypatch.setattr(decode_ncu, "profiler", lambda start: calls.append(start) or True)
+    monkeypatch.setattr(decode, "cuda_profiler", lambda start: calls.append(start) or True)
     args = llama.ModelArgs.from_dict(dict(
         model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64))

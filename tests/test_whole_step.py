@@ -24,11 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import decode  # noqa: E402  (the benchmark scripts build the models)
 
-TINY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-TINY_MOE = dict(num_hidden_layers=2, hidden_size=256, moe_intermediate_size=128,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                num_experts_per_tok=2, vocab_size=512)
+TINY, TINY_MOE = decode.TINY_LLAMA, decode.TINY_MOE  # 2-layer models of the benchmark
 
 
 @pytest.fixture
