@@ -6,7 +6,7 @@
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
-#   session9  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
+#   bound-calls  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
 #   kv-table
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
@@ -29,47 +29,47 @@ for s in "$@"; do
     tests-linear) step tests-linear 330 python3 -P -m pytest -q -x tests/test_kernels_cuda_linear.py ;;
     tests-kv) step tests-kv 240 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py ;;
     first-token)  # twice: does MLX's disk cache of compiled kernels remove the first-token cost?
-      step first-token-1 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8
-      step first-token-2 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py --kv 1024 --layers 8
-      step first-token-layers 120 python3 benchmarks/kv_first_token.py --per-layer ;;
+      step first-token-1 120 env MLX_USE_CUDA_GRAPHS=0 python3 tools/launch_cost.py --kv 1024 --layers 8
+      step first-token-2 120 env MLX_USE_CUDA_GRAPHS=0 python3 tools/launch_cost.py --kv 1024 --layers 8
+      step first-token-layers 120 python3 tools/kv_first_token.py --per-layer ;;
     graphs)  # the CUDA-graphs hypothesis of NOTES.md: graph size against TQ3's slowdown
       for ops in 20 200 1000; do
         step "graphs-ops$ops" 200 env MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=$ops \
           python3 benchmarks/decode.py --variants affine4,tq3
       done ;;
     kv-candidates)  # the split merge and the wave plan (cuda_kv KV_MERGE_SPLIT, KV_PLAN_WAVES,
-      # default since session 9): the KV GPU tests with both on, then decode beside fp16
+      # default since 2026-11): the KV GPU tests with both on, then decode beside fp16
       step tests-kv-candidates 240 env TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
         TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
       step kv-decode-candidates 330 env MLX_USE_CUDA_GRAPHS=0 TURBOQUANT_CUDA_KV_MERGE_SPLIT=1 \
         TURBOQUANT_CUDA_KV_PLAN_WAVES=1 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
     compact)  # the gathered experts' broadcast path (kernels/cuda.py COMPACT_GATHER=0; the
-      # compact one is the default since session 9): GPU tests, then MoE decode with and
+      # compact one is the default since 2026-11): GPU tests, then MoE decode with and
       # without the compact path, alternating in one process
       step tests-compact 240 env TURBOQUANT_CUDA_COMPACT_GATHER=0 python3 -P -m pytest -q \
         -k "gather" tests/test_kernels_cuda_linear.py
       step decode-moe-compact 420 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --moe \
         --variants affine4,tq3-broadcast,tq3-compact,affine4,tq3-broadcast,tq3-compact \
         --tokens 64 ;;
-    decode-graphs)  # CUDA graphs on for both (session 5: they helped affine-4, hurt TQ3;
-      # was that the small operands' pages, fixed in session 8?)
+    decode-graphs)  # CUDA graphs on for both (2026-11: they helped affine-4, hurt TQ3;
+      # was that the small operands' pages, kernels/cuda_memory.py?)
       step decode-graphs 330 env MLX_USE_CUDA_GRAPHS=1 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3 --tokens 96 ;;
     decode) step decode 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py --variants affine4,tq3 ;;
-    session9)  # the bound group calls and the compiled MLP half on the GPU, then decode
+    bound-calls)  # the bound group calls and the compiled MLP half on the GPU, then decode
       # with and without the compiled step (COMPILE_STEP) beside affine-4, kv-decode with the new KV defaults
-      step tests-session9 200 python3 -P -m pytest -q -k \
+      step tests-bound-calls 200 python3 -P -m pytest -q -k \
         "loaded_model or compiled_step or extras or bias_and_batch or ternary_group" \
         tests/test_kernels_cuda_linear.py
       step decode-compiled 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3-eager,tq3-compiled,affine4,tq3-eager,tq3-compiled
       step kv-decode-defaults 240 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 ;;
-    kv-fp-chunks)  # session 9's ncu: at 1K the partial kernel took 92 us with the fp16 tail
+    kv-fp-chunks)  # 2026-11's ncu: at 1K the partial kernel took 92 us with the fp16 tail
       # (132-196 tokens: 2 tiles) in one block; fp16 chunks of a tile (kv.py :f128) beside
       # the default, and with the vector-key partial kernel (run kv-vec's tests first);
-      # first the GPU tests of several fp16 chunks (none ran on the GPU before session 10)
+      # first the GPU tests of several fp16 chunks (none had run on the GPU before)
       step tests-kv-fp 200 python3 -P -m pytest -q -x -k "fp_chunks or window400" \
         tests/test_kernels_cuda_kv.py
       step kv-fp-chunks 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
@@ -80,7 +80,7 @@ for s in "$@"; do
         tests/test_kernels_cuda_kv.py
       step kv-decode-vec 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:vec ;;
-    kv-mma)  # session 10's check of the tensor-core partial kernel (cuda_kv KV_PARTIAL_MMA)
+    kv-mma)  # the 2026-11 check of the tensor-core partial kernel (cuda_kv KV_PARTIAL_MMA)
       # with fp16 chunks of a tile, both defaults since: the KV GPU tests with both, then
       # decode with them (K4V3 and K4V3:f128 are the old default's figures only when run with
       # TURBOQUANT_CUDA_KV_PARTIAL_MMA=0 TURBOQUANT_CUDA_KV_FP_TOKENS=256)
@@ -88,7 +88,7 @@ for s in "$@"; do
         python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py
       step kv-decode-mma 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 K4V3 K4V3:f128 K4V3:mma:f128 ;;
-    kv-rounds)  # session 12's first figures: generation as mlx-lm runs it, 5 alternating
+    kv-rounds)  # the first figures of kv-h200-2026-11.txt's five-round table: generation as mlx-lm runs it, 5 alternating
       # rounds, graphs off (what `turboquant generate` uses), then on (MLX's default)
       step kv-rounds-nographs 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py \
         --gpu-decode --contexts 1024 32768 --gpu-configs fp16 K4V3 --gpu-rounds 5
@@ -103,14 +103,14 @@ for s in "$@"; do
     kv-affine)  # does mlx-lm's QuantizedKVCache run on MLX's CUDA build? (a process of its own)
       step kv-affine 200 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kv.py --gpu-decode \
         --contexts 1024 32768 --gpu-configs fp16 affine4 --gpu-rounds 1 ;;
-    kv-table)  # session 13's first figures: the issue's four contexts, the unprotected and the
+    kv-table)  # the KV table of docs/kv-cache.md (kv-h200-2026-11.txt): the issue's four contexts, the unprotected and the
       # default (protected) cache, 5 alternating generation rounds, graphs on then off
       for g in 1 0; do
         step "kv-table-g$g" 300 env MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/kv.py --gpu-decode \
           --contexts 1024 4096 16384 32768 --gpu-configs fp16 K4V3 K4V3:p2 --gpu-rounds 5
       done ;;
     ncu-steady)  # GPU time of each kernel of 4 steady decode tokens, per kernel name
-      step ncu-steady 230 bash benchmarks/diag_session9.sh ncu ;;
+      step ncu-steady 230 bash tools/steady_token_profile.sh ncu ;;
     decode-ab3)  # affine-4 and TQ3 (fused blocks), three alternating rounds in one process
       step decode-ab3 330 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants affine4,tq3,affine4,tq3,affine4,tq3 ;;
@@ -134,7 +134,7 @@ for s in "$@"; do
       step ncu-gemv-loop 200 env MLX_USE_CUDA_GRAPHS=0 ncu --clock-control none \
         --kernel-name regex:tq_gemv --launch-skip 400 --launch-count 5 --section SpeedOfLight \
         --section LaunchStats --section Occupancy python3 -P benchmarks/kernels.py --loop ;;
-    tests-new)  # the gathered experts and ternary codes on CUDA (passed 15/15 in session 7)
+    tests-new)  # the gathered experts and ternary codes on CUDA (passed 15/15 on the H200, 2026-11)
       step tests-new 240 python3 -P -m pytest -q -k "ternary or gathered or gather" \
         tests/test_kernels_cuda_linear.py tests/test_kernels_cuda_launch.py ;;
     ncu-gemv-full)  # the GEMV under MLX with the sections lab/profile.sh reads in the lab
@@ -164,10 +164,10 @@ for s in "$@"; do
         --variants tq3,affine4,tq3,affine4,tq3
       kill $smi 2>/dev/null ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
-    lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): benchmarks/cuda_lab.py
-      step lab 240 bash -c "python3 benchmarks/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;
+    lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): tools/cuda_lab.py
+      step lab 240 bash -c "python3 tools/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;
     layer) step layer 120 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer-only ;;
-    launch-cost) step launch-cost 170 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/launch_cost.py ;;
+    launch-cost) step launch-cost 170 env MLX_USE_CUDA_GRAPHS=0 python3 tools/launch_cost.py ;;
     *) echo "unknown step $s" ;;
   esac
 done

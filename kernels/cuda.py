@@ -411,7 +411,7 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
 GATHER_MAX_PAIR_ROWS = 64
 
 
-# Session 8's host-op cut of a gathered call (`benchmarks/host_ops.py --moe`: 68 MLX ops a
+# Session 8's host-op cut of a gathered call (`tools/host_ops.py --moe`: 68 MLX ops a
 # Qwen3-30B-A3B layer instead of 79; affine-4: 54): x's own rows (no copy per pair; each
 # pair reads its token's row through pair_row), the routing's indices as they come (uint32
 # or int32), the output written in the caller's dtype. On since session 9 (its GPU tests

@@ -278,7 +278,7 @@ _CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfl
 def constants_source(constants: list[tuple[str, object]]) -> str:
     """C++ for a launch's constants: what MLX would write for template arguments. They go
     into the source instead: MLX spends host time on every template argument of every call
-    (`benchmarks/launch_cost.py`)."""
+    (`tools/launch_cost.py`)."""
     lines = []
     for name, value in constants:
         if isinstance(value, bool):
@@ -318,7 +318,7 @@ def shared_bytes(segments: int, padded: int) -> int:
 
 def rows_per_warp_for(out_features: int) -> int:
     """Most rows per warp (4, 2, 1) that still gives the GPU `WARPS_WANTED` warps. More
-    rows per warp read x fewer times (H200, `benchmarks/cuda_lab.py`: 28672x8192 3-bit
+    rows per warp read x fewer times (H200, `tools/cuda_lab.py`: 28672x8192 3-bit
     47 us at 4 rows, 73 us at 2; 4096x4096 7.1 us at 4, 8.1 at 2)."""
     for rpw in (ROWS_PER_WARP, 2):
         if out_features // rpw >= WARPS_WANTED:

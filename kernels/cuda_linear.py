@@ -7,7 +7,7 @@ the GEMV rows of `cuda_gemv.ROWS` against that row, one tile of rows after anoth
 weights before the rotation starts, so the rotation hides their latency. Every block
 repeats the rotation of one row, and in exchange a decode step pays one kernel call per
 group instead of two: on MLX's CUDA backend each call costs the host several microseconds
-to build and to encode (`benchmarks/launch_cost.py`), and decode is bound by that host
+to build and to encode (`tools/launch_cost.py`), and decode is bound by that host
 time.
 
 A block's rows lie in one member (the member boundaries are multiples of the rows a block
@@ -224,7 +224,7 @@ BLOCKS_WANTED = 200  # about 1.5 blocks per SM of an H100/H200
 def tiles_for(ends: tuple[int, ...], rows_per_warp: int) -> int:
     """Tiles per block (4, 2, 1): the most that still leave `BLOCKS_WANTED` blocks with
     member boundaries between blocks. A block rotates its row once for all its tiles (H200,
-    `benchmarks/cuda_lab.py`: 28672x8192 3-bit 54 us at 4 tiles, 62 at 2, 69 at 1)."""
+    `tools/cuda_lab.py`: 28672x8192 3-bit 54 us at 4 tiles, 62 at 2, 69 at 1)."""
     tile_rows = WARPS_PER_BLOCK * rows_per_warp
     for tiles in (4, 2):
         if (ends[-1] // (tile_rows * tiles) >= BLOCKS_WANTED

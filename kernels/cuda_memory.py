@@ -5,7 +5,7 @@ MLX's CUDA build allocates arrays in managed memory (cudaMallocManaged). The 3-b
 same process. Advising the weights (or x, or the outputs) to live on the GPU changed
 nothing; giving the launch's 44 bytes of small operands (codebook, pair indices, bias)
 pages of their own on the GPU took MLX's own launch from 64.5 to 50.2 us per call, graph
-building included (`benchmarks/gemv_in_mlx.py`, `benchmarks/kernels.py --loop`, raw
+building included (`tools/gemv_in_mlx.py`, `benchmarks/kernels.py --loop`, raw
 outputs in benchmarks/results/gemv-in-mlx-h200.txt). The likely reason: arrays of a few
 bytes share managed pages (MLX pools small allocations) with scalars the host writes, so
 those pages keep leaving the GPU, and every thread block that reads such an operand waits.

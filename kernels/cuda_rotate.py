@@ -128,7 +128,7 @@ ROTATE_ROW = r"""
 def rotate_row(a: int) -> str:
     """ROTATE_ROW for A segments. Mixed segments (A > 1) first stage the A x A mix in shared
     memory: every thread reads every entry at each of its columns, which from global memory
-    is a load per multiply-add (H200, `benchmarks/cuda_lab.py`: the fused down_proj launch
+    is a load per multiply-add (H200, `tools/cuda_lab.py`: the fused down_proj launch
     of 4096x14336, A = 28, 32.7 -> 25.9 us with the same outputs). A = 1 keeps the text,
     as does `MIX_SHARED` off."""
     if a == 1 or not MIX_SHARED:

@@ -1,4 +1,4 @@
-"""benchmarks/cuda_lab.py writes a standalone CUDA program from the kernels' own sources:
+"""tools/cuda_lab.py writes a standalone CUDA program from the kernels' own sources:
 it must keep up with their launch signatures (nvcc compiles it here; the GPU runs it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-LAB = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_lab.py"
+LAB = Path(__file__).resolve().parents[1] / "tools" / "cuda_lab.py"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 from mlx_lm.models import llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # decode_ncu.py
 
 import decode  # noqa: E402  (the benchmark script)
 
@@ -90,7 +91,7 @@ def test_a_process_first_variant_warms_up_as_long_as_it_is_timed(monkeypatch):
 
 
 def test_decode_ncu_profiles_only_the_steady_tokens_it_is_asked_for(monkeypatch):
-    """benchmarks/decode_ncu.py: the profiler range opens after WARM steady tokens and
+    """tools/decode_ncu.py: the profiler range opens after WARM steady tokens and
     closes `tokens` later, once each, on the profiled round only."""
     import decode_ncu
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kv.py, decode.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import host_ops  # noqa: E402  (the benchmark script)
+import host_ops  # noqa: E402  (tools/host_ops.py)
 
 
 def _leaf() -> int:

@@ -1,13 +1,13 @@
-"""benchmarks/ncu_summary.py: GPU time a decode token, per kernel, from ncu's summary CSV."""
+"""tools/ncu_summary.py: GPU time a decode token, per kernel, from ncu's summary CSV."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-import ncu_summary  # noqa: E402  (a benchmark script)
+import ncu_summary  # noqa: E402  (a profiling tool)
 
 CSV = '''==PROF== Connected to process 1 (/usr/bin/python3)
 one decode token at 1024 context (ms):

@@ -1,11 +1,11 @@
 """GPU time per decode token, by kernel, from `ncu --print-summary per-kernel --csv` output.
 
-`benchmarks/diag_session9.sh ncu` (device_check.sh ncu-steady) writes one CSV per variant
+`tools/steady_token_profile.sh ncu` (device_check.sh ncu-steady) writes one CSV per variant
 for the steady tokens of `launch_cost.py` (4 tokens of an 8-layer cut: TQ_PROFILER_RANGE
 brackets them). This prints, per kernel, microseconds a token (invocations x average /
 tokens), largest first, and the total.
 
-    python benchmarks/ncu_summary.py OUT/ncu-kv-k4v3.csv [--tokens 4]
+    python tools/ncu_summary.py OUT/ncu-kv-k4v3.csv [--tokens 4]
 """
 
 from __future__ import annotations

@@ -9,25 +9,28 @@ stall this way):
 
   ncu --profile-from-start off --cache-control none --clock-control none \\
       --metrics gpu__time_duration.sum --print-summary per-kernel --csv \\
-      python3 benchmarks/decode_ncu.py --variant tq3-whole --context 4096 --layers 8
+      python3 tools/decode_ncu.py --variant tq3-whole --context 4096 --layers 8
 
 (`--cache-control none --clock-control none`: warm caches and the GPU's own clocks, as in
 a decode; ncu's defaults flush the caches before every kernel.) The ms a token it prints
 are the round's before the range: under ncu they are ncu's launch overhead, not decode
 speed (decode.py measures that). Without the CUDA driver (here: the CPU) the range is
-skipped.  Reproduce: python benchmarks/decode_ncu.py --tiny (a smoke run on the CPU)
+skipped.  Reproduce: python tools/decode_ncu.py --tiny (a smoke run on the CPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-import decode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode  # noqa: E402  (benchmarks/decode.py: its model shapes and profiler range)
 
 WARM = 16  # tokens of the profiled round before the range opens
 
@@ -68,7 +71,7 @@ def main() -> None:
                   f"{decode.LLAMA3_8B['num_hidden_layers']} layers"
                   f"{' (profiled round)' if profiled else ''}: {took * 1e3:.2f} ms a token",
                   flush=True)
-    print(f"reproduce: python benchmarks/decode_ncu.py --variant {args.variant} --context "
+    print(f"reproduce: python tools/decode_ncu.py --variant {args.variant} --context "
           f"{args.context} --layers {args.layers} --tokens {args.tokens}"
           f"{' --tiny' if args.tiny else ''}")
 

@@ -10,8 +10,8 @@ from HBM. run.sh builds kernels.cu twice: with NVRTC and MLX's options (MLX's co
 its code can differ from nvcc's for the same source, NOTES.md) and with nvcc, and runs
 both. It needs only the CUDA toolkit on the GPU machine: no MLX install there.
 
-    python benchmarks/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
-    python benchmarks/cuda_lab.py --emit DIR --only 'mma_waves.*32768'   # a subset
+    python tools/cuda_lab.py --emit DIR      # here (MLX's CPU build is enough)
+    python tools/cuda_lab.py --emit DIR --only 'mma_waves.*32768'   # a subset
     bash DIR/run.sh                                # on the GPU machine: results to stdout
                                                    # (`lab/`, the usual DIR, is git-ignored:
                                                    #  the device call carries it)

@@ -16,7 +16,7 @@ are the difference between a model of `--layers` + 2 and one of `--layers` decod
 layers, divided by 2 (embedding, final norm and lm_head cancel out). Building times are
 this machine's; the op counts are exact.
 
-Reproduce:  .venv/bin/python benchmarks/host_ops.py [--moe]
+Reproduce:  .venv/bin/python tools/host_ops.py [--moe]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # kv.py, decode.py
 
-from kv import call_events, graph_ops  # noqa: E402  (a sibling script)
+from kv import call_events, graph_ops  # noqa: E402  (benchmarks/kv.py)
 
 _ZEROS: dict = {}
 
@@ -154,7 +154,7 @@ def main() -> None:
     print("(py calls, C calls: Python functions and builtins called while building one step's "
           "graph, per layer, the stand-ins' own excluded; exact, unlike the times)")
     flag = " --moe" if args.moe else ""
-    print(f"reproduce: .venv/bin/python benchmarks/host_ops.py{flag} --variants {args.variants}")
+    print(f"reproduce: .venv/bin/python tools/host_ops.py{flag} --variants {args.variants}")
 
 
 if __name__ == "__main__":

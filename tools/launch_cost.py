@@ -11,7 +11,7 @@ Three measurements, all in one run on the GPU machine (MLX CUDA build):
 3. decode: one token of an 8B-shaped Llama cut to `--layers` layers, split into building
    the graph, `async_eval` (encoding) and waiting for the GPU, for affine-4 and TQ3.
 
-Run it twice to compare CUDA graphs: `MLX_USE_CUDA_GRAPHS=0 python benchmarks/launch_cost.py`
+Run it twice to compare CUDA graphs: `MLX_USE_CUDA_GRAPHS=0 python tools/launch_cost.py`
 and `=1`. The figures locate host overhead; `benchmarks/decode.py` is the end-to-end figure.
 """
 
@@ -21,9 +21,12 @@ import argparse
 import contextlib
 import glob
 import os
+import sys
 import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # decode.py
 
 CALLS = 2000
 PROFILE = False  # --profile: cProfile the graph building of the timed decode tokens
@@ -270,9 +273,6 @@ def split_tokens(step, tok, name: str, tokens: int, warm: int = 8) -> dict:
 
 def decode_split(layers: int, tokens: int = 40, variants=("affine4", "tq3")) -> dict:
     """Per token: graph building, async_eval (encoding) and the wait, for each variant."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
     import decode as dec
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -363,7 +363,7 @@ def main() -> None:
                   f"wait {r['wait_ms']:.2f}  | generate_step {r['tok_s_pipelined']:.1f} tok/s",
                   flush=True)
     print("reproduce: MLX_PTX_CACHE_DIR=/tmp/mlxptx MLX_USE_CUDA_GRAPHS=0|1 "
-          "python benchmarks/launch_cost.py")
+          "python tools/launch_cost.py")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Session 9 diagnostics on the GPU machine (after the MLX install call): where one steady
-# decode token's time goes, 8 layers of the 8B shape.
+# Where one steady decode token's time goes on the GPU machine (after the MLX install call),
+# 8 layers of the 8B shape (first used 2026-11 for the KV cache and the fused linears).
 #   profile: cProfile of graph building, steady tokens only (launch_cost.py --profile)
 #   ncu:     GPU time of every kernel of the steady tokens (TQ_PROFILER_RANGE=1 brackets
 #            them with cuProfilerStart/Stop; ncu --profile-from-start off), summed per
 #            kernel name: fp16 cache vs K4V3 at 1K, affine-4 vs TQ3 weights
-#   bash benchmarks/diag_session9.sh [profile] [ncu]
+#   bash tools/steady_token_profile.sh [profile] [ncu]
 set -u
 . benchmarks/device_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export MLX_USE_CUDA_GRAPHS=0
-lc() { python3 benchmarks/launch_cost.py --layers 8 "$@"; }
+lc() { python3 tools/launch_cost.py --layers 8 "$@"; }
 for part in "$@"; do
   case $part in
     profile)
@@ -24,7 +24,7 @@ for part in "$@"; do
         set -- $run
         name=$1; shift
         timeout 120 ncu --profile-from-start off --metrics gpu__time_duration.sum \
-          --print-summary per-kernel --csv python3 benchmarks/launch_cost.py --layers 8 \
+          --print-summary per-kernel --csv python3 tools/launch_cost.py --layers 8 \
           --tokens 12 "$@" > "$OUT/ncu-$name.csv" 2>&1
         echo "rc=$?" >> "$OUT/ncu-$name.csv"
       done ;;

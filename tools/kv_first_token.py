@@ -19,7 +19,7 @@ Off CUDA (here, CPU) the CUDA pieces are skipped with a note and the attention i
 pure-MLX reference, timed as one piece. Run it twice in one call on the GPU machine to
 see what MLX's on-disk kernel cache saves a second process:
 
-    python benchmarks/kv_first_token.py; python benchmarks/kv_first_token.py
+    python tools/kv_first_token.py; python tools/kv_first_token.py
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv=None):
         report(name, *first_token(model, cache, prompt, on_cuda), per_layer=args.per_layer)
         del cache
         mx.clear_cache()
-    print("\nreproduce: python benchmarks/kv_first_token.py " + " ".join(sys.argv[1:]))
+    print("\nreproduce: python tools/kv_first_token.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ one process: is the ~25% the kernel loses under MLX in its memory or in MLX's la
 benchmarks/results/gemv-in-mlx-h200.txt.)
 
 The same CUBIN (`bash lab/run.sh` builds /tmp/tq_lab_nvrtc.cubin from
-`python benchmarks/cuda_lab.py --emit lab`) runs through the driver API (ctypes) on three
+`python tools/cuda_lab.py --emit lab`) runs through the driver API (ctypes) on three
 sets of operands with the same values, two copies each alternating as the lab does:
 device memory from cuMemAlloc, MLX arrays made from host data (mx.array of numpy), and MLX
 arrays written by the GPU (mx.random, as benchmarks/kernels.py makes them). CUDA events
 time 200 launches of each, round after round.
 
-usage (GPU machine, MLX CUDA build): python benchmarks/gemv_in_mlx.py /tmp/tq_lab_nvrtc.cubin
+usage (GPU machine, MLX CUDA build): python tools/gemv_in_mlx.py /tmp/tq_lab_nvrtc.cubin
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ def main() -> None:
     print(f"after MLX ops read them: MLX written by the GPU {time_launches(fn, mlx_set):6.2f} "
           f"(cuMemAlloc {time_launches(fn, sets['cuMemAlloc']):6.2f}); "
           f"{describe(mlx_set['codes'], host['codes'].nbytes)}", flush=True)
-    print("reproduce: python benchmarks/cuda_lab.py --emit lab && bash lab/run.sh && "
-          "python benchmarks/gemv_in_mlx.py /tmp/tq_lab_nvrtc.cubin")
+    print("reproduce: python tools/cuda_lab.py --emit lab && bash lab/run.sh && "
+          "python tools/gemv_in_mlx.py /tmp/tq_lab_nvrtc.cubin")
 
 
 if __name__ == "__main__":
