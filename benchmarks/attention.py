@@ -7,7 +7,7 @@ heads (32 query heads, 8 KV heads of 128, bf16), one sequence; `--calls` indepen
 calls an evaluation, so launch overhead is amortised the same way for both.
 
 `--compiled` instead times `--calls` kernel launches inside one `mx.compile`d function,
-its first call (trace and JIT compiles) apart from the timed ones. In session 22 such a
+its first call (trace and JIT compiles) apart from the timed ones. On 2026-12-01 such a
 function did not finish on the H200 (graphs on or off, within 20-80 s; the uncompiled
 calls and the whole step's one launch a layer did), but its queries were then `q + i`
 inside the function: scalar constants, which MLX's CUDA backend writes into the source of
@@ -74,7 +74,7 @@ def main() -> None:
         q, k, v = buffers(size)
         for row in (size // 4, size - 1):
             # as the whole step passes it: not a host-made scalar (MLX's pool of <= 8-byte
-            # arrays stalled every launch ~15 us reading one, session 25)
+            # arrays stalled every launch ~15 us reading one, 2026-12-04)
             position = fuse._offset_array(row)
             mx.eval(position)
 

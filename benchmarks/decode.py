@@ -269,7 +269,7 @@ def run_variant(model, args, first: bool = False) -> list[float] | None:
     """Per-token seconds of a decode after a warm-up (`token_gaps`); None when --profile
     printed a profile instead. The `first` variant of a process warms up as long as it
     is timed: on the H200 a process's first round ran 35-45% slower than its others
-    (session 20: affine-4 77 and 93 tok/s, then 126-155), which skewed its ratios."""
+    (2026-12-01: affine-4 77 and 93 tok/s, then 126-155), which skewed its ratios."""
     # compile kernels, build layouts (and trace the buffer sizes the timed decode meets)
     decode_tps(model, max(8, args.tokens) if first else 8, args.context)
     if not args.profile:

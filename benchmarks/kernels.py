@@ -88,7 +88,7 @@ def tq_gemv(x, low, high, scales, bits, out_f, group=64, rows_per_warp=None, poo
     """One GEMV call as a runtime layer makes it: the launch, codebook and index arrays
     are built once (`tq_launch`) and the kernel is called with its launch bound, so a call
     is one custom-kernel op. `pooled`: the small operands as plain MLX arrays (in pages the
-    host writes too), as before session 8."""
+    host writes too), as before 2026-11-29."""
     run, operands = tq_launch(out_f, x.shape[-1], bits, scales.shape[-1], group, rows_per_warp)
     return run(inputs=[x, low, high, scales,
                        *(_plain_operands(bits) if pooled else operands)])[0]

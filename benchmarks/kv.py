@@ -92,7 +92,7 @@ class CacheSpec:
     default layers with 8-bit values or with keys and values of at most 4 bits do), eager
     (a decode step's compression through the plain kv_quantize, `kvcache.COMPILED_FLUSH`
     "0", instead of the compiled one on a GPU), wide (the wide merge kernel,
-    `cuda_kv.KV_MERGE_WIDE`: the default since session 13; run with
+    `cuda_kv.KV_MERGE_WIDE`: the default since 2026-11-30; run with
     TURBOQUANT_CUDA_KV_MERGE_WIDE=0 to compare it with the split merge in one process).
     """
 
@@ -404,7 +404,7 @@ def gpu_decode(
       and evaluating it: where each token's time goes.
     The generation timing runs `rounds` times, the caches taking turns (fp16, K4V3, fp16,
     ...), and reports each cache's median: the GPU host's speed swings by a third and more
-    between rounds of the same code (session 11, fp16 at 32K, graphs off: 65.8, 118.0 and
+    between rounds of the same code (2026-11-30, fp16 at 32K, graphs off: 65.8, 118.0 and
     71.0 tok/s in one process), so only same-time, alternating figures compare.
     Run on the GPU machine: `python benchmarks/kv.py --gpu-decode`. TurboQuant decode uses
     the kernel runtime/kv_attention.py finds for the backend (on CUDA kernels/cuda_kv.py);

@@ -411,10 +411,10 @@ def prepared_experts(codes: mx.array, scales: mx.array, bits: int, group_size: i
 GATHER_MAX_PAIR_ROWS = 64
 
 
-# Session 8's host-op cut of a gathered call (`tools/host_ops.py --moe`: 68 MLX ops a
+# The 2026-11-29 run's host-op cut of a gathered call (`tools/host_ops.py --moe`: 68 MLX ops a
 # Qwen3-30B-A3B layer instead of 79; affine-4: 54): x's own rows (no copy per pair; each
 # pair reads its token's row through pair_row), the routing's indices as they come (uint32
-# or int32), the output written in the caller's dtype. On since session 9 (its GPU tests
+# or int32), the output written in the caller's dtype. On since 2026-11-30 (its GPU tests
 # passed; MoE decode 119.2 / 141.7 tok/s against 82.6 / 127.0 without, in alternating
 # rounds of one process); TURBOQUANT_CUDA_COMPACT_GATHER=0 keeps the broadcast path.
 COMPACT_GATHER = os.environ.get("TURBOQUANT_CUDA_COMPACT_GATHER", "1") == "1"
@@ -462,7 +462,7 @@ def _gathered_rows(x_rot: mx.array, indices: mx.array) -> int:
 # Prefill's experts as one decode launch for the experts in use (runs of them up to
 # `tiles.CHUNK` weights) and MLX's `gather_mm` over the pairs, instead of a tiled product
 # per expert, which is bound by its launches (128 experts x 3 projections a layer). On
-# the H200 (session 20) a Qwen3-30B-A3B-shaped 2048-token prefill ran 14.2-17.5K prompt
+# the H200 (2026-12-01) a Qwen3-30B-A3B-shaped 2048-token prefill ran 14.2-17.5K prompt
 # tok/s this way against 8.5-10.5K per expert (affine-4 5.2K), peak 10.2 against 8.8 GB.
 # TURBOQUANT_CUDA_GATHER_MM=0 (decode.py -perexpert) for the product per expert.
 GATHER_MM = os.environ.get("TURBOQUANT_CUDA_GATHER_MM", "1") == "1"
@@ -512,7 +512,7 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
 # A switch layer's decode step as one launch per projection: the fused kernel rotates each
 # (pair, row)'s x in its blocks and runs the pair's expert's rows against it
 # (`cuda_linear`, gather), instead of the rotation's MLX ops, a cast and the gathered GEMV.
-# On since session 14 (its GPU tests passed; Qwen3-30B-A3B shape, 12 layers: TQ3 258.3
+# On since 2026-11-30 (its GPU tests passed; Qwen3-30B-A3B shape, 12 layers: TQ3 258.3
 # tok/s, evaluating 2.64 ms a token, against 184.0 and 3.92 ms without);
 # TURBOQUANT_CUDA_FUSED_GATHER=0 rotates with MLX ops, then the gathered GEMV.
 FUSED_GATHER = os.environ.get("TURBOQUANT_CUDA_FUSED_GATHER", "1") == "1"

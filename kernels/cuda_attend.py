@@ -19,7 +19,7 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
   chunks, eight chunks' loads in flight) and resets the counter for the next launch (a
   persistent int32 array per `slot`: launches in order on one stream may share one,
   launches that may run at once must not). No second launch, so a layer's attention is
-  one operation to encode. (Until session 23 every thread of that block took the maxima
+  one operation to encode. (Until 2026-12-01 every thread of that block took the maxima
   over all chunks serially and its warps a chunk at a time: ~64 dependent L2 loads at 4K
   rows, suspected of the whole step's loss after a long prompt.)
   MERGE "launch" (TURBOQUANT_CUDA_ATTEND_MERGE=launch) merges in a second launch instead,
@@ -35,7 +35,7 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
 - `position` should not be a scalar from MLX's CUDA pool of arrays of <= 8 bytes
   (managed memory the host writes): reading it stalled every block ~15 us on the H200.
   The whole step passes a view of a 16-byte buffer made on the GPU (`fuse._offset_array`);
-  then (ncu, real clocks, 8B heads, session 25) a launch took 10.5 us over a 1024-row
+  then (ncu, real clocks, 8B heads, 2026-12-04) a launch took 10.5 us over a 1024-row
   buffer at position 255 and 16.1-17.9 us over 4352 rows, against cuDNN's 21.4 + 3.7
   (with a host scalar: 23-24 and 31-33 us).
 

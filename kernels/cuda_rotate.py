@@ -40,7 +40,7 @@ THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
 MAX_FACTOR = 32  # a thread holds this many segment values in registers
 # TURBOQUANT_CUDA_MIX_SHARED=0: mixed rotations read their mix from global memory, as
-# before session 15 (`rotate_row`)
+# before 2026-11-30 (`rotate_row`)
 MIX_SHARED = os.environ.get("TURBOQUANT_CUDA_MIX_SHARED", "1") != "0"
 
 # Device functions ROTATE_ROW calls: a kernel using it puts this in its header.

@@ -172,7 +172,7 @@ def _with_fallback(fn: Callable, ref: Callable) -> Callable:
             return ref(*args, **kwargs)
 
     # the kernel's attributes too (`supports`, `stores_in_place`): callers ask them of
-    # what `get` returns (until session 25 the whole step never saw `stores_in_place`)
+    # what `get` returns (until 2026-12-04 the whole step never saw `stores_in_place`)
     return functools.update_wrapper(call, fn)
 
 

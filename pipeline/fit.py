@@ -26,7 +26,7 @@ by generation (`mx.get_peak_memory()`), plus a reserve for everything MLX does n
     whose attention is fused) + 28 x hidden x T, plus the MLP tiles below;
   * prefill MLP: (8 x hidden + 24 x ffn) x T + the decode tiles of one layer's MLP
     (or of one expert), ffn = the dense MLP width, or top-k x expert width + shared experts;
-    on the CPU with numba the linears and (since session 19) the experts prefill through
+    on the CPU with numba the linears and (since 2026-11-30) the experts prefill through
     its kernel: (8 x hidden + 14 x ffn) x T, no dense tiles; an MoE model keeps one
     expert's tiles in the projection (fitted: without them it falls to 0.79x of the
     measured peak at 512 tokens);
@@ -64,8 +64,8 @@ SCORE_COPIES = 1.15  # unfused attention: scores, masked and soft-maxed
 ATTN_BYTES = 28  # x hidden, per prefill token, around the attention
 MLP_BYTES = (8, 24)  # x hidden, x ffn width, per prefill token, around the MLP
 # an MLP whose linears (or experts) prefill through numba (the CPU with numba): no float32
-# GEMM copies of the reference (fitted in session 18 on pystd-dense at 256 and 512 tokens;
-# pystd-moe's experts since session 19: 1.15x -> 1.10x at 256 tokens)
+# GEMM copies of the reference (fitted on 2026-11-30 on pystd-dense at 256 and 512 tokens;
+# pystd-moe's experts since 2026-11-30: 1.15x -> 1.10x at 256 tokens)
 MLP_BYTES_NUMBA = (8, 14)
 ACT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _STORED = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

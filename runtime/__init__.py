@@ -20,7 +20,7 @@ import os
 # MLX stopped with "Cache thrashing is happening, please set the environment variable
 # MLX_CUDA_GRAPH_CACHE_SIZE to a larger value than 100", or re-built graphs each step:
 # at 32K the cache decoded at 0.79-0.99x of the fp16 cache in three runs, 1.00x with a
-# cache of 2000 (session 13). MLX reads the variable once, at its first graph: set here,
+# cache of 2000 (2026-11-30). MLX reads the variable once, at its first graph: set here,
 # before any model runs, unless it is set already. Ignored by MLX on Metal and the CPU.
 CUDA_GRAPH_CACHE_SIZE = "2000"
 os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", CUDA_GRAPH_CACHE_SIZE)

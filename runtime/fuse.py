@@ -285,7 +285,7 @@ def _watched(block) -> tuple:
 _last_offset: tuple = (None, None, None)
 # int32 lanes of a position's buffer: 16 bytes, past MLX's CUDA pool of arrays of <= 8
 # bytes. That pool is managed memory the host also writes (every new scalar lands there),
-# and a kernel reading a scalar from it stalled: on the H200 (session 25, ncu) the
+# and a kernel reading a scalar from it stalled: on the H200 (2026-12-04, ncu) the
 # attention launch ~15 us a launch on its position, the q/k/v launch (RoPE) ~13 us
 POSITION_LANES = 4
 

@@ -29,12 +29,12 @@ token a sequence, every cache a plain mlx-lm `KVCache` already holding the promp
 embeddings passed in, on a backend with a "buffer_attention" kernel that takes the
 shapes (CUDA). Anything else runs mlx-lm's model call, as before.
 
-On by default since session 23 (TURBOQUANT_WHOLE_STEP=0 turns it off: the per-layer
-compiled halves run), at any context since session 25 (TURBOQUANT_WHOLE_STEP_MAX_CONTEXT=N
+On by default since 2026-12-01 (TURBOQUANT_WHOLE_STEP=0 turns it off: the per-layer
+compiled halves run), at any context since 2026-12-04 (TURBOQUANT_WHOLE_STEP_MAX_CONTEXT=N
 hands over to mlx-lm's per-layer step from N cached tokens). On the H200 (graphs off, 8B
 shape) it decoded TQ3 at 1.76-1.83x of affine-4 after a 16-token prompt, 2.13-2.29x after
 4096 tokens, 2.05x after 16K and 1.82x after 32K, against 1.39-1.65x per layer
-(`benchmarks/results/session25-h200.txt`). Until session 25 every attention launch
+(`benchmarks/results/decode-h200-2026-12.txt` #4). Until 2026-12-04 every attention launch
 stalled ~15 us on reading its position from MLX's host-written small-array pool
 (`fuse._offset_array`), and the K/V were stored by scatters: it then lost to the
 per-layer step past 2048 tokens.
@@ -55,7 +55,7 @@ from . import fuse
 
 WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "1") == "1"
 # cached tokens from which mlx-lm's per-layer step takes over (0: never; the whole step
-# was the faster at every context measured, up to 32K, in session 25)
+# was the faster at every context measured, up to 32K, on 2026-12-04)
 MAX_CONTEXT = int(os.environ.get("TURBOQUANT_WHOLE_STEP_MAX_CONTEXT", "0"))
 GROW = 1024  # the least the KV buffers grow by, and the multiple their sizes take
 BACKENDS = ("cuda",)  # where "buffer_attention" has a kernel (the reference masks MLX's sdpa)

@@ -90,7 +90,7 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
 
 def test_fp16_parts_in_bigger_chunks_get_fewer_blocks(lab):
     """The runtime's fp16 part at its longest (4 sink + 188 tail tokens: 2 tiles) in chunks
-    of a tile (the runtime's, 128), or in one chunk of 256 (before session 10): the same
+    of a tile (the runtime's, 128), or in one chunk of 256 (before 2026-11-30): the same
     compressed chunks, one fp16 chunk fewer, FPCH to match."""
     variants = lab.build([], kv_contexts=(), kv_tail_contexts=(1024,), tail_fp_tokens=(256,))
     partial = variants[0]

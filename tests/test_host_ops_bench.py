@@ -36,7 +36,7 @@ def test_call_events_leave_out_the_stand_ins_own_calls():
 def test_kv_host_cost_counts_a_steady_steps_calls():
     """kv.py --host-cost: one layer's decode step, fake kernels on the CPU; the fp16 cache's
     step is mlx-lm's update, fetch and attention (3 Python calls), TurboQuant's 11 (30
-    before session 13: the cache's helpers, properties and `prepare` on every step)."""
+    before 2026-11-30: the cache's helpers, properties and `prepare` on every step)."""
     import kv
 
     fp16 = kv.layer_step_cost("fp16", 300, 4, 1, 4, 2, 64, warm=2)
@@ -65,14 +65,14 @@ def _fake_cuda_layer(monkeypatch, shape: str, moe: bool, variant: str = "tq3-eag
 
 def test_a_fused_tq3_layer_builds_its_step_in_as_few_calls_as_affine4(monkeypatch):
     """host_ops.py on a small Llama, CUDA path faked: a fused TQ3 decoder layer's step is
-    its 4 kernel calls and at most affine-4's 30 Python calls (70 before session 13: the
+    its 4 kernel calls and at most affine-4's 30 Python calls (70 before 2026-11-30: the
     member checks, `dispatch.backend()`, the extras' helpers, Module.__getattr__ on every
     linear call), 7 builtins (58), all of them mlx-lm's attention's; no reshape."""
     tq3 = _fake_cuda_layer(monkeypatch, "LLAMA3_8B", moe=False, hidden_size=256,
                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     assert tq3["calls"] == 4  # q/k/v, o_proj, gate/up, down_proj: the CUDA path ran
     assert tq3["py_calls"] <= 30 and tq3["c_calls"] <= 7
-    # o_proj's launch reads the attention's heads as its row: no reshape (session 20)
+    # o_proj's launch reads the attention's heads as its row: no reshape (2026-12-01)
     assert "Reshape" not in tq3["ops"], tq3["ops"]
 
 
@@ -148,7 +148,7 @@ def test_the_whole_step_builds_a_layer_without_python(monkeypatch):
     (which stores the key and the value at the position itself: no scatters, no slices
     of the cache) and the `mx.depends` handing on the buffers it wrote. Dense and MoE
     alike; 4 rows a warp, so the dense layer's RoPE is in its q/k/v launch as a
-    Llama-3-8B layer's is. (Until session 25 the whole step never saw the kernel's
+    Llama-3-8B layer's is. (Until 2026-12-04 the whole step never saw the kernel's
     `stores_in_place` behind `dispatch.get`'s wrapper: 2 scatters a layer.)"""
     from turboquant.kernels import cuda_gemv
 

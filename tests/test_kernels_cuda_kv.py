@@ -82,7 +82,7 @@ CASES = [
     Case(kv=2, r=4, bits=(4, 3), ctx=3000, rotating=1024),  # sliding window: offset slice
     Case(kv=2, r=4, bits=(4, 3), ctx=3000, window=400),  # the fp16 part in 2 chunks
     # the tensor-core partial kernel's other shapes (replayed on the CPU; written in
-    # session 10 after its device time was spent, not yet run on a GPU)
+    # 2026-11-30 after its device time was spent, not yet run on a GPU)
     Case(kv=2, r=4, bits=(4, 3), ctx=900, dtype="float32"),  # float32 parts, 16-byte loads
     Case(kv=1, r=2, dim=256, bits=(4, 4), ctx=700),  # KD 256: 2 code blocks a lane
 ]

@@ -195,7 +195,7 @@ def test_dispatch_uses_the_cpu_kernels_on_cpu_and_a_registered_kernel_on_its_gpu
         dispatch.unregister("metal", "matvec")
     assert dispatch.registered("metal", "matvec") is None
     # what `get` hands out keeps the kernel's attributes (the whole step asks
-    # `stores_in_place` of it: lost behind the wrapper until session 25)
+    # `stores_in_place` of it: lost behind the wrapper until 2026-12-04)
     fake.stores_in_place = True
     dispatch.register("metal", "matvec", fake)
     try:

@@ -357,7 +357,7 @@ def test_compiled_compression_is_on_for_gpu_backends_only(monkeypatch):
 
 @pytest.mark.parametrize("preset", [None, "7"])
 def test_importing_the_runtime_raises_mlx_cuda_graph_cache_unless_set(preset):
-    """The staggered compressions thrash MLX's 100 cached CUDA graphs (session 13, H200):
+    """The staggered compressions thrash MLX's 100 cached CUDA graphs (2026-11-30, H200):
     importing turboquant.runtime sets MLX_CUDA_GRAPH_CACHE_SIZE before any model runs,
     and a value the user set wins. A fresh process: MLX reads the variable once."""
     import os

@@ -1019,7 +1019,7 @@ def test_the_wave_plan_follows_the_fp_chunk_size(monkeypatch):
 
 def test_fp16_chunks_are_a_tile_by_default():
     """The runtime's sink + tail (132-196 tokens) in chunks of a tile, so that no block walks
-    more fp16 tiles than the compressed chunks at 1K do (session 10's lab)."""
+    more fp16 tiles than the compressed chunks at 1K do (the 2026-11-30 run's lab)."""
     assert cuda_kv.FP_TOKENS_PER_CHUNK == cuda_kv.TILE
     assert cuda_kv.plan(1, 8, 1024 - 196, 196)[1] == 2
 

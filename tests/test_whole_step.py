@@ -188,7 +188,7 @@ def test_the_reference_attends_over_the_rows_up_to_the_position(size, position):
 
 
 def test_the_whole_step_is_on_by_default_and_off_when_asked(cpu_whole_step, monkeypatch):
-    """On by default since session 23 (TURBOQUANT_WHOLE_STEP=0 turns it off): off, an
+    """On by default since 2026-12-01 (TURBOQUANT_WHOLE_STEP=0 turns it off): off, an
     enabled model steps per layer."""
     def read(env_value):
         env = {k: v for k, v in os.environ.items() if k != "TURBOQUANT_WHOLE_STEP"}

@@ -110,7 +110,7 @@ def _levels(bits: int) -> Buffer:
 # Candidate main loops for the GEMV, spliced into its source by `gemv_variant(loop=...)`
 # and timed beside it (same family, so their outputs are compared). "syncwarp": every lane
 # runs the same trips and a __syncwarp() follows each fetch, which keeps NVRTC's ptxas
-# from sinking the fetch below the decode after it (session 7: that matched nvcc's order
+# from sinking the fetch below the decode after it (2026-11-29: that matched nvcc's order
 # in the SASS but gained nothing under MLX; the lab tells the kernel's own time).
 GEMV_LOOPS = {
     "syncwarp": ("""  for (int g = lane; g < GROUPS; g += 64) {
@@ -134,7 +134,7 @@ GEMV_LOOPS = {
 # Candidate decode helpers for the GEMV's header (`gemv_variant(header=...)`): "mulhi"
 # makes the right shifts of the code words multiplications (mul.hi by a power of two),
 # which run on the FMA pipe: PRMT, LOP3 and SHF share the integer ALU pipe, issued at half
-# rate, and a 3-bit decode step is mostly those (session 14's SASS: 518 PRMT, 167 LOP3,
+# rate, and a 3-bit decode step is mostly those (the 2026-11-30 run's SASS: 518 PRMT, 167 LOP3,
 # 121 SHF against 256 HFMA2 and 74 IMAD).
 _MULHI = """
 __device__ __forceinline__ uint32_t tq_shr(uint32_t x, uint32_t pow2) {
@@ -429,7 +429,7 @@ VARIANTS = [
     *[("gemv", o, i, b, {"rpw": 4, "header": h}) for o, i, b in (
         (28672, 8192, 3), (28672, 8192, 2), (28672, 8192, 4), (8192, 28672, 3), (4096, 4096, 3))
       for h in HEADER_VARIANTS],
-    # the tensor-core candidate (session 15: 37.6 us at 28672x8192 against the GEMV's
+    # the tensor-core candidate (2026-11-30: 37.6 us at 28672x8192 against the GEMV's
     # 38.4): its code-by-code check first (the family's reference); then its loads alone
     # and a plain stream of the same bytes (25.5 and 25.0 us: the speed of light)
     *[("mma", o, i, 3, opts) for o, i in ((28672, 8192), (8192, 28672), (4096, 4096))
@@ -439,7 +439,7 @@ VARIANTS = [
     ("mma", 28672, 8192, 3, {"ksplit": 1, "null": "stream"}),
     ("linear", 28672, 8192, 3, {}), ("linear", 28672, 8192, 2, {}), ("linear", 28672, 8192, 4, {}),
     ("linear", 28672, 8192, 3, {"loop": "syncwarp"}),
-    # what the rotation costs the fused kernel (session 15: down_proj's 4096x14336 takes
+    # what the rotation costs the fused kernel (2026-11-30: down_proj's 4096x14336 takes
     # longer than gate/up's 28672x4096, twice its weights)
     *[("linear", o, i, 3, {"rotate": False}) for o, i in ((4096, 14336), (28672, 4096))],
     ("linear", 4096, 14336, 3, {"rows_per_warp": 1}),
@@ -454,11 +454,11 @@ H200_SMS = 132  # the device machine's GPU (the lab's wave-filling grid candidat
 
 
 # other K/V bits timed at the tail contexts by `--emit`: the 8-bit layers that
-# `make_turboquant_cache` protects by default (session 11's ncu at 32K: 180.7 us against
+# `make_turboquant_cache` protects by default (the 2026-11-30 run's ncu at 32K: 180.7 us against
 # 63.5 for K4/V3; nvcc gives that kernel 130 registers against 72)
 KV_EXTRA_BITS = ((8, 8), (8, 3))
 # other resident-block counts for the batched tensor-core kernel's wave plan, timed beside
-# the runtime's (`cuda_kv.mma_blocks_per_sm`; session 12: K4/V3 43.7 us on 9 against 51.0
+# the runtime's (`cuda_kv.mma_blocks_per_sm`; 2026-11-30: K4/V3 43.7 us on 9 against 51.0
 # on 6, K8/V8 101 on 6 against 119 on 8-9)
 PLAN_CANDIDATES = (4, 5, 6, 7, 9)
 
@@ -704,7 +704,7 @@ def program(variants: list[Variant]) -> str:
 
 # kernels.cu through NVRTC (ctypes), with the options MLX passes: an sm_90 CUBIN, the
 # toolkit's and CCCL's include folders. MLX's kernels come from this compiler, and its
-# code can differ from nvcc's for the same source (NOTES.md, session 7).
+# code can differ from nvcc's for the same source (NOTES.md in git history, 2026-11-29).
 NVRTC_BUILD = r'''import ctypes, glob, os, sys
 src, out = sys.argv[1], sys.argv[2]
 home = os.environ.get("CUDA_HOME", "/usr/local/cuda")

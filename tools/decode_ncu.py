@@ -4,7 +4,7 @@ them (the next token built while this one evaluates).
 Builds decode.py's model (Llama-3-8B shape, `--layers` of it), prefills `--context`
 tokens, decodes a round to warm up (kernels compiled, buffer sizes traced), then a second
 round with `cuProfilerStart` / `cuProfilerStop` around `--tokens` tokens after the 16th.
-Under ncu, every kernel of those tokens with its GPU time (session 25 found the position
+Under ncu, every kernel of those tokens with its GPU time (a profile on 2026-12-04 found the position
 stall this way):
 
   ncu --profile-from-start off --cache-control none --clock-control none \\

@@ -20,7 +20,7 @@ columns 0-3, 8..14 even -> 4-7, 1..7 odd -> 8-11, 9..15 odd -> 12-15, so the eve
 selectors (`w & 0x33333333`, `(w >> 2) & 0x33333333`) feed the four mmas in order and x
 is read in natural order.
 
-Measured (session 15, H200, `benchmarks/results/session15-h200.txt`), 28672x8192: 37.6 us
+Measured (2026-11-30, H200, `benchmarks/results/gemv-h200-2026-11.txt` #2), 28672x8192: 37.6 us
 with x staged in shared memory and 4 warps a tile, against the runtime GEMV's 38.4 in the
 same run; correct on the first run (6.6e-4 against the code-by-code decode). Its loads
 alone take 25.5 us and a plain stream of the same bytes 25.0: the decode sets the time,
