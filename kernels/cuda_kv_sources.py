@@ -4,7 +4,7 @@ or 8 loads at a time) and the merges (plain, split, wide), as `SOURCES`: name ->
 outputs, source).
 
 The header bakes in cuda_kv_plan's NT, TILE and MAX_CHUNKS. `kernel_name` adds a hash of
-the source to a kernel's name (MLX caches compiled kernels by name). Plain text, no MLX:
+the source to a kernel's name (MLX caches compiled kernels by name). Plain text:
 the nvcc compile check and the kernel lab (`benchmarks/cuda_lab.py`) read it as it is.
 """
 

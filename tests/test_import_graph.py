@@ -1,5 +1,6 @@
 """The package's imports, read from the source with `ast`: no import circle, and the arrows
-of docs (DESIGN.md) point one way.
+between the folders point one way (stages/ at the bottom, pipeline/ imported only by the CLI,
+the runtime free of Prefect; nothing imports benchmarks/ or tools/).
 
 Every module of every package that pyproject.toml installs (stages/ -> turboquant.stages,
 ...) is parsed; an import counts wherever it sits (a function-level import runs too, so it
@@ -85,8 +86,8 @@ def graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each sorted, and
-    each as a list of modules that import one another in a circle."""
+    """The groups of modules that reach one another through their imports (Tarjan's strongly
+    connected components of more than one module), each sorted."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v: str) -> None:
@@ -170,7 +171,7 @@ def _reached(module: str, edges: dict[str, set[str]]) -> dict[str, list[str]]:
 
 
 def arrows_broken(root: Path = ROOT) -> list[str]:
-    """The imports against DESIGN.md's arrows: stages imports no other folder; kernels
+    """The imports against the design's arrows: stages imports no other folder; kernels
     nothing of runtime or pipeline and the runtime neither pipeline nor Prefect (through
     any module); only the CLI (turboquant/) imports pipeline; nothing in the package
     imports benchmarks/ or tools/."""
@@ -204,7 +205,7 @@ def arrows_broken(root: Path = ROOT) -> list[str]:
 
 def test_design_arrows():
     wrong = arrows_broken()
-    assert not wrong, "imports against DESIGN.md's arrows:\n  " + "\n  ".join(wrong)
+    assert not wrong, "imports against the design's arrows:\n  " + "\n  ".join(wrong)
 
 
 # ---------------------------------------------------------------------------- the checker
