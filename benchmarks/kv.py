@@ -347,12 +347,12 @@ LLAMA_8B = dict(
 @contextlib.contextmanager
 def _attention_path(spec: CacheSpec):
     """A context in which TurboQuant attention takes the path `spec` asks for."""
-    from turboquant.kernels import cuda_kv
+    from turboquant.kernels import cuda_kv_plan
     from turboquant.runtime import kv_attention, kvcache
 
     flush = kvcache.COMPILED_FLUSH
     kvcache.COMPILED_FLUSH = "0" if spec.eager_flush else flush
-    saved = {name: getattr(cuda_kv, name) for name in (
+    saved = {name: getattr(cuda_kv_plan, name) for name in (
         "FP_TOKENS_PER_CHUNK", "KV_PARTIAL_VEC", "KV_PARTIAL_MMA", "KV_MMA_EXACT",
         "KV_STAGE_BATCH", "KV_MERGE_WIDE")}
     for name, value in dict(
@@ -362,13 +362,13 @@ def _attention_path(spec: CacheSpec):
             KV_MMA_EXACT=spec.exact or saved["KV_MMA_EXACT"],
             KV_STAGE_BATCH="1" if spec.stage_batch else saved["KV_STAGE_BATCH"],
             KV_MERGE_WIDE=spec.merge_wide or saved["KV_MERGE_WIDE"]).items():
-        setattr(cuda_kv, name, value)
+        setattr(cuda_kv_plan, name, value)
     try:
         with kv_attention.reference_only() if spec.reference else contextlib.nullcontext():
             yield
     finally:
         for name, value in saved.items():
-            setattr(cuda_kv, name, value)
+            setattr(cuda_kv_plan, name, value)
         kvcache.COMPILED_FLUSH = flush
 
 

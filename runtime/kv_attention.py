@@ -8,9 +8,11 @@ TurboQuant caches' `update_and_fetch` returns) it runs `turboquant_attention`, a
 otherwise it calls mlx-lm's original (QuantizedKVCache keeps working). Model files are
 untouched and K/V are never rebuilt.
 
-`install()` also makes the two cache classes known to mlx-lm's `load_prompt_cache` (it
-finds cache classes by name in `mlx_lm.models.cache`). It is idempotent; `uninstall()`
-restores both. Importing turboquant.runtime.kvcache installs it.
+`install(*cache_classes)` also makes the TurboQuant cache classes known to mlx-lm's
+`load_prompt_cache` (it finds cache classes by name in `mlx_lm.models.cache`): those given,
+and those given before. It is idempotent; `uninstall()` restores both. Importing
+turboquant.runtime.kvcache installs it with that module's two classes (this module imports
+nothing of the runtime: kvcache sits above it).
 
 Limits of the route: attention with learned sinks (gpt-oss) raises in mlx-lm before the
 hook, and models that call `mx.fast.scaled_dot_product_attention` themselves bypass it.
@@ -43,6 +45,7 @@ _METAL = ("turboquant.kernels.metal_kv", "decode_attention")
 _SETTLED: set[str] = set()  # backends whose kernel was loaded, registered or unregistered
 _OFF = [0]  # reference_only() depth
 _ORIGINAL = "_turboquant_original"
+_CACHE_CLASSES: list[type] = []  # made known to mlx-lm by install() (runtime/kvcache.py's)
 
 
 def register_kernel(backend: str, fn: Callable) -> None:
@@ -132,17 +135,19 @@ def installed() -> bool:
     return hasattr(base.quantized_scaled_dot_product_attention, _ORIGINAL)
 
 
-def install() -> None:
-    """Hook mlx-lm's quantized attention and register the cache classes (idempotent)."""
+def install(*cache_classes: type) -> None:
+    """Hook mlx-lm's quantized attention and register `cache_classes`, and the classes
+    given before, with mlx-lm by name (idempotent)."""
     from mlx_lm.models import base, cache
 
-    from .kvcache import TurboQuantKVCache, TurboQuantRotatingKVCache
-
+    for cls in cache_classes:
+        if cls not in _CACHE_CLASSES:
+            _CACHE_CLASSES.append(cls)
     if not installed():
         base.quantized_scaled_dot_product_attention = _routed(
             base.quantized_scaled_dot_product_attention
         )
-    for cls in (TurboQuantKVCache, TurboQuantRotatingKVCache):
+    for cls in _CACHE_CLASSES:
         setattr(cache, cls.__name__, cls)
 
 
@@ -154,9 +159,9 @@ def uninstall() -> None:
         base.quantized_scaled_dot_product_attention = getattr(
             base.quantized_scaled_dot_product_attention, _ORIGINAL
         )
-    for name in ("TurboQuantKVCache", "TurboQuantRotatingKVCache"):
-        if hasattr(cache, name):
-            delattr(cache, name)
+    for cls in _CACHE_CLASSES:
+        if hasattr(cache, cls.__name__):
+            delattr(cache, cls.__name__)
 
 
 def unregister_kernel(backend: str) -> None:

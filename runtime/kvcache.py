@@ -559,7 +559,7 @@ def make_turboquant_cache(
             "this model has learned attention sinks (e.g. gpt-oss); mlx-lm's quantized "
             "attention route does not pass them on, so keep the fp16 cache for it"
         )
-    kv_attention.install()
+    kv_attention.install(TurboQuantKVCache, TurboQuantRotatingKVCache)
     caches = make_prompt_cache(model, max_kv_size=max_kv_size)
     slots = _kv_slots(caches)
     n = len(slots)
@@ -658,7 +658,7 @@ def kv_bytes_per_token(head_dim: int, bits_k: int, bits_v: int) -> int:
     return 4 * (kv_words(head_dim, bits_k) + kv_words(head_dim, bits_v)) + 4
 
 
-kv_attention.install()
+kv_attention.install(TurboQuantKVCache, TurboQuantRotatingKVCache)
 
 __all__ = [
     "DEFAULTS",

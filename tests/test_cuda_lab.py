@@ -61,10 +61,10 @@ def test_gemv_candidate_loops_splice_into_the_kernels_source(lab):
 def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     partial, candidate, mma, waves, mma_waves, merge, merge_split, merge_wide = lab.build(
         [], kv_contexts=(4096,), kv_tail_contexts=())
-    from turboquant.kernels import cuda_kv
+    from turboquant.kernels import cuda_kv_plan, cuda_kv_sources
 
     assert merge_split.family == merge.family == merge_wide.family
-    assert merge_split.block == cuda_kv.split_per_dim(128) * 128 == 8 * 128
+    assert merge_split.block == cuda_kv_plan.split_per_dim(128) * 128 == 8 * 128
     assert merge_wide.block == 1024 and merge_wide.grid == merge.grid
     # the candidate partial kernels run the same launch and are checked against it
     for other in (candidate, mma):
@@ -76,14 +76,14 @@ def test_kv_variants_pass_shapes_and_strides_where_the_kernel_reads_them(lab):
     # the wave-filling grid: its own family (other chunk sums), fewer chunks at 32K only
     assert waves.family != partial.family and waves.args == partial.args
     assert waves.grid == partial.grid  # 4K: 32 chunks fill less than a wave either way
-    assert [n for n, _ in partial.args] == cuda_kv.PARTIAL_INPUTS
+    assert [n for n, _ in partial.args] == cuda_kv_sources.PARTIAL_INPUTS
     args = dict(partial.args)
     assert args["k_codes"].shape == (1, 8, 4096, 16) and args["k_codes"].weight  # K4: 16 words
     assert args["v_codes"].shape == (1, 8, 4096, 12)  # V3: 12 words of 128 codes
     assert lab._call_args("k_codes", args["k_codes"], partial.source) == [
         "a_k_codes + (size_t)(c) * 524288", "Shape{1, 8, 4096, 16}",
         "Strides{524288, 65536, 16, 1}"]
-    assert partial.grid[1] == 8 and partial.block == cuda_kv.NT
+    assert partial.grid[1] == 8 and partial.block == cuda_kv_plan.NT
     assert [n for n, _, _ in partial.outputs] == ["part_ml", "part_acc"]
     assert merge.grid == (32, 1, 1) and merge.outputs[0][2] == 32 * 128
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from turboquant.kernels import (cuda, cuda_dequant, cuda_gemv, cuda_kv, cuda_linear, cuda_memory,
-                                cuda_rotate, dispatch)
+from turboquant.kernels import (cuda, cuda_dequant, cuda_gemv, cuda_kv, cuda_kv_plan, cuda_linear,
+                                cuda_memory, cuda_rotate, dispatch)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -96,7 +96,7 @@ def tensor_cores(monkeypatch):
     (kv.Case(kv=2, r=4, bits=(2, 3), ctx=600, sink=0), False, False),  # the plain kernel
 ], ids=["mma", "mma-exact", "d64", "plain"])
 def test_the_kv_decode_attention(emulated_cuda, tensor_cores, monkeypatch, case, mma, exact):
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", mma)
-    monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", exact)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", mma)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MMA_EXACT", exact)
     checked = kv.check_case(case)
     assert all(("_mma" in line) == mma for line in checked), checked

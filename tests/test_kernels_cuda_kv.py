@@ -29,7 +29,7 @@ try:
 except ImportError:  # runnable as a script on a machine without pytest
     pytest = None
 
-from turboquant.kernels import cuda_kv, dispatch
+from turboquant.kernels import cuda_kv, cuda_kv_layout, cuda_kv_plan, dispatch
 from turboquant.kernels.kv_reference import KVParts, tq_attention
 
 
@@ -148,14 +148,15 @@ def compare(q, parts: KVParts, scale: float, mask=None, label: str = "") -> str:
     shapes = f"q {tuple(q.shape)} {q.dtype}, out {tuple(got.shape)} {got.dtype}"
     info = (f"{label}: {shapes}, lengths (sink, compressed, tail) {parts.lengths}, "
             f"chunks {launch.layout.ncc}+{launch.layout.fpch}, {launch.layout.partial_kernel}"
-            f"{' (fp16 operands)' if cuda_kv.fp16_operands(launch.layout) else ''}, "
+            f"{' (fp16 operands)' if cuda_kv_layout.fp16_operands(launch.layout) else ''}, "
             f"reference on {where}")
     assert g.shape == w.shape, f"{info}: shape {g.shape} != reference {w.shape}"
     assert np.isfinite(g).all(), f"{info}: {np.size(g) - np.isfinite(g).sum()} non-finite outputs"
     diff = np.abs(g - w)
     err = float(diff.max())
     scale_ref = max(1.0, float(np.abs(w).max()))
-    rtol = max(_tol(q.dtype), cuda_kv.MMA_FP16_RTOL if cuda_kv.fp16_operands(launch.layout) else 0)
+    rtol = max(_tol(q.dtype), cuda_kv_layout.MMA_FP16_RTOL
+               if cuda_kv_layout.fp16_operands(launch.layout) else 0)
     tol = rtol * scale_ref * (1 if where == "cpu" else 5)
     at = np.unravel_index(int(diff.argmax()), diff.shape)
     msg = (f"{info}: max abs diff {err:.3g} at (b, h, 0, d) = {tuple(int(i) for i in at)} "
@@ -177,23 +178,23 @@ def check_case(case: Case) -> list[str]:
 
 def check_fp_chunks_of_a_tile() -> list[str]:
     """The 8B case with the fp16 part (sink + a tail of 128-192) in chunks of one tile
-    (`cuda_kv.FP_TOKENS_PER_CHUNK` = TILE, the next default candidate): 2 fp16 chunks."""
+    (`cuda_kv_plan.FP_TOKENS_PER_CHUNK` = TILE, the next default candidate): 2 fp16 chunks."""
     q, parts, _ = cache_parts(Case(), seed=11)
-    saved = cuda_kv.FP_TOKENS_PER_CHUNK
-    cuda_kv.FP_TOKENS_PER_CHUNK = cuda_kv.TILE
+    saved = cuda_kv_plan.FP_TOKENS_PER_CHUNK
+    cuda_kv_plan.FP_TOKENS_PER_CHUNK = cuda_kv_plan.TILE
     try:
         fpch = cuda_kv.prepare(q, parts, 128 ** -0.5).layout.fpch
         assert fpch == 2, f"fp16 part of {parts.lengths} in {fpch} chunks, 2 expected"
         return [compare(q, parts, 128 ** -0.5, None, "fp16 chunks of a tile")]
     finally:
-        cuda_kv.FP_TOKENS_PER_CHUNK = saved
+        cuda_kv_plan.FP_TOKENS_PER_CHUNK = saved
 
 
 def check_exact_products() -> list[str]:
     """The tensor-core kernel with hi + lo products (KV_MMA_EXACT), at float32's tolerance:
     the 8B case, float32 parts, head dim 256."""
-    saved = cuda_kv.KV_MMA_EXACT
-    cuda_kv.KV_MMA_EXACT = True
+    saved = cuda_kv_plan.KV_MMA_EXACT
+    cuda_kv_plan.KV_MMA_EXACT = True
     try:
         out = []
         for case in (Case(), Case(kv=2, r=4, bits=(4, 3), ctx=900, dtype="float32"),
@@ -201,12 +202,12 @@ def check_exact_products() -> list[str]:
             q, parts, _ = cache_parts(case, seed=5)
             lay = cuda_kv.prepare(q, parts, case.dim ** -0.5).layout
             if lay.partial_kernel.startswith("tq_kv_partial_mma"):  # sm_80+
-                assert not cuda_kv.fp16_operands(lay), f"{case.name}: {lay.partial_template}"
+                assert not cuda_kv_layout.fp16_operands(lay), f"{case.name}: {lay.partial_template}"
             out.append(compare(q.astype(mx.float32), parts, case.dim ** -0.5, None,
                                case.name + " (exact products, float32 queries)"))
         return out
     finally:
-        cuda_kv.KV_MMA_EXACT = saved
+        cuda_kv_plan.KV_MMA_EXACT = saved
 
 
 def check_masks() -> list[str]:
@@ -254,10 +255,10 @@ def check_decode_steps() -> list[str]:
 
 
 def check_wide_merge() -> list[str]:
-    """The candidate merge (`cuda_kv._MERGE_WIDE`, KV_MERGE_WIDE): head dims 64/128/256,
+    """The candidate merge (`cuda_kv_sources._MERGE_WIDE`, KV_MERGE_WIDE): head dims 64/128/256,
     many chunks, two fp16 chunks, float32 parts, a mask."""
-    saved = cuda_kv.KV_MERGE_WIDE
-    cuda_kv.KV_MERGE_WIDE = True
+    saved = cuda_kv_plan.KV_MERGE_WIDE
+    cuda_kv_plan.KV_MERGE_WIDE = True
     try:
         out = []
         for case in (Case(), Case(dim=64, kv=4, r=2), Case(kv=1, r=2, dim=256, bits=(4, 4),
@@ -272,7 +273,7 @@ def check_wide_merge() -> list[str]:
         out.append(compare(q, parts, 0.09, mx.array(keep), "bool mask (T,) (wide merge)"))
         return out
     finally:
-        cuda_kv.KV_MERGE_WIDE = saved
+        cuda_kv_plan.KV_MERGE_WIDE = saved
 
 
 def check_compiled_compression() -> list[str]:

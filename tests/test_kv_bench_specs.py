@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import kv  # noqa: E402  (the benchmark script)
 
-from turboquant.kernels import cuda_kv  # noqa: E402
+from turboquant.kernels import cuda_kv_plan  # noqa: E402
 
 
 def test_options_parse():
@@ -26,30 +26,30 @@ def test_options_parse():
 
 
 @pytest.mark.parametrize("name, mma, vec, fp, exact", [
-    ("K4V3", True, False, cuda_kv.TILE, False),  # the defaults
-    ("K4V3:plain", False, False, cuda_kv.TILE, False),
+    ("K4V3", True, False, cuda_kv_plan.TILE, False),  # the defaults
+    ("K4V3:plain", False, False, cuda_kv_plan.TILE, False),
     ("K4V3:vec:f256", True, True, 256, False),
-    ("K4V3:exact", True, False, cuda_kv.TILE, True),
-    ("K4V3:b8", True, False, cuda_kv.TILE, False),
-    ("K4V3:wide", True, False, cuda_kv.TILE, False),
+    ("K4V3:exact", True, False, cuda_kv_plan.TILE, True),
+    ("K4V3:b8", True, False, cuda_kv_plan.TILE, False),
+    ("K4V3:wide", True, False, cuda_kv_plan.TILE, False),
 ])
 def test_attention_path_sets_the_kernel_switches_for_a_config_only(name, mma, vec, fp, exact,
                                                                    monkeypatch):
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
-    monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", False)
-    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "auto")
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", cuda_kv.TILE)
-    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", False)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_VEC", False)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MMA_EXACT", False)
+    monkeypatch.setattr(cuda_kv_plan, "KV_STAGE_BATCH", "auto")
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", cuda_kv_plan.TILE)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MERGE_WIDE", False)
     with kv._attention_path(kv.CacheSpec.parse(name)):
-        assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC) == (mma, vec)
-        assert cuda_kv.FP_TOKENS_PER_CHUNK == fp and cuda_kv.KV_MMA_EXACT == exact
-        assert (cuda_kv.KV_STAGE_BATCH == "1") == name.endswith(":b8")
-        assert cuda_kv.KV_MERGE_WIDE == name.endswith(":wide")
-    assert not cuda_kv.KV_MERGE_WIDE
-    assert (cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_PARTIAL_VEC, cuda_kv.FP_TOKENS_PER_CHUNK,
-            cuda_kv.KV_MMA_EXACT, cuda_kv.KV_STAGE_BATCH) == (True, False, cuda_kv.TILE, False,
-                                                              "auto")
+        assert (cuda_kv_plan.KV_PARTIAL_MMA, cuda_kv_plan.KV_PARTIAL_VEC) == (mma, vec)
+        assert cuda_kv_plan.FP_TOKENS_PER_CHUNK == fp and cuda_kv_plan.KV_MMA_EXACT == exact
+        assert (cuda_kv_plan.KV_STAGE_BATCH == "1") == name.endswith(":b8")
+        assert cuda_kv_plan.KV_MERGE_WIDE == name.endswith(":wide")
+    assert not cuda_kv_plan.KV_MERGE_WIDE
+    p = cuda_kv_plan
+    assert (p.KV_PARTIAL_MMA, p.KV_PARTIAL_VEC, p.FP_TOKENS_PER_CHUNK, p.KV_MMA_EXACT,
+            p.KV_STAGE_BATCH) == (True, False, p.TILE, False, "auto")
 
 
 @pytest.mark.parametrize("name, during", [("K4V3", "auto"), ("K4V3:eager", "0")])

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from cuda_source import compile_with_nvcc, kernel_source, nvcc_registers
-from turboquant.kernels import cuda_kv
+from turboquant.kernels import cuda_kv, cuda_kv_layout, cuda_kv_plan, cuda_kv_sources
 from turboquant.kernels.kv_reference import (
     NEG,
     KVParts,
@@ -149,7 +149,7 @@ def emulate_query_rows(L: cuda_kv.Launch, queries: Arg, b: int, h: int, fp: bool
     KD, R, P, BK, BV = T["KD"], T["R"], T["P"], T["BK"], T["BV"]
     A = KD // P
     consts = np.asarray(L.layout.consts)
-    at = cuda_kv.consts_layout(KD, A, BK, BV)
+    at = cuda_kv_layout.consts_layout(KD, A, BK, BV)
     signs, mix = consts[at["signs"]], consts[at["mix"]]
     scale, kscale = consts[at["scales"]]
     i = np.arange(R * KD)
@@ -199,7 +199,7 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = Fa
     KD, DV, BK, BV, R, FPCH = (T[k] for k in ("KD", "DV", "BK", "BV", "R", "FPCH"))
     WK, WV = kv_words(KD, BK), kv_words(DV, BV)  # the kernel's tq_words
     KV = args["k_codes"].shape[1]
-    NT, TILE = cuda_kv.NT, cuda_kv.TILE
+    NT, TILE = cuda_kv_plan.NT, cuda_kv_plan.TILE
     NBK = (KD + 31) // 32
     VSLOT = DV if DV < NT else NT
     VG = NT // DV if DV < NT else 1
@@ -208,7 +208,7 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = Fa
     grid_y, grid_x = L.layout.partial_grid[1], L.layout.partial_grid[0] // NT
     assert grid_x == nch and L.layout.partial_grid[2] == 1
     consts = np.asarray(L.layout.consts)
-    at = cuda_kv.consts_layout(KD, KD // T["P"], BK, BV)
+    at = cuda_kv_layout.consts_layout(KD, KD // T["P"], BK, BV)
     lk, lv = consts[at["levels_k"]], consts[at["levels_v"]]
     part_ml = Out((grid_y, nch, R, 2))
     part_acc = Out((grid_y, nch, R, DV))
@@ -228,7 +228,7 @@ def emulate_partial(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = Fa
             n_chunks = FPCH if fp else ncc
             c_idx = chunk - ncc if fp else chunk
             tiles = (n_tok + TILE - 1) // TILE
-            tile0, tile1 = cuda_kv.chunk_tiles(tiles, n_chunks, c_idx)
+            tile0, tile1 = cuda_kv_plan.chunk_tiles(tiles, n_chunks, c_idx)
 
             qs = emulate_query_rows(L, args["queries"], b, h, fp)
             m_s, l_s = np.full(R, F32(NEG), F32), np.zeros(R, F32)
@@ -344,7 +344,7 @@ def emulate_merge(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndarray,
     unrot = np.asarray(L.layout.unrot).reshape(-1)
     ml, acc = part_ml.reshape(-1), part_acc.reshape(-1)
     nch = part_ml.shape[1]
-    assert nch <= cuda_kv.MAX_CHUNKS
+    assert nch <= cuda_kv_plan.MAX_CHUNKS
     ncc = nch - FPCH
     rows = L.layout.merge_grid[0] // L.layout.merge_threads
     assert rows == L.layout.b * L.layout.h == int(np.prod(L.layout.out_shape[:3]))
@@ -398,14 +398,14 @@ def emulate_merge_wide(L: cuda_kv.Launch, part_ml: np.ndarray, part_acc: np.ndar
     """`_MERGE_WIDE`: a block of 1024 threads per query row; thread (d4, q) = tid as
     q * G + d4 with G = DV / 4 threads per chunk row; its flat reads of part_ml, part_acc
     (float4 rows) and unrot, its shared arrays and its two-level reductions."""
-    NT = cuda_kv.MERGE_WIDE_THREADS
+    NT = cuda_kv_plan.MERGE_WIDE_THREADS
     assert L.layout.merge_threads == NT
     T = dict(L.layout.merge_template)
     DV, FPCH = T["DV"], T["FPCH"]
     G, R, nch = DV // 4, part_ml.shape[2], part_ml.shape[1]
     Q, P = NT // G, NT // DV
     ncc = nch - FPCH
-    assert nch <= cuda_kv.MAX_CHUNKS <= NT and FPCH <= 8 <= Q and NT % G == 0
+    assert nch <= cuda_kv_plan.MAX_CHUNKS <= NT and FPCH <= 8 <= Q and NT % G == 0
     ml, acc = part_ml.reshape(-1), part_acc.reshape(-1)
     acc4 = acc.reshape(-1, 4)  # float4 view: the kernel's loads must be whole, aligned rows
     unrot4 = np.asarray(L.layout.unrot).reshape(-1, 4)
@@ -496,10 +496,10 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
     VWARP = DV // 4
     MTV, VPL = VWARP // 16, VWARP // 8
     KV = args["k_codes"].shape[1]
-    TILE, nch = cuda_kv.TILE, L.layout.nch
+    TILE, nch = cuda_kv_plan.TILE, L.layout.nch
     grid_y = L.layout.partial_grid[1]
     consts = np.asarray(L.layout.consts)
-    at = cuda_kv.consts_layout(KD, KD // T["P"], BK, BV)
+    at = cuda_kv_layout.consts_layout(KD, KD // T["P"], BK, BV)
     lk, lv = consts[at["levels_k"]], consts[at["levels_v"]]
     part_ml, part_acc = Out((grid_y, nch, R, 2)), Out((grid_y, nch, R, DV))
     lane = np.arange(32)
@@ -525,7 +525,7 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
             fp = chunk >= ncc
             n_tok = S + TT if fp else C
             tiles = (n_tok + TILE - 1) // TILE
-            tile0, tile1 = cuda_kv.chunk_tiles(tiles, FPCH if fp else ncc,
+            tile0, tile1 = cuda_kv_plan.chunk_tiles(tiles, FPCH if fp else ncc,
                                                chunk - ncc if fp else chunk)
             qs = emulate_query_rows(L, args["queries"], b, h, fp)
             qf = np.zeros((KSTEPS, 32, 2, 2), F32)  # B: dims c4 * KPL + 4 ks + {0,1 | 2,3}
@@ -641,7 +641,7 @@ def emulate_partial_mma(L: cuda_kv.Launch, args: dict[str, Arg]):
 def emulate(L: cuda_kv.Launch, args: dict[str, Arg], vec_keys: bool = False,
             split: int | None = None) -> np.ndarray:
     """The two kernels of a prepared call; `args` holds the strided inputs by name."""
-    names = cuda_kv.PARTIAL_INPUTS
+    names = cuda_kv_sources.PARTIAL_INPUTS
     assert len(L.inputs) == len(names)
     full = {n: args.get(n) or Arg(np.asarray(x)) for n, x in zip(names, L.inputs)}
     vec_keys = vec_keys or L.layout.partial_kernel == "tq_kv_partial_vec"  # as launched
@@ -719,8 +719,8 @@ def _transposed(qb: np.ndarray) -> Arg:
 
 def check(q, parts, args, scale=0.125, mask=None, atol=2e-5, vec_keys=False, split=None):
     launch = cuda_kv.prepare(q, parts, scale, mask)
-    if cuda_kv.fp16_operands(launch.layout):
-        atol = max(atol, cuda_kv.MMA_FP16_RTOL)
+    if cuda_kv_layout.fp16_operands(launch.layout):
+        atol = max(atol, cuda_kv_layout.MMA_FP16_RTOL)
     got = emulate(launch, args, vec_keys, split)
     want = np.asarray(tq_attention(q, parts, scale, mask).astype(mx.float32))
     err = np.abs(got - want).max()
@@ -750,7 +750,7 @@ def test_emulated_kernels_match_reference(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_candidate_key_loads_match_reference(name):
-    """The lab's candidate partial kernel (`cuda_kv._PARTIAL_VEC`: key rows in 16-byte
+    """The lab's candidate partial kernel (`cuda_kv_sources._PARTIAL_VEC`: key rows in 16-byte
     loads where they are contiguous and aligned) replayed the same way."""
     check(*make_case(**CASES[name], seed=len(name)), vec_keys=True)
 
@@ -772,15 +772,15 @@ def test_candidate_key_loads_take_16_byte_units_only_where_the_guard_allows():
 @pytest.mark.parametrize("heads", [(1, 8), (2, 8), (1, 2)])
 def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
     b, kv = heads
-    slots = 132 * cuda_kv.PARTIAL_BLOCKS_PER_SM
+    slots = 132 * cuda_kv_plan.PARTIAL_BLOCKS_PER_SM
 
     def cost(ncc, fpch):
-        tiles = -(-context // cuda_kv.TILE)
+        tiles = -(-context // cuda_kv_plan.TILE)
         return -(-(ncc + fpch) * b * kv // slots) * -(-tiles // ncc)
 
-    ncc, fpch = cuda_kv.plan_waves(b, kv, context, 68, 132)
-    base = cuda_kv.plan(b, kv, context, 68)
-    assert fpch == base[1] and 1 <= ncc <= cuda_kv.MAX_CHUNKS - fpch
+    ncc, fpch = cuda_kv_plan.plan_waves(b, kv, context, 68, 132)
+    base = cuda_kv_plan.plan(b, kv, context, 68)
+    assert fpch == base[1] and 1 <= ncc <= cuda_kv_plan.MAX_CHUNKS - fpch
     assert cost(ncc, fpch) <= cost(*base)
     assert all(cost(n, fpch) > cost(ncc, fpch) for n in range(1, ncc))  # the fewest chunks
 
@@ -789,8 +789,8 @@ def test_candidate_plan_fills_waves_at_least_as_well_as_plan(context, heads):
 def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
     """KV_MERGE_SPLIT (for every chunk count): the layout launches `_MERGE_SPLIT` with
     Q x DV threads a block, replayed as launched."""
-    monkeypatch.setattr(cuda_kv, "KV_MERGE_SPLIT", True)
-    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", False)  # the default where it fits
+    monkeypatch.setattr(cuda_kv_plan, "KV_MERGE_SPLIT", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MERGE_WIDE", False)  # the default where it fits
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
     q = min(8, 1024 // lay.v_dim)  # lab, 32K: 10.2 us, 14.5 with 4
     assert lay.merge_kernel == "tq_kv_merge_split" and lay.merge_threads == q * lay.v_dim
@@ -801,9 +801,9 @@ def test_runtime_split_merge_launches_and_matches_reference(name, monkeypatch):
 def test_runtime_wide_merge_launches_and_matches_reference(name, monkeypatch):
     """KV_MERGE_WIDE: the layout launches `_MERGE_WIDE` (1024 threads a row) where it fits,
     the split merge elsewhere, replayed as launched."""
-    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MERGE_WIDE", True)
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
-    if cuda_kv.merge_wide_fits(lay.v_dim):
+    if cuda_kv_plan.merge_wide_fits(lay.v_dim):
         assert lay.merge_kernel == "tq_kv_merge_wide" and lay.merge_threads == 1024
         assert lay.merge_grid == (lay.b * lay.h * 1024, 1, 1)
     else:
@@ -811,32 +811,32 @@ def test_runtime_wide_merge_launches_and_matches_reference(name, monkeypatch):
 
 
 def test_wide_merge_fits_the_head_dims_it_tiles():
-    assert [d for d in (32, 64, 80, 96, 128, 256, 512) if cuda_kv.merge_wide_fits(d)] == [
+    assert [d for d in (32, 64, 80, 96, 128, 256, 512) if cuda_kv_plan.merge_wide_fits(d)] == [
         32, 64, 128, 256]
 
 
 def test_wide_merge_of_many_chunks_and_fp16_chunks(monkeypatch):
     # every compressed chunk a tile and the most fp16 chunks: the float4 rows, the chunk
     # rows past Q and the fp16 terms of threads q < FPCH all in play
-    monkeypatch.setattr(cuda_kv, "KV_MERGE_WIDE", True)
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 16)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MERGE_WIDE", True)
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 16)
     q, parts, args = make_case(kv=2, r=4, kd=128, bits=(4, 3), c=128 * 40, s=4, t=120)
     launch = check(q, parts, args)
-    assert launch.layout.ncc > 1024 // 32 and launch.layout.fpch == cuda_kv.MAX_FP_CHUNKS
+    assert launch.layout.ncc > 1024 // 32 and launch.layout.fpch == cuda_kv_plan.MAX_FP_CHUNKS
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_runtime_vector_key_loads_launch_and_match_reference(name, monkeypatch):
     """TURBOQUANT_CUDA_KV_PARTIAL_VEC=1: the layout launches `_PARTIAL_VEC` (same grid and
     inputs), replayed as launched."""
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_VEC", True)
     launch = check(*make_case(**CASES[name], seed=len(name)))
     assert launch.layout.partial_kernel == "tq_kv_partial_vec"
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_VEC", False)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_VEC", False)
     q, parts, _ = make_case(**CASES[name], seed=len(name))
     plain = cuda_kv.prepare(q, parts, 0.125)
     pk = parts.packed
-    batched = "_b8" if cuda_kv.stage_batch(pk.bits_k, pk.bits_v) else ""  # "auto"
+    batched = "_b8" if cuda_kv_plan.stage_batch(pk.bits_k, pk.bits_v) else ""  # "auto"
     assert plain.layout.partial_kernel == "tq_kv_partial" + batched
     assert plain.layout.partial_grid == launch.layout.partial_grid
 
@@ -844,34 +844,35 @@ def test_runtime_vector_key_loads_launch_and_match_reference(name, monkeypatch):
 @pytest.mark.parametrize("name", ["k4v3-d64-gqa2-b2", "k8v3-d128-gqa4", "k4v4-d256"])
 def test_runtime_wave_plan_sets_the_grid_and_matches_reference(name, monkeypatch):
     """KV_PLAN_WAVES on a GPU of 2 SMs (so that waves bind here)."""
-    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 2)
     q, parts, args = make_case(**CASES[name], seed=len(name))
     lay = check(q, parts, args).layout
     s_len, c_len, t_len = parts.lengths
     kv = parts.packed.k_codes.shape[1]
-    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(q.shape[0], kv, c_len, s_len + t_len, 2)
-    assert lay.partial_grid[0] == (lay.ncc + lay.fpch) * cuda_kv.NT
+    assert (lay.ncc, lay.fpch) == cuda_kv_plan.plan_waves(q.shape[0], kv, c_len, s_len + t_len, 2)
+    assert lay.partial_grid[0] == (lay.ncc + lay.fpch) * cuda_kv_plan.NT
 
 
 def test_candidate_plan_at_32k_runs_one_wave_of_three_tiles_a_block():
-    assert cuda_kv.plan(1, 8, 32768, 68) == (128, 1)  # 1032 blocks: 1.3 waves of 792
-    assert cuda_kv.plan_waves(1, 8, 32768, 68, 132) == (86, 1)  # 696 blocks, 3 tiles each
+    assert cuda_kv_plan.plan(1, 8, 32768, 68) == (128, 1)  # 1032 blocks: 1.3 waves of 792
+    assert cuda_kv_plan.plan_waves(1, 8, 32768, 68, 132) == (86, 1)  # 696 blocks, 3 tiles each
 
 
 def test_wave_plan_is_searched_once_per_tile_count_not_per_decode_step():
     """A decode step grows the fp16 tail by one token: the plan's search (up to MAX_CHUNKS
     candidates) runs again only when the tiles or the fp16 chunks change."""
-    cuda_kv._wave_chunks.cache_clear()
-    plans = {cuda_kv.plan_waves(1, 8, 32768 - c, 132 + t, 132) for t in range(64) for c in (0, 64)}
-    assert len(plans) == 1 and cuda_kv._wave_chunks.cache_info().misses == 1
-    cuda_kv.plan_waves(1, 8, 32768 + 128, 140, 132)  # one more tile: searched again
-    assert cuda_kv._wave_chunks.cache_info().misses == 2
+    cuda_kv_plan._wave_chunks.cache_clear()
+    plans = {cuda_kv_plan.plan_waves(1, 8, 32768 - c, 132 + t, 132)
+             for t in range(64) for c in (0, 64)}
+    assert len(plans) == 1 and cuda_kv_plan._wave_chunks.cache_info().misses == 1
+    cuda_kv_plan.plan_waves(1, 8, 32768 + 128, 140, 132)  # one more tile: searched again
+    assert cuda_kv_plan._wave_chunks.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_candidate_merge_matches_reference(name):
-    """The lab's candidate merge (`cuda_kv._MERGE_SPLIT`, 4 threads a dim), replayed."""
+    """The lab's candidate merge (`cuda_kv_sources._MERGE_SPLIT`, 4 threads a dim), replayed."""
     check(*make_case(**CASES[name], seed=len(name)), split=4)
 
 
@@ -943,7 +944,7 @@ def test_decode_steps_take_their_layout_from_the_packed_span(monkeypatch):
 
     monkeypatch.setattr(cuda_kv, "_kernel", fake)
     monkeypatch.setattr(cuda_kv, "prepare", counted)
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 16)
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 16)
     cache = TurboQuantKVCache(bits_k=4, bits_v=3, sink=4, window=8, block=16, seed=3)
     k, v = (mx.random.normal((1, 2, 200, 64), key=mx.random.key(i)).astype(mx.float16)
             for i in (1, 2))
@@ -964,7 +965,7 @@ def test_decode_steps_take_their_layout_from_the_packed_span(monkeypatch):
     keys = set(zip(map(id, spans), fp_counts))
     assert len(keys) < len(spans) // 3  # most steps reused a layout
     assert len(prepared) == len(keys)  # prepare ran once per span and fp16 chunk count
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 32)  # a switch: laid out anew
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 32)  # a switch: laid out anew
     cuda_kv.decode_attention(q, parts, 0.125)
     assert len(prepared) == len(keys) + 1
     assert launched[-2][3] == real_prepare(q, parts, 0.125).layout.partial_grid
@@ -985,10 +986,11 @@ def test_two_launches_with_only_the_constants_they_need(monkeypatch):
     q, parts, _ = make_case(b=2, kv=2, r=2, kd=64)
     out = cuda_kv.decode_attention(q.astype(mx.bfloat16), parts, 0.125)
     assert out.shape == (2, 4, 1, 64) and out.dtype == mx.bfloat16
-    merge = ("tq_kv_merge_wide" if cuda_kv.KV_MERGE_WIDE else  # where it fits (d64 does)
-             "tq_kv_merge_split" if cuda_kv.KV_MERGE_SPLIT else "tq_kv_merge")
+    merge = ("tq_kv_merge_wide" if cuda_kv_plan.KV_MERGE_WIDE else  # where it fits (d64 does)
+             "tq_kv_merge_split" if cuda_kv_plan.KV_MERGE_SPLIT else "tq_kv_merge")
     assert [(n.removesuffix("_b8"), k) for n, k, _ in calls] == [
-        ("tq_kv_partial", len(cuda_kv.PARTIAL_INPUTS)), (merge, len(cuda_kv.MERGE_INPUTS))]
+        ("tq_kv_partial", len(cuda_kv_sources.PARTIAL_INPUTS)),
+        (merge, len(cuda_kv_sources.MERGE_INPUTS))]
     assert set(calls[0][2]) == {"KD", "DV", "BK", "BV", "R", "P", "FPCH", "HAS_SINK",
                                 "HAS_TAIL", "HAS_MASK"}
     assert set(calls[1][2]) == {"DV", "FPCH"}
@@ -997,31 +999,31 @@ def test_two_launches_with_only_the_constants_they_need(monkeypatch):
 def test_chunks_of_many_tiles_and_empty_chunks(monkeypatch):
     # 5 compressed tiles over 4 chunks -> 2, 2, 1 tiles and an empty chunk;
     # fp16 tokens over 3 chunks of one tile each
-    monkeypatch.setattr(cuda_kv, "TARGET_BLOCKS", 8)
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 128)
+    monkeypatch.setattr(cuda_kv_plan, "TARGET_BLOCKS", 8)
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 128)
     q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
     launch = check(q, parts, args)
     assert (launch.layout.ncc, launch.layout.fpch) == (4, 3)
-    assert [cuda_kv.chunk_tiles(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 5)]
+    assert [cuda_kv_plan.chunk_tiles(5, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 5), (6, 5)]
 
 
 def test_the_wave_plan_follows_the_fp_chunk_size(monkeypatch):
     """FP_TOKENS_PER_CHUNK changed at run time (`kv.py`'s :f<n> configs) reaches the wave
     plan too, whose choices are cached."""
-    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 132)
     q, parts, args = make_case(b=1, kv=2, r=2, kd=64, c=600, s=4, t=300)
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 256)
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 256)
     assert check(q, parts, args).layout.fpch == 2  # 304 fp16 tokens, 256 a chunk
-    monkeypatch.setattr(cuda_kv, "FP_TOKENS_PER_CHUNK", 64)
+    monkeypatch.setattr(cuda_kv_plan, "FP_TOKENS_PER_CHUNK", 64)
     assert check(q, parts, args).layout.fpch == 5
 
 
 def test_fp16_chunks_are_a_tile_by_default():
     """The runtime's sink + tail (132-196 tokens) in chunks of a tile, so that no block walks
     more fp16 tiles than the compressed chunks at 1K do (the 2026-11-30 run's lab)."""
-    assert cuda_kv.FP_TOKENS_PER_CHUNK == cuda_kv.TILE
-    assert cuda_kv.plan(1, 8, 1024 - 196, 196)[1] == 2
+    assert cuda_kv_plan.FP_TOKENS_PER_CHUNK == cuda_kv_plan.TILE
+    assert cuda_kv_plan.plan(1, 8, 1024 - 196, 196)[1] == 2
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fp16-operands", "exact"])
@@ -1032,8 +1034,8 @@ def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
     PTX layouts of mma m16n8k16) against `tq_attention`, as the runtime launches it: with
     fp16 operands (the default) within MMA_FP16_RTOL, with hi + lo products within 2e-5."""
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
-    monkeypatch.setattr(cuda_kv, "KV_MMA_EXACT", exact)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_MMA_EXACT", exact)
     more = {"k4v3-d128-mask": dict(b=2, kv=2, r=3, kd=128, bits=(4, 3), c=300, s=4, t=140),
             "k2v4-d128-fp32-parts-r8": dict(kv=1, r=8, kd=128, dv=64, bits=(2, 4), c=260, t=30,
                                             fp=np.float32)}
@@ -1043,7 +1045,7 @@ def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
         mask = mx.array(np.random.default_rng(3).random((2, 1, 1, parts.length)) > 0.3)
     launch = check(q, parts, args, mask=mask)
     assert launch.layout.partial_kernel.removesuffix("_b8") == "tq_kv_partial_mma"
-    assert cuda_kv.fp16_operands(launch.layout) is not exact
+    assert cuda_kv_layout.fp16_operands(launch.layout) is not exact
 
 
 @pytest.mark.parametrize("name, mma", [("k8v3-d128-gqa4", True), ("k4v4-d256", True),
@@ -1051,15 +1053,15 @@ def test_mma_partial_replayed_matches_reference(name, exact, monkeypatch):
 def test_batched_value_staging_launches_and_matches_reference(name, mma, monkeypatch):
     """KV_STAGE_BATCH: the partial kernels whose value codes are staged 8 loads at a time
     (`_STAGE_V_BATCHED`), replayed as launched; the rest of their source is unchanged."""
-    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "1")
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_STAGE_BATCH", "1")
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     lay = check(*make_case(**CASES[name], seed=len(name))).layout
     assert lay.partial_kernel == ("tq_kv_partial_mma_b8" if mma else "tq_kv_partial_b8")
     for base in ("tq_kv_partial", "tq_kv_partial_mma"):
-        full, batched = cuda_kv.SOURCES[base][2], cuda_kv.SOURCES[base + "_b8"][2]
-        assert batched == full.replace(cuda_kv._STAGE_V, cuda_kv._STAGE_V_BATCHED)
-    assert "#pragma unroll 8\n" in cuda_kv._STAGE_V_BATCHED
+        full, batched = cuda_kv_sources.SOURCES[base][2], cuda_kv_sources.SOURCES[base + "_b8"][2]
+        assert batched == full.replace(cuda_kv_sources._STAGE_V, cuda_kv_sources._STAGE_V_BATCHED)
+    assert "#pragma unroll 8\n" in cuda_kv_sources._STAGE_V_BATCHED
 
 
 @pytest.mark.parametrize("switch", ["auto", "0"])
@@ -1068,23 +1070,23 @@ def test_batched_value_staging_by_default_where_the_lab_measured_it_faster(switc
     plan of 9 resident blocks for values of at most 4 bits (K4/V3: 43.7 us against 50.9,
     K8/V3 57.3 against 67.4) and of 6 for 8-bit values (K8/V8 101 against 119). "0" turns
     it off, on the 6-block plan."""
-    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", switch)
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", True)
-    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_STAGE_BATCH", switch)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", True)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PLAN_WAVES", True)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     # a GPU of 4 SMs: the 6- and 9-block plans differ at 2000 tokens already (132: ~30K)
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
     auto = switch == "auto"
     for bits, batched, blocks in (((8, 8), auto, 6), ((4, 8), auto, 6), ((4, 3), auto, 9),
                                   ((2, 4), auto, 9), ((8, 3), auto, 9), ((8, 4), auto, 9)):
-        blocks = blocks if batched else cuda_kv.MMA_BLOCKS_PER_SM
+        blocks = blocks if batched else cuda_kv_plan.MMA_BLOCKS_PER_SM
         q, parts, _ = make_case(kv=2, r=4, kd=128, bits=bits, c=2000, s=4, t=140)
         lay = cuda_kv.prepare(q, parts, 0.1).layout
         assert lay.partial_kernel == "tq_kv_partial_mma" + ("_b8" if batched else ""), bits
-        assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(
-            1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, blocks), bits
-    assert cuda_kv.plan_waves(1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, 9) != \
-        cuda_kv.plan_waves(1, 2, 2000, 144, 4, cuda_kv.FP_TOKENS_PER_CHUNK, 6)
+        assert (lay.ncc, lay.fpch) == cuda_kv_plan.plan_waves(
+            1, 2, 2000, 144, 4, cuda_kv_plan.FP_TOKENS_PER_CHUNK, blocks), bits
+    assert cuda_kv_plan.plan_waves(1, 2, 2000, 144, 4, cuda_kv_plan.FP_TOKENS_PER_CHUNK, 9) != \
+        cuda_kv_plan.plan_waves(1, 2, 2000, 144, 4, cuda_kv_plan.FP_TOKENS_PER_CHUNK, 6)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -1099,7 +1101,8 @@ def test_batched_value_staging_takes_fewer_registers(tmp_path):
               mx.float16, mx.float16, mx.float16, mx.float16, mx.float32]
     regs = {}
     for kernel in ("tq_kv_partial_mma", "tq_kv_partial_mma_b8"):
-        src = cuda_kv.HEADER + mlx_kernel_source(kernel, kernel, dtypes, [mx.float32] * 2, template)
+        src = cuda_kv_sources.HEADER + mlx_kernel_source(kernel, kernel, dtypes,
+                                                         [mx.float32] * 2, template)
         regs[kernel] = nvcc_registers(src, tmp_path, kernel)
     assert regs["tq_kv_partial_mma_b8"] <= 64 < regs["tq_kv_partial_mma"], regs
 
@@ -1108,9 +1111,9 @@ def test_batched_value_staging_takes_fewer_registers(tmp_path):
 @pytest.mark.parametrize("v_dim", [64, 128, 256])
 def test_wide_merge_fits_a_block_of_1024_threads(tmp_path, v_dim):
     """`_MERGE_WIDE` launches 1024 threads a block: at most 64 registers each on sm_90."""
-    src = cuda_kv.HEADER + mlx_kernel_source(
+    src = cuda_kv_sources.HEADER + mlx_kernel_source(
         "tq_kv_merge_wide", "tq_kv_merge_wide", [mx.float32] * 3, [mx.bfloat16],
-        (("DV", v_dim), ("FPCH", cuda_kv.MAX_FP_CHUNKS)))
+        (("DV", v_dim), ("FPCH", cuda_kv_plan.MAX_FP_CHUNKS)))
     assert nvcc_registers(src, tmp_path, "tq_kv_merge_wide") <= 64
 
 
@@ -1118,26 +1121,27 @@ def test_mma_partial_where_it_fits_on_sm80(monkeypatch):
     """KV_PARTIAL_MMA: `_PARTIAL_MMA` for heads of 128/256 dims and up to 8 query rows a KV
     head on an sm_80+ GPU, on its own wave plan (fewer resident blocks); the plain kernel
     elsewhere, and without a CUDA driver (this machine)."""
-    monkeypatch.setattr(cuda_kv, "KV_STAGE_BATCH", "0")  # the full-staging kernels' plans
-    assert cuda_kv.mma_fits(128, 128, 4) and cuda_kv.mma_fits(256, 256, 8)
-    assert not cuda_kv.mma_fits(64, 64, 2) and not cuda_kv.mma_fits(128, 128, 16)
+    monkeypatch.setattr(cuda_kv_plan, "KV_STAGE_BATCH", "0")  # the full-staging kernels' plans
+    assert cuda_kv_plan.mma_fits(128, 128, 4) and cuda_kv_plan.mma_fits(256, 256, 8)
+    assert not cuda_kv_plan.mma_fits(64, 64, 2) and not cuda_kv_plan.mma_fits(128, 128, 16)
     q, parts, _ = make_case(b=1, kv=2, r=4, kd=128, c=1250, s=4, t=150)
     assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"  # no driver
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(cuda_kv.cuda_memory, "sm_count", lambda: 4)
-    monkeypatch.setattr(cuda_kv, "KV_PLAN_WAVES", True)
-    monkeypatch.setattr(cuda_kv, "MMA_BLOCKS_PER_SM", 5)  # a plan of its own (6 for `_PARTIAL`)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PLAN_WAVES", True)
+    monkeypatch.setattr(cuda_kv_plan, "MMA_BLOCKS_PER_SM", 5)  # own plan (6 for `_PARTIAL`)
     lay = cuda_kv.prepare(q, parts, 0.1).layout
     assert lay.partial_kernel == "tq_kv_partial_mma"
     s_len, c_len, t_len = parts.lengths
-    assert (lay.ncc, lay.fpch) == cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE, 5)
-    assert (lay.ncc, lay.fpch) != cuda_kv.plan_waves(1, 2, c_len, s_len + t_len, 4, cuda_kv.TILE)
+    tile = cuda_kv_plan.TILE
+    assert (lay.ncc, lay.fpch) == cuda_kv_plan.plan_waves(1, 2, c_len, s_len + t_len, 4, tile, 5)
+    assert (lay.ncc, lay.fpch) != cuda_kv_plan.plan_waves(1, 2, c_len, s_len + t_len, 4, tile)
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (7, 5))
     assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"
     monkeypatch.setattr(cuda_kv.cuda_memory, "compute_capability", lambda: (9, 0))
     small = make_case(b=1, kv=2, r=2, kd=64, c=300)
     assert cuda_kv.prepare(*small[:2], 0.1).layout.partial_kernel == "tq_kv_partial"
-    monkeypatch.setattr(cuda_kv, "KV_PARTIAL_MMA", False)
+    monkeypatch.setattr(cuda_kv_plan, "KV_PARTIAL_MMA", False)
     assert cuda_kv.prepare(q, parts, 0.1).layout.partial_kernel == "tq_kv_partial"
 
 
@@ -1190,14 +1194,14 @@ def test_plan_covers_every_tile_once():
     for b, kv in ((1, 1), (1, 8), (2, 8), (4, 32)):
         for c in (1, 127, 128, 129, 1000, 32768, 131072, 10**6):
             for f in (0, 1, 196, 5000):
-                ncc, fpch = cuda_kv.plan(b, kv, c, f)
-                assert 1 <= ncc and ncc + fpch <= cuda_kv.MAX_CHUNKS
+                ncc, fpch = cuda_kv_plan.plan(b, kv, c, f)
+                assert 1 <= ncc and ncc + fpch <= cuda_kv_plan.MAX_CHUNKS
                 assert (fpch == 0) == (f == 0)
                 for n_tok, n in ((c, ncc), (f, fpch)):
-                    tiles = -(-n_tok // cuda_kv.TILE)
+                    tiles = -(-n_tok // cuda_kv_plan.TILE)
                     seen = []
                     for i in range(n):
-                        a, e = cuda_kv.chunk_tiles(tiles, n, i)
+                        a, e = cuda_kv_plan.chunk_tiles(tiles, n, i)
                         seen += range(a, e)
                     assert seen == list(range(tiles)), (b, kv, c, f, n)
 
@@ -1226,7 +1230,7 @@ def test_lazy_registration(monkeypatch):
 
 
 def mlx_kernel_source(func, kernel, input_dtypes, output_dtypes, template) -> str:
-    inputs, outputs, source = cuda_kv.SOURCES[kernel]
+    inputs, outputs, source = cuda_kv_sources.SOURCES[kernel]
     return kernel_source(func, inputs, outputs, source, input_dtypes, output_dtypes, template)
 
 
@@ -1243,17 +1247,17 @@ def launch_sources(L: cuda_kv.Launch, tag: str) -> str:
                           [lay.out_dtype], lay.merge_template),
         mlx_kernel_source(f"merge_wide_{tag}", "tq_kv_merge_wide", [mx.float32] * 3,
                           [lay.out_dtype], lay.merge_template)
-        if cuda_kv.merge_wide_fits(lay.v_dim) else "",
+        if cuda_kv_plan.merge_wide_fits(lay.v_dim) else "",
         *(mlx_kernel_source(f"partial_mma_{tag}_{exact}", "tq_kv_partial_mma",
                             [x.dtype for x in L.inputs], [mx.float32, mx.float32],
                             lay.partial_template + (("EXACT", exact),))
-          for exact in (False, True) if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r)),
+          for exact in (False, True) if cuda_kv_plan.mma_fits(lay.k_dim, lay.v_dim, lay.r)),
         mlx_kernel_source(f"partial_b8_{tag}", "tq_kv_partial_b8", [x.dtype for x in L.inputs],
                           [mx.float32, mx.float32], lay.partial_template),
         mlx_kernel_source(f"partial_mma_b8_{tag}", "tq_kv_partial_mma_b8",
                           [x.dtype for x in L.inputs], [mx.float32, mx.float32],
                           lay.partial_template + (("EXACT", False),))
-        if cuda_kv.mma_fits(lay.k_dim, lay.v_dim, lay.r) else "",
+        if cuda_kv_plan.mma_fits(lay.k_dim, lay.v_dim, lay.r) else "",
     ])
 
 
@@ -1268,7 +1272,8 @@ def test_sources_compile_with_nvcc(tmp_path):
     launches.append(cuda_kv.prepare(q, parts, 0.1, mx.ones((2, 1, 1, parts.length), mx.bool_)))
     q, parts, _ = make_case(kv=2, r=8, kd=128, c=300, fp=np.float32)  # the mma kernel's float loads
     launches.append(cuda_kv.prepare(q, parts, 0.1))
-    src = cuda_kv.HEADER + "".join(launch_sources(L, str(i)) for i, L in enumerate(launches))
+    src = cuda_kv_sources.HEADER + "".join(launch_sources(L, str(i))
+                                           for i, L in enumerate(launches))
     compile_with_nvcc(src, tmp_path)
 
 

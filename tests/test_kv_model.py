@@ -80,6 +80,28 @@ def test_install_is_one_idempotent_hook():
     assert hasattr(cache_module, "TurboQuantKVCache") and kv_attention.installed()
 
 
+def test_install_registers_the_cache_classes_it_is_given(monkeypatch):
+    # kv_attention imports nothing of kvcache: kvcache hands its classes to install()
+    from mlx_lm.models import cache as cache_module
+
+    class OtherCache(TurboQuantKVCache):
+        pass
+
+    monkeypatch.setattr(kv_attention, "_CACHE_CLASSES", list(kv_attention._CACHE_CLASSES))
+    try:
+        kv_attention.install(OtherCache)
+        assert cache_module.OtherCache is OtherCache
+        assert cache_module.TurboQuantKVCache is TurboQuantKVCache  # given before
+        kv_attention.uninstall()
+        assert not hasattr(cache_module, "OtherCache")
+        assert not hasattr(cache_module, "TurboQuantRotatingKVCache")
+        kv_attention.install()  # the classes given before come back
+        assert cache_module.OtherCache is OtherCache
+    finally:
+        kv_attention.install()
+        delattr(cache_module, "OtherCache")
+
+
 def test_mlx_lm_quantized_cache_still_works(model):
     # The hook passes everything that is not a TurboQuant view to mlx-lm's own function.
     tokens = _tokens(70)

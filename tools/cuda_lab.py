@@ -277,7 +277,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     """The KV decode kernels (`cuda_kv`: partial, then merge) for one layer of an 8B-shaped
     model at `context` compressed tokens, as `cuda_kv.prepare` lays them out (the cache's
     codes and norms are the weights that stream)."""
-    from turboquant.kernels import cuda_kv
+    from turboquant.kernels import cuda_kv, cuda_kv_plan, cuda_kv_sources
     from turboquant.kernels.kv_reference import KVParts, PackedKV, kv_words
 
     def zeros(*shape, dtype=mx.uint32):
@@ -292,31 +292,32 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     parts = KVParts(fp[0], fp[1], packed, fp[2], fp[3])
     # the plain layout (`plan`'s grid, the one-thread-a-dim merge): what the variants below
     # are timed against
-    switches = (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
-                cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_MERGE_WIDE)
-    cuda_kv.KV_MERGE_SPLIT = cuda_kv.KV_PLAN_WAVES = cuda_kv.KV_PARTIAL_VEC = False
-    cuda_kv.KV_PARTIAL_MMA = cuda_kv.KV_MERGE_WIDE = False
+    switches = (cuda_kv_plan.KV_MERGE_SPLIT, cuda_kv_plan.KV_PLAN_WAVES,
+                cuda_kv_plan.KV_PARTIAL_VEC, cuda_kv_plan.KV_PARTIAL_MMA,
+                cuda_kv_plan.KV_MERGE_WIDE)
+    cuda_kv_plan.KV_MERGE_SPLIT = cuda_kv_plan.KV_PLAN_WAVES = cuda_kv_plan.KV_PARTIAL_VEC = False
+    cuda_kv_plan.KV_PARTIAL_MMA = cuda_kv_plan.KV_MERGE_WIDE = False
     try:
         launch = cuda_kv.prepare(zeros(1, kv * r, 1, head_dim, dtype=mx.bfloat16), parts,
                                  head_dim ** -0.5)
     finally:
-        (cuda_kv.KV_MERGE_SPLIT, cuda_kv.KV_PLAN_WAVES, cuda_kv.KV_PARTIAL_VEC,
-         cuda_kv.KV_PARTIAL_MMA, cuda_kv.KV_MERGE_WIDE) = switches
+        (cuda_kv_plan.KV_MERGE_SPLIT, cuda_kv_plan.KV_PLAN_WAVES, cuda_kv_plan.KV_PARTIAL_VEC,
+         cuda_kv_plan.KV_PARTIAL_MMA, cuda_kv_plan.KV_MERGE_WIDE) = switches
     lay = launch.layout
     fills = {"queries": "x", "consts": _values(lay.consts.tolist()).fill, "k_codes": "bits",
              "v_codes": "bits", "k_norms": "norm", "v_norms": "norm", "mask": "zero"}
     streamed = {"k_codes", "k_norms", "v_codes", "v_norms"}
     args = [(name, Buffer(a.dtype, a.size, fills.get(name, "x"), name in streamed,
                           tuple(a.shape)))
-            for name, a in zip(cuda_kv.PARTIAL_INPUTS, launch.inputs)]
+            for name, a in zip(cuda_kv_sources.PARTIAL_INPUTS, launch.inputs)]
     tag = f"{context}_k{bits_k}v{bits_v}" if tail == 64 else f"{context}_t{tail}_k{bits_k}v{bits_v}"
 
     def variant(source: str, name: str, family: str, args, in_dtypes, out_dtypes, template,
                 grid, block, outputs) -> Variant:
         """`cuda_kv.SOURCES[source]` as the kernel `name` (its own function name)."""
-        inputs, output_names, body = cuda_kv.SOURCES[source]
+        inputs, output_names, body = cuda_kv_sources.SOURCES[source]
         return Variant(name, family, name,
-                       cuda_kv.HEADER + kernel_source(name, inputs, output_names, body,
+                       cuda_kv_sources.HEADER + kernel_source(name, inputs, output_names, body,
                                                       in_dtypes, out_dtypes, template),
                        grid, block, 0, args, outputs)
 
@@ -332,7 +333,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
     partial = variant(
         "tq_kv_partial", f"kv_partial_{tag}", f"kv_partial_{tag}", args, in_dtypes,
         [mx.float32] * 2, lay.partial_template,
-        (lay.partial_grid[0] // cuda_kv.NT, lay.partial_grid[1], 1), cuda_kv.NT,
+        (lay.partial_grid[0] // cuda_kv_plan.NT, lay.partial_grid[1], 1), cuda_kv_plan.NT,
         [("part_ml", mx.float32, math.prod(ml_shape)),
          ("part_acc", mx.float32, math.prod(acc_shape))])
     candidate = variant(  # same family: its outputs are checked against the partial's
@@ -343,34 +344,34 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         [mx.float32] * 2, exact, partial.grid, partial.block, partial.outputs)
     # the candidate grid (`cuda_kv.plan_waves`, H200: 132 SMs): its own family, as its
     # chunk sums differ; only its time is compared
-    ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS)
+    ncc, fpch = cuda_kv_plan.plan_waves(1, kv, context, sink + tail, H200_SMS)
     waves = variant(
         "tq_kv_partial", f"kv_partial_waves_{tag}", f"kv_partial_waves_{tag}", args, in_dtypes,
-        [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT,
-        partial_outputs(ncc + fpch))
+        [mx.float32] * 2, lay.partial_template, (ncc + fpch, lay.partial_grid[1], 1),
+        cuda_kv_plan.NT, partial_outputs(ncc + fpch))
     # the tensor-core candidate on its own wave-filling grid (fewer resident blocks)
-    ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS,
-                                   blocks_per_sm=cuda_kv.MMA_BLOCKS_PER_SM)
+    ncc, fpch = cuda_kv_plan.plan_waves(1, kv, context, sink + tail, H200_SMS,
+                                   blocks_per_sm=cuda_kv_plan.MMA_BLOCKS_PER_SM)
     mma_waves = variant(
         "tq_kv_partial_mma", f"kv_partial_mma_waves_{tag}", f"kv_partial_mma_waves_{tag}",
         args, in_dtypes, [mx.float32] * 2, exact, (ncc + fpch, lay.partial_grid[1], 1),
-        cuda_kv.NT, partial_outputs(ncc + fpch))
+        cuda_kv_plan.NT, partial_outputs(ncc + fpch))
     # the fp16 part in chunks of `fp_tokens` (`cuda_kv.FP_TOKENS_PER_CHUNK`): more blocks
     # for the sink + tail (the kernel splits it by whole tiles, so below TILE tokens a
     # chunk only adds empty blocks); own families (other chunk sums), only times compared
     fp_chunked = []
     for per_chunk in fp_tokens:
-        fpch = cuda_kv.plan(1, kv, context, sink + tail, per_chunk)[1]
+        fpch = cuda_kv_plan.plan(1, kv, context, sink + tail, per_chunk)[1]
         template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
         name = f"kv_partial_fp{per_chunk}_{tag}"
         outs = partial_outputs(lay.ncc + fpch)
         fp_chunked.append(variant(
             "tq_kv_partial", name, name, args, in_dtypes, [mx.float32] * 2, template,
-            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
+            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv_plan.NT, outs))
         fp_chunked.append(variant(  # the tensor-core candidate, checked against it
             "tq_kv_partial_mma", f"kv_partial_mma_fp{per_chunk}_{tag}", name, args, in_dtypes,
             [mx.float32] * 2, template + (("EXACT", True),),
-            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv.NT, outs))
+            (lay.ncc + fpch, lay.partial_grid[1], 1), cuda_kv_plan.NT, outs))
         # and on the runtime's grid (waves, fp16 chunks of per_chunk): the plain kernel, the
         # tensor-core one with hi + lo products and with fp16 products (the runtime's
         # default; same family as the exact one, so the lab prints their difference), and
@@ -379,16 +380,16 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
         # PLAN_CANDIDATES (`_w<n>`: n resident blocks an SM), each its own family, as its
         # chunking differs: only times compare
         fp16x = (("EXACT", False),)
-        b8_blocks = cuda_kv.mma_blocks_per_sm(bits_k, bits_v, batched=True)
-        runs = [("tq_kv_partial", cuda_kv.PARTIAL_BLOCKS_PER_SM, (), ""),
-                ("tq_kv_partial_b8", cuda_kv.PARTIAL_BLOCKS_PER_SM, (), "_b8"),
-                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, (("EXACT", True),), ""),
-                ("tq_kv_partial_mma", cuda_kv.MMA_BLOCKS_PER_SM, fp16x, "_fp16x"),
+        b8_blocks = cuda_kv_plan.mma_blocks_per_sm(bits_k, bits_v, batched=True)
+        runs = [("tq_kv_partial", cuda_kv_plan.PARTIAL_BLOCKS_PER_SM, (), ""),
+                ("tq_kv_partial_b8", cuda_kv_plan.PARTIAL_BLOCKS_PER_SM, (), "_b8"),
+                ("tq_kv_partial_mma", cuda_kv_plan.MMA_BLOCKS_PER_SM, (("EXACT", True),), ""),
+                ("tq_kv_partial_mma", cuda_kv_plan.MMA_BLOCKS_PER_SM, fp16x, "_fp16x"),
                 ("tq_kv_partial_mma_b8", b8_blocks, fp16x, "_fp16x_b8")]
         runs += [("tq_kv_partial_mma_b8", n, fp16x, f"_fp16x_b8_w{n}")
                  for n in PLAN_CANDIDATES if n != b8_blocks]
         for kernel, blocks, flag, suffix in runs:
-            ncc, fpch = cuda_kv.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
+            ncc, fpch = cuda_kv_plan.plan_waves(1, kv, context, sink + tail, H200_SMS, per_chunk,
                                            blocks)
             template = tuple((k, fpch if k == "FPCH" else v) for k, v in lay.partial_template)
             name = f"{kernel.removesuffix('_b8')[3:]}_waves_fp{per_chunk}_{tag}"
@@ -396,7 +397,7 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
             fp_chunked.append(variant(
                 kernel, name + suffix, family, args, in_dtypes,
                 [mx.float32] * 2, template + flag, (ncc + fpch, lay.partial_grid[1], 1),
-                cuda_kv.NT, partial_outputs(ncc + fpch)))
+                cuda_kv_plan.NT, partial_outputs(ncc + fpch)))
     # positive sums (as softmax sums are), so that the merges' outputs compare stably
     margs = [("part_ml", Buffer(mx.float32, math.prod(ml_shape), "norm", False, ml_shape)),
              ("part_acc", Buffer(mx.float32, math.prod(acc_shape), "x", False, acc_shape)),
@@ -404,16 +405,16 @@ def kv_variants(context: int, bits_k: int = 4, bits_v: int = 3, kv: int = 8, r: 
                               (head_dim, head_dim)))]
     merge = variant(
         "tq_kv_merge", f"kv_merge_{tag}", f"kv_merge_{tag}", margs, [mx.float32] * 3,
-        [lay.out_dtype], lay.merge_template, (lay.merge_grid[0] // cuda_kv.NT, 1, 1),
-        cuda_kv.NT, [("out", lay.out_dtype, math.prod(lay.out_shape))])
-    split = cuda_kv.split_per_dim(head_dim)
+        [lay.out_dtype], lay.merge_template, (lay.merge_grid[0] // cuda_kv_plan.NT, 1, 1),
+        cuda_kv_plan.NT, [("out", lay.out_dtype, math.prod(lay.out_shape))])
+    split = cuda_kv_plan.split_per_dim(head_dim)
     merge_split = variant(  # same family as the merge: checked against it
         "tq_kv_merge_split", f"kv_merge_split_{tag}", merge.family, margs, [mx.float32] * 3,
         [lay.out_dtype], lay.merge_template, merge.grid, split * head_dim, merge.outputs)
     merge_wide = [variant(  # the candidate (KV_MERGE_WIDE): same family
         "tq_kv_merge_wide", f"kv_merge_wide_{tag}", merge.family, margs, [mx.float32] * 3,
-        [lay.out_dtype], lay.merge_template, merge.grid, cuda_kv.MERGE_WIDE_THREADS,
-        merge.outputs)] if cuda_kv.merge_wide_fits(head_dim) else []
+        [lay.out_dtype], lay.merge_template, merge.grid, cuda_kv_plan.MERGE_WIDE_THREADS,
+        merge.outputs)] if cuda_kv_plan.merge_wide_fits(head_dim) else []
     return [partial, candidate, mma, waves, mma_waves, merge, merge_split, *merge_wide,
             *fp_chunked]
 
@@ -469,7 +470,7 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
     """The lab's variants; the tail contexts' fp16 chunk sizes are `tail_fp_tokens`
     (default: the runtime's, `cuda_kv.FP_TOKENS_PER_CHUNK`), and `kv_extra_bits` adds
     each (K, V) bits' kernels at the tail contexts."""
-    from turboquant.kernels import cuda_kv
+    from turboquant.kernels import cuda_kv_plan
 
     _no_mlx_kernels()
     out = []
@@ -482,7 +483,7 @@ def build(specs=VARIANTS, kv_contexts=KV_CONTEXTS, kv_tail_contexts=KV_CONTEXTS,
         # the cache holds (window 128 + block 64), in chunks of a tile (the runtime's)
         for bits_k, bits_v in ((4, 3), *kv_extra_bits):
             out += kv_variants(context, bits_k, bits_v, tail=188,
-                               fp_tokens=tail_fp_tokens or (cuda_kv.FP_TOKENS_PER_CHUNK,))
+                               fp_tokens=tail_fp_tokens or (cuda_kv_plan.FP_TOKENS_PER_CHUNK,))
     return out
 
 

@@ -54,7 +54,7 @@ def _arrays(parts) -> list:
 
 def attention(rows: dict, i: int, attn, x, cache, on_cuda: bool):
     """One layer's attention, piece by piece -> (B, 1, hidden)."""
-    from turboquant.kernels import cuda_kv
+    from turboquant.kernels import cuda_kv, cuda_kv_plan
     from turboquant.kernels.kv_reference import tq_attention
 
     b, n, _ = x.shape
@@ -94,11 +94,11 @@ def attention(rows: dict, i: int, attn, x, cache, on_cuda: bool):
             lay = launch.layout
             ml, acc = timed(rows, i, "tq_kv_partial", lambda: cuda_kv._kernel("tq_kv_partial")(
                 inputs=launch.inputs, template=lay.partial_template, grid=lay.partial_grid,
-                threadgroup=(cuda_kv.NT, 1, 1), output_shapes=lay.partial_shapes,
+                threadgroup=(cuda_kv_plan.NT, 1, 1), output_shapes=lay.partial_shapes,
                 output_dtypes=[mx.float32, mx.float32]))
             out = timed(rows, i, "tq_kv_merge", lambda: cuda_kv._kernel("tq_kv_merge")(
                 inputs=[ml, acc, lay.unrot], template=lay.merge_template, grid=lay.merge_grid,
-                threadgroup=(cuda_kv.NT, 1, 1), output_shapes=[lay.out_shape],
+                threadgroup=(cuda_kv_plan.NT, 1, 1), output_shapes=[lay.out_shape],
                 output_dtypes=[lay.out_dtype])[0])
     return timed(rows, i, "rest of the layer", lambda: attn.o_proj(
         out.transpose(0, 2, 1, 3).reshape(b, n, -1)))
