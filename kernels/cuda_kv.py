@@ -207,7 +207,7 @@ def decode_attention(queries: mx.array, parts: KVParts, scale: float, mask=None)
     A decode step without a mask takes its Layout from the packed span's `launches`, keyed
     on what else `prepare` reads (the query's shape, the fp16 parts' lengths as chunk
     counts, the switches): a cache reuses its span for `block` tokens, and `prepare`'s
-    checks and helpers cost ~15 Python calls a layer a step on the host (session 13)."""
+    checks and helpers cost ~15 Python calls a layer a step on the host (the 2026-11-30 run)."""
     pk = parts.packed
     if mask is not None or pk is None or type(scale) is not float:
         return run(prepare(queries, parts, scale, mask))

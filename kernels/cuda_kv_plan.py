@@ -24,7 +24,7 @@ MAX_CHUNKS = 1024  # chunks per (batch, KV head); the merge keeps one weight eac
 # fp16 (sink + tail) tokens per fp chunk: a tile. A block walks its chunk a tile at a time
 # and the kernel splits the fp16 part by whole tiles, so the runtime's sink + tail (132-196
 # tokens) in one chunk of 256 made one block walk 2 tiles while every compressed chunk at
-# 1K walks 1: that block was the call's critical path (lab, session 10, a 188-token tail:
+# 1K walks 1: that block was the call's critical path (lab, the 2026-11-30 run, a 188-token tail:
 # 60.8 us at 1K against 25.0 with a 64-token one; in chunks of a tile 41.1). Smaller chunks
 # than a tile would only add empty blocks.
 FP_TOKENS_PER_CHUNK = int(os.environ.get("TURBOQUANT_CUDA_KV_FP_TOKENS", str(TILE)))
@@ -65,15 +65,15 @@ MMA_BLOCKS_PER_SM = 6  # `_PARTIAL_MMA`'s (72 registers with nvcc for sm_90)
 # the batched-staging tensor-core kernel's for values of at most 4 bits (56 registers for
 # every mix of bits: 9 blocks fit). Lab, H200, 32K, runtime grid: K4/V3 43.7 us on this
 # plan against 51.0 on the 6-block one (and 50.9 for full staging on a 7-block one), the
-# same at 1K; K8/V3 57.3 against 67.4 (session 13). 8-bit values stay on the 6-block plan:
+# same at 1K; K8/V3 57.3 against 67.4 (the 2026-11-30 run). 8-bit values stay on the 6-block plan:
 # K8/V8 101 us there against 119 on a 9-block one.
 MMA_B8_BLOCKS_PER_SM = 9
 
-# Two of the lab's candidates (session 8), on since their GPU tests passed with them
-# (session 9, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
+# Two of the lab's candidates (the 2026-11-29h run), on since their GPU tests passed with them
+# (the 2026-11-30 run, `device_check.sh kv-candidates`: 21/21); "0" turns either off:
 # the split merge (lab, 32K: 14.4 us against 23.3; 1K: 9.3 vs 8.8), for every call: with a
 # threshold on the chunk count, a cache growing past it met a kernel not yet compiled in
-# the middle of decoding (session 10: 4K decode at 20 tok/s, ~1 s of NVRTC inside the
+# the middle of decoding (the 2026-11-30 run: 4K decode at 20 tok/s, ~1 s of NVRTC inside the
 # timed steps)
 KV_MERGE_SPLIT = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_SPLIT", "1") == "1"
 
@@ -83,7 +83,7 @@ def split_per_dim(v_dim: int) -> int:
     return min(8, 1024 // v_dim)
 
 # `_MERGE_WIDE` as the merge where it fits, "0" turns it off (the split merge then): lab,
-# H200, 32K: 5.7 us against the split merge's 10.2, 1K: 5.0 against 7.6 (session 13)
+# H200, 32K: 5.7 us against the split merge's 10.2, 1K: 5.0 against 7.6 (the 2026-11-30 run)
 KV_MERGE_WIDE = os.environ.get("TURBOQUANT_CUDA_KV_MERGE_WIDE", "1") == "1"
 
 # the partial grid from `plan_waves` on this GPU's SM count (lab, 32K: 68.0 us against 81.6)
@@ -94,7 +94,7 @@ KV_PARTIAL_VEC = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_VEC", "0") == "1"
 # `_PARTIAL_MMA` where it fits (`mma_fits`, sm_80+), "0" turns it off: lab, the runtime's
 # 188-token fp16 tail in chunks of a tile, 61.9 us at 32K against 78.3 (the plain kernel on
 # its own wave grid), 29.1 at 1K against 41.1, outputs within 1e-6; the KV GPU tests pass
-# with it (session 10, `device_check.sh kv-mma`: 23/23)
+# with it (the 2026-11-30 run, `device_check.sh kv-mma`: 23/23)
 KV_PARTIAL_MMA = os.environ.get("TURBOQUANT_CUDA_KV_PARTIAL_MMA", "1") == "1"
 # `_PARTIAL_MMA`'s products: "1" carries every operand as fp16 hi + lo halves (three
 # products, float32's accuracy); "0" (the default) rounds the operands to fp16 once (one
@@ -109,8 +109,8 @@ KV_MMA_EXACT = os.environ.get("TURBOQUANT_CUDA_KV_MMA_EXACT", "0") == "1"
 # and 188-token tail, fp16 operands: K8/V8 99.3-101.6 us batched against 150.7-155.3 (130
 # registers -> 56; the layers the cache protects by default); K4/V3 43.7 against 50.9 and
 # K8/V3 57.3 against ~66 (110 registers -> 56), both on the 9-block plan of values of at
-# most 4 bits (sessions 12, 13); the plain kernel the same within 2% either way. Until
-# session 13 "auto" left K8/V3 and K8/V4 on full staging (on a 6-block plan where 4 fit).
+# most 4 bits (the 2026-11-30 runs); the plain kernel the same within 2% either way. Until
+# the 2026-11-30 run "auto" left K8/V3 and K8/V4 on full staging (on a 6-block plan where 4 fit).
 # The KV GPU tests pass with "1".
 KV_STAGE_BATCH = os.environ.get("TURBOQUANT_CUDA_KV_STAGE_BATCH", "auto")
 
@@ -137,7 +137,7 @@ def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
                ) -> tuple[int, int]:
     """`plan` on a GPU whose SM count is known (KV_PLAN_WAVES): the fewest compressed
     chunks that minimise waves x tiles per chunk on `sms` SMs, so the grid ends on a full wave
-    instead of a short one (session 8's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
+    instead of a short one (the 2026-11-29h run's ncu at 32K: 1032 blocks in 792 slots, 1.3 waves).
     Every block of a wave is taken to cost its tiles (the fp16 chunks' blocks cost less)."""
     _, fpch = plan(b, kv, c_len, f_len, fp_tokens)
     return _wave_chunks(b * kv, -(-c_len // TILE), fpch, sms * blocks_per_sm), fpch
@@ -147,7 +147,7 @@ def plan_waves(b: int, kv: int, c_len: int, f_len: int, sms: int,
 def _wave_chunks(bkv: int, tiles: int, fpch: int, slots: int) -> int:
     """`plan_waves`'s compressed chunks. Cached on the tile count, which changes once per
     TILE compressed tokens: keyed on the token counts (the fp16 tail grows every step), it
-    missed on every decode step and walked up to MAX_CHUNKS candidates (session 11: ~60 us
+    missed on every decode step and walked up to MAX_CHUNKS candidates (the 2026-11-30 run: ~60 us
     of a token's host time at 32K)."""
     best = None
     for ncc in range(1, max(1, min(tiles, MAX_CHUNKS - fpch)) + 1):

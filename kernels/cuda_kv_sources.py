@@ -459,7 +459,7 @@ _PARTIAL = r"""
 # (`benchmarks/cuda_lab.py`, family kv_partial_*), run by the runtime only behind
 # KV_PARTIAL_VEC until it has passed the GPU tests: a thread reads its token's key row in
 # 16-byte loads where the row allows it (contiguous, 16-byte aligned, whole 16-byte units:
-# the same for every token of a block) instead of word by word. Session 8's ncu of
+# the same for every token of a block) instead of word by word. the 2026-11-29h run's ncu of
 # `_PARTIAL` at 32K: 77% of its global sectors were excess (16 scattered 4-byte loads a
 # row for K4/128) and its L1 66% busy. The words, and so the sums, are the same.
 # `_PARTIAL` with two pieces replaced:
@@ -509,7 +509,7 @@ _PARTIAL_VEC = _spliced(_PARTIAL, (
 
 # The runtime's partial kernel where it fits (KV_PARTIAL_MMA, `use_mma`: sm_80+), on the
 # tensor cores; the kernel lab checks it against `_PARTIAL` and times both. `_PARTIAL`
-# spends ~124 instructions a token at 32K (session 10's ncu: 32.4M for 256K tokens, issue
+# spends ~124 instructions a token at 32K (the 2026-11-30 run's ncu: 32.4M for 256K tokens, issue
 # slots 46% busy, L1 76%; this kernel 25.3M): a thread per token for the
 # scores (128 code lookups and 512 shared-memory reads of the queries a key) and a thread
 # per value dim (a lookup, a code and R weights from shared memory per token and dim).
@@ -740,7 +740,7 @@ _PARTIAL_MMA = _spliced(_PARTIAL, (
 # `_STAGE_V` with its loop unrolled by 8 loads instead of fully (KV_STAGE_BATCH). Fully
 # unrolled, nvcc keeps the loop's addresses in registers across the tiles: the tensor-core
 # kernel takes 72 registers for K4/V3 and 130 for K8/V8 (3 blocks an SM), the plain one 72
-# and 164 for K8/V8; unrolled by 8, 56 and about 40 (nvcc, sm_90, session 11). Fewer loads
+# and 164 for K8/V8; unrolled by 8, 56 and about 40 (nvcc, sm_90, the 2026-11-30 run). Fewer loads
 # are in flight a thread (8 instead of 12 for 3-bit values, 32 for 8-bit), more warps an SM.
 _STAGE_V_BATCHED = _STAGE_V.replace("      #pragma unroll\n", "      #pragma unroll 8\n", 1)
 assert _STAGE_V_BATCHED != _STAGE_V
@@ -855,7 +855,7 @@ _MERGE_SPLIT = _spliced(_MERGE, (
     ("  for (int d = tid; d < DV; d += NT) {\n    float a", None, _SPLIT_SUMS),
 ))
 
-# The wide merge (KV_MERGE_WIDE, the runtime's where it fits since session 13). Session 13's
+# The wide merge (KV_MERGE_WIDE, the runtime's where it fits since the 2026-11-30 run). the 2026-11-30 run's
 # ncu at 32K put the split merge at 18.5 us a layer beside the partial kernel's 57.7 (and
 # the fp16 cache's whole attention at ~50): its phases are L2 round trips and block-wide
 # reductions on 32 blocks. This one does fewer of each in a block of 1024 threads:

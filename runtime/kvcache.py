@@ -68,7 +68,7 @@ _STEP = 256
 # K4/V3 compression 112 -> 67) and a third of the graph-building time on the CPU; the
 # same codes and norms, bit for bit on the CPU (tests/test_kv_cache.py) and within the GPU
 # check's threshold-tie allowance on the H200 (tests/test_kernels_cuda_kv.py). Decode
-# speed moved within the host's noise there (session 12). Larger pieces (a prefill's) stay
+# speed moved within the host's noise there (the 2026-11-30 run). Larger pieces (a prefill's) stay
 # plain: every new shape would trace and build kernels again.
 COMPILED_FLUSH = os.environ.get("TURBOQUANT_KV_COMPILED_FLUSH", "auto")
 
@@ -363,7 +363,7 @@ class TurboQuantKVCache(_BaseCache):
         self.bits = self.bits_k
         self.sink, self.window = int(meta["sink"]), int(meta["window"])
         self.block, self.start_after = int(meta["block"]), int(meta["start_after"])
-        self.phase = int(meta.get("phase", 0))  # caches saved before session 11 have none
+        self.phase = int(meta.get("phase", 0))  # caches saved before the 2026-11-30 run have none
         self.seed = int(meta["seed"])
         self.norm_correction = bool(meta["norm_correction"])
         self.offset = int(meta["offset"])
