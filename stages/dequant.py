@@ -21,7 +21,6 @@ import numpy as np
 def _fp8_table(exp_bits: int, man_bits: int, fn: bool) -> np.ndarray:
     """float32 value of every 8-bit code of a 1-exp_bits-man_bits float."""
     codes = np.arange(256, dtype=np.int64)
-    sign = np.where(codes >> 7, -1.0, 1.0)
     e = (codes >> man_bits) & ((1 << exp_bits) - 1)
     m = codes & ((1 << man_bits) - 1)
     bias = (1 << (exp_bits - 1)) - 1
@@ -32,7 +31,7 @@ def _fp8_table(exp_bits: int, man_bits: int, fn: bool) -> np.ndarray:
         value = np.where((e == top) & (m == (1 << man_bits) - 1), np.nan, value)
     else:
         value = np.where(e == top, np.where(m == 0, np.inf, np.nan), value)
-    return (sign * value).astype(np.float32)
+    return np.where(codes >> 7, -value, value).astype(np.float32)  # -NaN keeps its sign
 
 
 FP8_E4M3 = _fp8_table(4, 3, fn=True)
@@ -90,7 +89,8 @@ def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     hi = FP4_E2M1[blocks >> 4]
     vals = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
     e = e8m0_exponents(scales)
-    out = np.ldexp(vals, e[..., None]).astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # overflow gives Inf: the job's finite check names it
+        out = np.ldexp(vals, e[..., None]).astype(np.float32, copy=False)
     out[scales == 255] = np.nan  # a NaN scale stays NaN, so the finite check names it
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * vals.shape[-1])
 
