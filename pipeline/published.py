@@ -66,13 +66,14 @@ class Pairing:
     published: dict[str, Published] = field(default_factory=dict)  # logical name -> weight
     partners: set[str] = field(default_factory=set)  # source names read with a weight
     problems: list[str] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)  # named in problems: planned no further
 
     def tensors(self, file: str, header: SafetensorsHeader) -> Iterator[TensorInfo]:
         """The file's tensors as the plan sees them: partners left out, codes tensors
         replaced by their logical float32 tensor (same start; end - start = source bytes)."""
         by_codes = {(p.file, p.tensor): n for n, p in self.published.items()}
         for info in header.tensors.values():
-            if info.name in self.partners:
+            if info.name in self.partners or info.name in self.refused:
                 continue
             name = by_codes.get((file, info.name))
             if name is None:
@@ -102,12 +103,13 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
         try:
             if info.dtype in FP8 and name.endswith(".weight"):
                 pub = _fp8(name, f, info, where, qc)
-            elif name.endswith("_blocks") and info.dtype == "U8":
+            elif name.endswith("_blocks") and len(info.shape) >= 3 and info.shape[-1] == 16:
                 pub = _mxfp4(name, f, info, where)
             elif name.endswith(".weight_packed"):
                 pub = _int4(name, f, info, where, qc)
         except _Refused as e:
             out.problems.append(f"{f}: tensor {name!r} ({info.dtype} {list(info.shape)}): {e}")
+            out.refused.add(name)
             continue
         if pub is None:
             continue
@@ -115,9 +117,17 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
         if logical != name and logical in where:
             out.problems.append(f"{f}: tensor {name!r} dequantizes to {logical!r}, which the "
                                 f"checkpoint also holds in {where[logical][0]}: keep only one")
+            out.refused.add(name)
             continue
         out.published[logical] = pub
         out.partners.update(p.tensor for p in pub.partners)
+    for name, (f, info) in where.items():
+        if name.endswith(".weight_scale_inv") and name not in out.partners:
+            weight = name[: -len("_scale_inv")]
+            have = f"is {where[weight][1].dtype}" if weight in where else "is missing"
+            out.problems.append(f"{f}: tensor {name!r}: an FP8 block scale whose weight "
+                                f"{weight!r} {have}: the checkpoint is incomplete or mixed")
+            out.refused.add(name)
     return out
 
 
@@ -200,11 +210,11 @@ def _mxfp4(name, f, info, where) -> Published | None:
                        "incomplete (check its index)")
     scale, sinfo = found
     shape = info.shape
-    if len(shape) not in (3, 4) or shape[-1] != dequant.MXFP4_BLOCK // 2 \
+    if info.dtype != "U8" or len(shape) not in (3, 4) or shape[-1] != dequant.MXFP4_BLOCK // 2 \
             or sinfo.dtype != "U8" or tuple(sinfo.shape) != tuple(shape[:-1]):
-        raise _Refused(f"MXFP4 blocks need shape (..., out, groups, 16) with U8 scales "
+        raise _Refused(f"MXFP4 blocks are U8 (..., out, groups, 16) with U8 scales "
                        f"(..., out, groups); the scales {scale.tensor!r} are {sinfo.dtype} "
-                       f"{list(sinfo.shape)}")
+                       f"{list(sinfo.shape)}: the checkpoint is not in the gpt-oss layout")
     in_f = shape[-2] * dequant.MXFP4_BLOCK
     # stacked experts (E, out, G, 16) read as (E, in, out), the layout of the BF16 release
     logical = (shape[0], in_f, shape[1]) if len(shape) == 4 else (shape[0], in_f)

@@ -172,6 +172,7 @@ def test_an_fp8_weight_without_scales_is_refused_in_one_line(dense, tmp_path):
     with pytest.raises(PlanError) as e:
         run(tmp_path / "pub", tmp_path / "out")
     msg = str(e.value)
+    assert len(e.value.problems) == 14  # 7 projections x 2 layers, each named once
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "F8_E4M3" in msg
     assert "weight_scale_inv" in msg and "incomplete" in msg
 
@@ -212,3 +213,23 @@ def test_fp8_conversion_memory_is_one_chunk_not_one_tensor(tmp_path, monkeypatch
     # dequantizing a whole weight would add its float32 values (8 MiB) to the peer's peak
     assert peaks["pub"] < peaks["copy"] + (2 << 20)
     assert peaks["pub"] < one_tensor
+
+
+def test_a_block_scale_without_its_fp8_weight_is_refused(dense, tmp_path):
+    """A weight_scale_inv next to a float32 weight (a mixed checkpoint) is named, not
+    written and not left to the recipe's rules."""
+    publish(dense, tmp_path / "pub", tmp_path / "copy", "fp8-block", scales_apart=True)
+    from safetensors.numpy import load_file
+
+    f = tmp_path / "pub" / "scales.safetensors"
+    tensors = list(load_file(f).items())
+    tensors.append(("model.embed_tokens.weight_scale_inv", np.ones((3, 1), np.float32)))
+    write_tensors(f, tensors)
+    index = json.loads((tmp_path / "pub" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.embed_tokens.weight_scale_inv"] = f.name
+    (tmp_path / "pub" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as e:
+        run(tmp_path / "pub", tmp_path / "out")
+    assert len(e.value.problems) == 1
+    assert "'model.embed_tokens.weight_scale_inv'" in str(e.value)
+    assert "weight 'model.embed_tokens.weight' is F32" in str(e.value)
