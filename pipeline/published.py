@@ -377,3 +377,39 @@ class PublishedReader:
             raise SourceError(p.file, f"says the weight is {list(have or ())}, but its packed "
                               f"codes and scales make {list(pub.shape)}: only weights whose "
                               "input size is a multiple of 8 are read", p.tensor)
+
+
+LABELS = ("F8_E4M3", "F8_E5M2", "MXFP4", "I4")  # source_dtype of a published weight
+
+
+class PublishedFolder:
+    """A local published checkpoint's logical tensors, whole (for `verify --source`)."""
+
+    def __init__(self, folder, headers: dict[str, SafetensorsHeader], config: dict):
+        self.folder = folder
+        self.headers = headers
+        self.pairing = pair(headers, config)
+
+    def tensor(self, name: str, expert: int | None = None) -> np.ndarray | None:
+        """A 2-D logical tensor, or one expert (in, out) of a stacked one; None if `name`
+        is not a published weight."""
+        import os
+
+        pub = self.pairing.published.get(name)
+        if pub is None:
+            return None
+        fds: dict[str, int] = {}
+
+        def fd(file: str) -> int:
+            if file not in fds:
+                fds[file] = os.open(self.folder / file, os.O_RDONLY)
+            return fds[file]
+
+        try:
+            reader = PublishedReader(fd, self.headers)
+            if expert is not None:
+                return reader.expert(pub, expert)
+            return reader.rows(pub, 0, pub.shape[0])
+        finally:
+            for v in fds.values():
+                os.close(v)

@@ -233,3 +233,15 @@ def test_a_block_scale_without_its_fp8_weight_is_refused(dense, tmp_path):
     assert len(e.value.problems) == 1
     assert "'model.embed_tokens.weight_scale_inv'" in str(e.value)
     assert "weight 'model.embed_tokens.weight' is F32" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4", "int4"])
+def test_verify_recomputes_errors_against_the_published_source(dense, gpt_oss, tmp_path, fmt):
+    from turboquant.pipeline.verify import verify_repo
+
+    src = gpt_oss if fmt == "mxfp4" else dense
+    publish(src, tmp_path / "pub", tmp_path / "copy", fmt, scales_apart=True)
+    run(tmp_path / "pub", tmp_path / "pub-tq")
+    rep = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
+    assert rep.ok, rep.text()
+    assert rep.decoded and all(m is not None for _, _, m in rep.decoded)
