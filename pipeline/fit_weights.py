@@ -84,6 +84,7 @@ class Inventory:
     headers: dict = field(default_factory=dict, repr=False)  # file -> SafetensorsHeader
     source_parameters: int = 0  # the model's weights (FP8 / MXFP4 / int4 scales not counted)
     source_bytes: int = 0  # tensor data in the source shards
+    pairing: published.Pairing | None = field(default=None, repr=False)
 
     @property
     def dtype(self) -> str:
@@ -120,7 +121,8 @@ def inventory(source: Source, recipe: str | None = None, overrides: dict | None 
     inv.files = len(headers)
     inv.tensors = sum(len(h.tensors) for h in headers.values())
     inv.headers = headers
-    inv.source_parameters = published.pair(headers, config).source_parameters(headers)
+    inv.source_parameters = inv.pairing.source_parameters(headers) if inv.pairing else \
+        published.pair(headers, config).source_parameters(headers)
     inv.source_bytes = sum(h.data_size for h in headers.values())
     return inv
 
@@ -213,7 +215,7 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
                                       w.layer, expert_of(name)))
     summary = _recipe_summary(rec.name, rec.bits, _expert_bits(out))
     return Inventory(where, "source", config, out, recipe=summary, recipe_args=overrides,
-                     problems=problems, recipe_arg=recipe)
+                     problems=problems, recipe_arg=recipe, pairing=pairing)
 
 
 def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:

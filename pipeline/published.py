@@ -67,11 +67,12 @@ class Pairing:
     partners: set[str] = field(default_factory=set)  # source names read with a weight
     problems: list[str] = field(default_factory=list)
     refused: set[str] = field(default_factory=set)  # named in problems: planned no further
+    _codes: dict | None = field(default=None, repr=False)  # (file, codes tensor) -> name
 
     def tensors(self, file: str, header: SafetensorsHeader) -> Iterator[TensorInfo]:
         """The file's tensors as the plan sees them: partners left out, codes tensors
         replaced by their logical float32 tensor (same start; end - start = source bytes)."""
-        by_codes = {(p.file, p.tensor): n for n, p in self.published.items()}
+        by_codes = self._by_codes()
         for info in header.tensors.values():
             if info.name in self.partners or info.name in self.refused:
                 continue
@@ -81,6 +82,11 @@ class Pairing:
                 continue
             pub = self.published[name]
             yield TensorInfo(name, "F32", pub.shape, info.start, info.start + pub.read_bytes)
+
+    def _by_codes(self) -> dict[tuple[str, str], str]:
+        if self._codes is None or len(self._codes) != len(self.published):
+            self._codes = {(p.file, p.tensor): n for n, p in self.published.items()}
+        return self._codes
 
     def source_parameters(self, headers: dict[str, SafetensorsHeader]) -> int:
         """Weights of the model: logical tensors' elements, partners not counted."""
