@@ -91,8 +91,10 @@ def test_published_dense_converts_to_the_bytes_of_its_float32_copy(dense, tmp_pa
 
 def test_mxfp4_gpt_oss_experts_convert_to_the_bytes_of_their_float32_copy(gpt_oss, tmp_path):
     publish(gpt_oss, tmp_path / "pub", tmp_path / "copy", "mxfp4", scales_apart=True)
-    run(tmp_path / "pub", tmp_path / "pub-tq")
-    run(tmp_path / "copy", tmp_path / "copy-tq")
+    # worker processes, one job per shard: the plan's pairs travel to them pickled, and the
+    # job that codes an expert opens the scales' shard too
+    run(tmp_path / "pub", tmp_path / "pub-tq", in_process=False, workers=2, min_job_bytes=0)
+    run(tmp_path / "copy", tmp_path / "copy-tq", min_job_bytes=0)
     rows = assert_same_repo(tmp_path / "pub-tq", tmp_path / "copy-tq", "MXFP4")
     # 2 layers x 3 experts x gate, up, down
     assert len(rows) == 18 and {r["source_name"] for r in rows} == {
