@@ -131,8 +131,10 @@ def _pack8(q: np.ndarray) -> np.ndarray:
 
 
 def publish(src: Path, dst: Path, copy: Path, fmt: str, *, scales_apart: bool = False,
-            block=(128, 128), fp8_dtype: str | None = None, zero_point: bool = False) -> None:
-    """Write `dst` (published) and `copy` (its exact float32 copy) from float32 `src`."""
+            block=(128, 128), fp8_dtype: str | None = None, zero_point: bool = False,
+            config_key: str = "quantization_config") -> None:
+    """Write `dst` (published) and `copy` (its exact float32 copy) from float32 `src`;
+    `config_key` "compression_config" is how older compressed-tensors releases name it."""
     assert fmt in FORMATS, fmt
     src, dst, copy = Path(src), Path(dst), Path(copy)
     for d in (dst, copy):
@@ -168,7 +170,7 @@ def publish(src: Path, dst: Path, copy: Path, fmt: str, *, scales_apart: bool = 
         (d / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": wm}, indent=2))
     (copy / "config.json").write_text(json.dumps(config, indent=2))
-    config["quantization_config"] = _quant_config(fmt, block, zero_point)
+    config[config_key] = _quant_config(fmt, block, zero_point)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -64,7 +64,8 @@ CASES = {
     "fp8-tensor-e4m3": dict(fmt="fp8-tensor", fp8_dtype="F8_E4M3", scales_apart=True,
                             dtype="F8_E4M3"),
     "int4": dict(fmt="int4", scales_apart=True, dtype="I4"),
-    "int4-zero-point": dict(fmt="int4", zero_point=True, dtype="I4"),
+    "int4-zero-point": dict(fmt="int4", zero_point=True, config_key="compression_config",
+                            dtype="I4"),
 }
 
 
