@@ -84,7 +84,7 @@ class Pairing:
             yield TensorInfo(name, "F32", pub.shape, info.start, info.start + pub.read_bytes)
 
     def _by_codes(self) -> dict[tuple[str, str], str]:
-        if self._codes is None or len(self._codes) != len(self.published):
+        if self._codes is None:  # pair() fills `published` before anyone asks
             self._codes = {(p.file, p.tensor): n for n, p in self.published.items()}
         return self._codes
 
@@ -208,7 +208,7 @@ def _fp8_block(qc: dict) -> tuple[int, int] | None:
     return None
 
 
-def _mxfp4(name, f, info, where) -> Published | None:
+def _mxfp4(name, f, info, where) -> Published:
     base = name[: -len("_blocks")]
     found = _find(where, base + "_scales", "scale")
     if found is None:
