@@ -343,15 +343,24 @@ def _gpt_oss_layout(c: dict):
     return out
 
 
+def as_bf16(tensors):
+    """The same layout as a BF16 release: FP8 weights in BF16, their scales gone."""
+    return [(n, "BF16" if d == "F8_E4M3" else d, s) for n, d, s in tensors
+            if not n.endswith("_scale_inv")]
+
+
 def write_layout(path: Path, config: dict, *, layers: list[int] | None = None,
-                 experts: int | None = None, fill: bool = False,
+                 experts: int | None = None, fill: bool = False, bf16: bool = False,
                  shard_bytes: int = 5 * 10**9, seed: int = 0) -> Path:
     """Header-exact shards of a release (data sparse, or random codes with `fill`); with
     `layers`, only those decoder layers (num_hidden_layers unchanged: a slice); with
-    `experts`, only the first routed experts of each layer (per-expert tensors)."""
+    `experts`, only the first routed experts of each layer (per-expert tensors); with
+    `bf16`, FP8 weights as BF16 (the peer a BF16 release would be)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = layout(config)
+    tensors = as_bf16(layout(config)) if bf16 else layout(config)
+    if bf16:
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
     if experts is not None:
         tensors = [t for t in tensors if not re.search(r"\.experts\.(\d+)\.", t[0])
                    or int(re.search(r"\.experts\.(\d+)\.", t[0]).group(1)) < experts]
@@ -395,7 +404,7 @@ def write_layout(path: Path, config: dict, *, layers: list[int] | None = None,
     return path
 
 
-def _write_random(f, name: str, dtype: str, shape, rng, rows: int = 1024) -> None:
+def _write_random(f, name: str, dtype: str, shape, rng) -> None:
     """Random values a few rows at a time: FP8 codes of N(0, 1), scales of 1/(16 sqrt(in)),
     MXFP4 bytes with exponents near 2^-4, BF16 N(0, 0.02) (norms 1)."""
     n = math.prod(shape)
@@ -421,7 +430,7 @@ def _write_random(f, name: str, dtype: str, shape, rng, rows: int = 1024) -> Non
 
 def main(argv=None) -> int:
     """python tests/published_checkpoints.py LAYOUT DIR [--layers 0,3,60] [--experts 8]
-    [--fill]"""
+    [--fill] [--bf16]"""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -431,9 +440,11 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, help="only the first N routed experts (per-expert "
                    "layouts)")
     p.add_argument("--fill", action="store_true", help="random codes instead of sparse zeros")
+    p.add_argument("--bf16", action="store_true", help="FP8 weights as BF16, no scales")
     a = p.parse_args(argv)
     layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-    write_layout(Path(a.dir), LAYOUTS[a.layout], layers=layers, experts=a.experts, fill=a.fill)
+    write_layout(Path(a.dir), LAYOUTS[a.layout], layers=layers, experts=a.experts, fill=a.fill,
+                 bf16=a.bf16)
     return 0
 
 
