@@ -47,31 +47,25 @@ def fp8_to_float32(codes: np.ndarray, dtype: str = "F8_E4M3") -> np.ndarray:
     return FP8_TABLES[dtype][codes]
 
 
-def expand_blocks(scale: np.ndarray, rows: int, cols: int, block: tuple[int, int],
-                  row0: int = 0) -> np.ndarray:
-    """Per-block scales (R, C) -> per-element (rows, cols) for rows [row0, row0 + rows).
-
-    `scale` holds the block rows starting at block row row0 // block[0] (a slice of the
-    whole grid is enough); the last block of each axis may be ragged.
-    """
-    br, bc = block
-    r = (row0 + np.arange(rows)) // br - row0 // br
-    c = np.arange(cols) // bc
-    return scale[r][:, c]
-
-
 def dequant_fp8(codes: np.ndarray, scale: np.ndarray, dtype: str = "F8_E4M3",
                 block: tuple[int, int] | None = None, row0: int = 0) -> np.ndarray:
     """FP8 codes (rows, cols) times their scale, in float32.
 
     `block` None: `scale` is per tensor (one value) or per output channel (rows values).
-    Else the block grid's scales (`weight_scale_inv`, e.g. 128 x 128), from block row
-    row0 // block[0] on (see expand_blocks).
+    Else the block grid's scales (`weight_scale_inv`, e.g. 128 x 128) for rows [row0,
+    row0 + rows): its block rows from row0 // block[0] on (a slice of the grid is enough);
+    the last block of each axis may be ragged.
     """
     x = fp8_to_float32(codes, dtype)
     s = np.asarray(scale, dtype=np.float32)
     if block is not None:
-        return x * expand_blocks(s, x.shape[0], x.shape[1], block, row0)
+        br, bc = block
+        per_col = np.repeat(s, bc, axis=1)[:, : x.shape[1]]  # (block rows, cols): small
+        first = row0 // br
+        for k in range(first, (row0 + x.shape[0] - 1) // br + 1):  # one block row at a time
+            a, b = max(0, k * br - row0), min(x.shape[0], (k + 1) * br - row0)
+            x[a:b] *= per_col[k - first]
+        return x
     if s.size == 1:
         return x * s.reshape(())
     return x * s.reshape(-1, 1)
@@ -115,10 +109,11 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, cols: int,
     group size (1: per channel); `zero_point` (rows, groups) int, already unpacked, or None
     (symmetric).
     """
-    q = unpack_int4(packed)[:, :cols].astype(np.int32)
     s = np.asarray(scale, dtype=np.float32)
-    group = -(-cols // s.shape[1])
-    cols_group = np.arange(cols) // group
+    rows, groups = s.shape
+    if cols % groups:
+        raise ValueError(f"{cols} columns do not make {groups} equal groups")
+    q = unpack_int4(packed)[:, :cols].reshape(rows, groups, cols // groups).astype(np.int32)
     if zero_point is not None:
-        q = q - np.asarray(zero_point, dtype=np.int32)[:, cols_group]
-    return q.astype(np.float32) * s[:, cols_group]
+        q = q - np.asarray(zero_point, dtype=np.int32)[:, :, None]
+    return (q.astype(np.float32) * s[:, :, None]).reshape(rows, cols)
