@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from turboquant.manifests.schema import CODES_SUFFIX, QUANT_METHOD, SCALES_SUFFIX
 
+from . import published
 from .errors import ConversionError, SourceError
 from .plan import choose_recipe, coded_shapes, expert_of, layer_of, num_layers_of
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, SafetensorsHeader
@@ -81,6 +82,9 @@ class Inventory:
     tensors: int = 0
     recipe_arg: str | None = None  # --recipe as given
     headers: dict = field(default_factory=dict, repr=False)  # file -> SafetensorsHeader
+    source_parameters: int = 0  # the model's weights (FP8 / MXFP4 / int4 scales not counted)
+    source_bytes: int = 0  # tensor data in the source shards
+    pairing: published.Pairing | None = field(default=None, repr=False)
 
     @property
     def dtype(self) -> str:
@@ -117,6 +121,9 @@ def inventory(source: Source, recipe: str | None = None, overrides: dict | None 
     inv.files = len(headers)
     inv.tensors = sum(len(h.tensors) for h in headers.values())
     inv.headers = headers
+    inv.source_parameters = inv.pairing.source_parameters(headers) if inv.pairing else \
+        published.pair(headers, config).source_parameters(headers)
+    inv.source_bytes = sum(h.data_size for h in headers.values())
     return inv
 
 
@@ -127,6 +134,7 @@ def reproject(inv: Inventory, **overrides) -> Inventory:
     args = {**inv.recipe_args, **overrides}
     out = _projected(inv.source, inv.config, inv.headers, inv.recipe_arg, args)
     out.files, out.tensors, out.headers = inv.files, inv.tensors, inv.headers
+    out.source_parameters, out.source_bytes = inv.source_parameters, inv.source_bytes
     return out
 
 
@@ -174,8 +182,10 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
     seen: set[str] = set()
     coded_bytes: dict[tuple, int] = {}
     decided: dict[tuple, Weight | str | None] = {}
+    pairing = published.pair(headers, config)
+    problems += pairing.problems
     for f, h in headers.items():
-        for info in h.tensors.values():
+        for info in pairing.tensors(f, h):
             if info.name in seen:
                 continue
             seen.add(info.name)
@@ -205,7 +215,7 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
                                       w.layer, expert_of(name)))
     summary = _recipe_summary(rec.name, rec.bits, _expert_bits(out))
     return Inventory(where, "source", config, out, recipe=summary, recipe_args=overrides,
-                     problems=problems, recipe_arg=recipe)
+                     problems=problems, recipe_arg=recipe, pairing=pairing)
 
 
 def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:
@@ -242,7 +252,8 @@ def _weight(rec, name, shape, dtype, layer, num_layers, cache) -> Weight | str |
     if res.action == "keep":
         return raw
     if dtype not in FLOAT_DTYPES:
-        return f"dtype {dtype} cannot be coded (BF16, F16 and F32 only)"
+        return (f"dtype {dtype} cannot be coded (BF16, F16, F32 and the published formats of "
+                f"{published.GUIDE} are read)")
     if len(shape) == 1 or (len(shape) == 2 and shape[1] < res.group_size) or 0 in shape:
         return raw
     if len(shape) != 2:

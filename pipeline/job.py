@@ -24,6 +24,7 @@ import numpy as np
 from .errors import LedgerError, SourceError
 from .ledger import FileLock, JobWriter, WorkDir, crash_point, sha256_file_range
 from .plan import Item, Job, cut_piece
+from .published import PublishedReader
 from .safetensors_io import FLOAT_DTYPES, SafetensorsHeader, check_finite, read_raw, to_float32
 
 # weights per chunk of rows (4 MiB as float32: faster than bigger chunks, cache-friendly);
@@ -168,6 +169,7 @@ class _Reader:
         self.fds: dict[str, int] = {}
         self._cache_key = None
         self._cache = None
+        self._published = None
 
     def __enter__(self):
         return self
@@ -177,6 +179,7 @@ class _Reader:
             os.close(fd)
         self.fds.clear()
         self._cache = None
+        self._published = None
 
     def fd(self, file: str) -> int:
         if file not in self.fds:
@@ -191,6 +194,19 @@ class _Reader:
                                         "when the conversion was planned: the file changed; "
                                         "rerun with --fresh")
         return self.fds[file]
+
+    def published(self, item: Item) -> PublishedReader | None:
+        """The reader of FP8 / MXFP4 / int4 codes, for an item read through them."""
+        if item.published is None:
+            return None
+        if self._published is None:
+            self._published = PublishedReader(self.fd, self.ctx.headers)
+        return self._published
+
+    def published_piece(self, item: Item) -> np.ndarray:
+        """A published item's expert slice, float32, sliced and transposed."""
+        return cut_piece(self.published(item).expert(item.published, item.piece.expert),
+                         item.piece)
 
     def info(self, item: Item):
         return self.ctx.headers[item.piece.file].tensors[item.piece.tensor]
@@ -234,6 +250,9 @@ def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
 def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
     p = item.piece
     src = p.file
+    if item.published is not None:
+        _write_raw_published(item, reader, writer, sha)
+        return
     if p.expert is not None:
         bits = reader.raw_piece(item)
         if item.source_dtype in FLOAT_DTYPES:
@@ -252,6 +271,24 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
         _emit(writer, sha, memoryview(raw))
 
 
+def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
+    """A kept published tensor: its float32 values (the plan stores it as F32)."""
+    p = item.piece
+    if p.expert is not None:
+        x = reader.published_piece(item)
+        check_finite(x, p.file, p.tensor)
+        _emit(writer, sha, memoryview(np.ascontiguousarray(x, dtype="<f4")).cast("B"))
+        return
+    out_f = item.shape[0]
+    width = item.numel // max(out_f, 1)
+    rows = max(1, CHUNK_ELEMENTS // max(width, 1))
+    for r0 in range(0, out_f, rows):
+        _check_parent()
+        x = reader.published(item).rows(item.published, r0, min(out_f, r0 + rows))
+        check_finite(x, p.file, p.tensor, r0 * width)
+        _emit(writer, sha, memoryview(np.ascontiguousarray(x, dtype="<f4")).cast("B"))
+
+
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: bool) -> float:
     from turboquant.stages import encode
 
@@ -259,9 +296,12 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: boo
     rows = max(1, CHUNK_ELEMENTS // in_f)
     p = item.piece
     whole = None
-    if p.expert is not None:
+    pub = reader.published(item)
+    if pub is not None and p.expert is not None:
+        whole = reader.published_piece(item)
+    elif p.expert is not None:
         whole = _as_float32(reader.raw_piece(item), item.source_dtype)
-    else:
+    elif pub is None:
         info, fd = reader.info(item), reader.fd(p.file)
     codes_spec, scales_spec = item.stored
     scales_parts: list[bytes] = []
@@ -271,6 +311,8 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: boo
         r1 = min(out_f, r0 + rows)
         if whole is not None:
             x = whole[r0:r1]
+        elif pub is not None:
+            x = pub.rows(item.published, r0, r1)
         else:
             x = to_float32(read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file),
                            info.dtype).reshape(r1 - r0, in_f)

@@ -21,7 +21,9 @@ from turboquant.manifests.recipe import Recipe, RecipeError, recipe_for_model_ty
 from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
 from turboquant.stages import rotation_key, tensor_seed, words_per_row
 
+from . import published
 from .errors import ConversionError, PlanError, SourceError
+from .published import Published
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, SafetensorsHeader
 from .sources import INDEX_FILE, Source
 
@@ -81,6 +83,7 @@ class Item:
     stored: tuple[Stored, ...]
     read_bytes: int  # source bytes this item accounts for (progress, throughput)
     role: str | None = None
+    published: Published | None = None  # read from FP8 / MXFP4 / int4 codes (published.py)
 
     @property
     def byte_start(self) -> int:
@@ -170,6 +173,8 @@ class Plan:
                 for it in unit.items:
                     h.update(repr((it.name, it.piece, it.codec, it.bits, it.group_size,
                                    it.seed, it.shape)).encode())
+                    if it.published is not None:
+                        h.update(repr(it.published).encode())
         for f in sorted(self.identities):
             h.update(json.dumps(self.identities[f], sort_keys=True).encode())
         return h.hexdigest()
@@ -277,8 +282,10 @@ def build_plan(
     dropped, kept_small = [], []
     file_pos = {f: i for i, f in enumerate(files)}
     seen: dict[str, str] = {}
+    pairing = published.pair(headers, config)
+    problems += pairing.problems
     for f in files:
-        for info in headers[f].tensors.values():
+        for info in pairing.tensors(f, headers[f]):
             if info.name in seen:
                 continue  # reported by _check_index when an index exists
             seen[info.name] = f
@@ -299,6 +306,9 @@ def build_plan(
                 anchor = (file_pos[f], info.start + (piece.expert or 0))
                 it = _item(rec, out_name, piece, info.dtype, shape, read, layer, num_layers,
                            f, info.name, problems, dropped, kept_small)
+                pub = pairing.published.get(info.name)
+                if it is not None and pub is not None:
+                    it = published.attach(it, pub)
                 if it is not None:
                     items.append((anchor, it))
     if problems:
@@ -389,8 +399,9 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     if res.action == "keep":
         return raw
     if dtype not in FLOAT_DTYPES:
-        problems.append(f"{what}: dtype {dtype} cannot be coded (BF16, F16 and F32 only); "
-                        "keep it or convert a BF16 copy of the model")
+        problems.append(f"{what}: dtype {dtype} cannot be coded (BF16, F16, F32 and the "
+                        f"published formats of {published.GUIDE} are read); keep it with a "
+                        "keep pattern or convert a BF16 copy of the model")
         return None
     if len(shape) == 1 or (len(shape) == 2 and shape[1] < res.group_size) or 0 in shape:
         kept_small.append(name)
@@ -464,7 +475,8 @@ def _jobs(units: list[Unit], files: list[str], headers, min_bytes: int, max_byte
     for i, g in enumerate(groups):
         shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
         laid, header = _layout(g)
-        used = sorted({it.piece.file for u in laid for it in u.items}, key=files.index)
+        used = sorted({f for u in laid for it in u.items for f in published.files_of(it)},
+                      key=files.index)
         jobs.append(Job(i, f"job-{i + 1:05d}", shard, tuple(laid), tuple(used), header))
     return jobs
 

@@ -139,6 +139,7 @@ def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
 
     config = dict(plan.config)
     config.pop("quantization", None)  # an mlx-lm affine config would mislead a loader
+    config.pop("compression_config", None)  # older compressed-tensors' name for the source's
     config["quantization_config"] = quantization_config(plan)
     atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     crash_point("repo_config")

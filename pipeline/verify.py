@@ -22,6 +22,7 @@ import numpy as np
 from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, QUANT_METHOD,
                                          read_manifest, stored_names)
 
+from . import published
 from .ledger import sha256_file_range
 from .plan import cut_piece, split_piece_of
 from .safetensors_io import read_float32, read_header
@@ -152,6 +153,7 @@ class _SourceReader:
         self.folder = folder
         self.headers = {}
         self.recipe = None
+        self.published = None
         if recipe_name:
             from turboquant.manifests.recipe import RecipeError, load_recipe
 
@@ -162,6 +164,8 @@ class _SourceReader:
 
     def weight(self, row: dict) -> np.ndarray | None:
         """The source weight (out, in) as float32, or None if it cannot be located."""
+        if row.get("source_dtype") in published.LABELS:
+            return self._published_weight(row)
         f = row["source_shard"]
         if f not in self.headers:
             self.headers[f] = read_header(self.folder / f, f)
@@ -181,6 +185,21 @@ class _SourceReader:
             return cut_piece(x, piece)
         finally:
             os.close(fd)
+
+    def _published_weight(self, row: dict) -> np.ndarray | None:
+        """An FP8 / MXFP4 / int4 source weight, dequantized (pipeline/published.py)."""
+        if self.published is None:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            headers = {f: self.headers.get(f) or read_header(self.folder / f, f) for f in files}
+            config = json.loads((self.folder / "config.json").read_text())
+            self.published = published.PublishedFolder(self.folder, headers, config)
+        if row["expert"] is None or row["name"] == row["source_name"]:
+            return self.published.tensor(row["source_name"])
+        piece = split_piece_of(self.recipe, row["source_shard"], row["source_name"],
+                               row["name"], row["expert"]) if self.recipe else None
+        if piece is None:
+            return None
+        return cut_piece(self.published.tensor(row["source_name"], piece.expert), piece)
 
 
 def _check_decode(repo: Path, row: dict, header, src: _SourceReader | None,

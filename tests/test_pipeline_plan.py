@@ -124,7 +124,7 @@ def test_every_problem_is_listed(tmp_path):
 def test_mxfp4_and_unknown_architecture(tmp_path):
     src = write_moe_checkpoint(tmp_path / "m", style="gpt_oss", shards=1,
                                tokenizer=False)
-    # a real GPT-OSS checkpoint stores experts as MXFP4 blocks + scales
+    # a real GPT-OSS checkpoint stores experts as MXFP4 blocks + scales: blocks alone are refused
     from checkpoints import TensorSpec, random_fill, write_safetensors
 
     write_safetensors(src / "model.safetensors", [
@@ -132,7 +132,7 @@ def test_mxfp4_and_unknown_architecture(tmp_path):
                    random_fill(0, "b", 1.0), "float16"),
         TensorSpec("model.norm.weight", (64,), random_fill(0, "n", 1.0)),
     ])
-    with pytest.raises(PlanError, match=r"gate_up_proj_blocks.*MXFP4.*not supported yet"):
+    with pytest.raises(PlanError, match=r"gate_up_proj_blocks.*MXFP4 blocks without.*_scales"):
         build_plan(LocalSource(src))
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = "bert"

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         d = proj.to_dict()
         d["seconds"] = round(seconds, 3)
+        if inv.kind == "source":
+            d["source"] = {"parameters": inv.source_parameters, "bytes": inv.source_bytes}
         d["max_context"] = {"resident": proj.max_context("RESIDENT"),
                             "stream": proj.max_context("STREAM")}
         d["commands"] = commands(proj, args)
@@ -220,6 +222,9 @@ def report(proj, args, seconds: float, alternatives) -> str:
     what = "source checkpoint" if inv.kind == "source" else "TurboQuant repo"
     lines = [f"{PROG}: {inv.source}", f"  {what}, recipe {inv.recipe}; {inv.files} files, "
              f"{inv.tensors:,} tensors (planned in {seconds:.2f} s)"]
+    if inv.kind == "source":
+        lines.append(f"  {inv.source_parameters / 1e9:,.3f}B parameters in "
+                     f"{_gb(inv.source_bytes)} of tensors")
     kinds = ", ".join(f"{shape.count(k)} {label}" for k, label in
                       (("full", "full attention"), ("sliding", "sliding window"),
                        ("linear", "linear attention")) if shape.count(k))
