@@ -4,15 +4,18 @@ The kernel function is the one `tests/cuda_source.py` rebuilds (MLX's signature 
 template arguments), compiled as C++20 by the host compiler over a few shims: one
 std::thread per CUDA thread of a block, `__syncthreads` a barrier of the block, a warp
 shuffle two barriers of the warp around a shared slot, `__shared__` a static (one block
-runs at a time: blocks run one after another, in order), atomics and fences the host's,
-half and bfloat16 as their bits with round-to-nearest-even conversions.
+runs at a time: blocks run one after another, in grid order unless shuffled), atomics
+and fences the host's, half and bfloat16 as their bits with round-to-nearest-even
+conversions.
 
 Two source rewrites (`for_the_host`): the inline PTX the kernels use as C++ (`_ASM`),
 `extern __shared__` arrays as pointers into the launch's dynamic shared memory.
 
 What it checks: indexing, the split of work over threads, warps and blocks, arithmetic,
-and state that outlives a launch (an input the kernel writes comes back too). What it
-does not: blocks running at once (the order is fixed), memory ordering between blocks,
+and state that outlives a launch (an input the kernel writes comes back too); blocks in
+any order (`CudaKernelOnCPU.shuffle`: a seed, the launch's blocks run in an order drawn
+from it, so any block of a merge may be the last). What it does not: blocks running at
+once (one block at a time), memory ordering between blocks, launches running at once,
 speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`). A missing
 `__syncthreads` shows only when the threads happen to interleave (removing the attention
 merge's barrier before shared memory is reused went unnoticed; dropping its counter
@@ -263,19 +266,25 @@ int main(int argc, char** argv) {
   tq_emu_dynamic_shared = new (std::align_val_t(16)) char[@SHARED@ + 16];
   std::vector<uint32_t> mma_slots(6 * nt);
   tq_emu_mma_slots = mma_slots.data();
+  // the blocks' order: order.txt's linear indices (x + X * (y + Y * z)) if there is one
+  std::vector<unsigned> order;
+  {
+    std::ifstream given(dir + "/order.txt");
+    for (unsigned i; given >> i;) order.push_back(i);
+    if (order.empty())
+      for (unsigned i = 0; i < blocks[0] * blocks[1] * blocks[2]; ++i) order.push_back(i);
+  }
   std::vector<std::thread> pool;
   for (int t = 0; t < nt; ++t) {
     pool.emplace_back([&, t] {
       tq_emu_tid = t;
       threadIdx = {unsigned(t % threads[0]), unsigned(t / threads[0] % threads[1]),
                    unsigned(t / (threads[0] * threads[1]))};
-      for (unsigned z = 0; z < blocks[2]; ++z)
-        for (unsigned y = 0; y < blocks[1]; ++y)
-          for (unsigned x = 0; x < blocks[0]; ++x) {
-            blockIdx = {x, y, z};
-            mlx::core::cu::@NAME@(@ARGS@);
-            grid_barrier.arrive_and_wait();  // the block's threads done: the next block
-          }
+      for (unsigned i : order) {
+        blockIdx = {i % blocks[0], i / blocks[0] % blocks[1], i / (blocks[0] * blocks[1])};
+        mlx::core::cu::@NAME@(@ARGS@);
+        grid_barrier.arrive_and_wait();  // the block's threads done: the next block
+      }
     });
   }
   for (auto& t : pool) t.join();
@@ -383,11 +392,17 @@ class EmulatedKernel:
             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{CXX} failed on {src}:\n{res.stderr[-4000:]}"
 
-    def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup):
+    def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup,
+                 shuffle: int | None = None):
         """(outputs, inputs as the launch left them), numpy arrays (half and bfloat16 as
-        uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does."""
+        uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does. `shuffle`:
+        the blocks run in an order drawn from that seed, not in grid order (any block of
+        a group may then be its last)."""
         run = Path(tempfile.mkdtemp(prefix=f"{self.exe.name}_run", dir=self.folder))
         blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+        if shuffle is not None:
+            order = np.random.default_rng(shuffle).permutation(int(np.prod(blocks)))
+            (run / "order.txt").write_text(" ".join(map(str, order)))
         spec = [*blocks, *threadgroup]
         for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes)):
             x = np.ascontiguousarray(x, dtype=_NUMPY[dt])
@@ -420,6 +435,8 @@ class CudaKernelOnCPU:
     Kernels are compiled once per source, template and input dtypes; `last_inputs` holds
     the inputs as the last launch left them (state a kernel keeps in an input)."""
 
+    shuffle: int | None = None  # a seed: launches run their blocks in an order drawn from it
+
     def __init__(self, folder: Path, name: str, input_names, output_names, source: str,
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
                  shared_memory: int = 0):
@@ -444,7 +461,8 @@ class CudaKernelOnCPU:
         if init_value is not None:
             raise NotImplementedError("init_value: the emulation leaves outputs unwritten (NaN)")
         kernel = self.compiled[key]
-        outs, self.last_inputs = kernel([bits(x) for x in inputs], output_shapes, grid, threadgroup)
+        outs, self.last_inputs = kernel([bits(x) for x in inputs], output_shapes, grid,
+                                        threadgroup, self.shuffle)
         return [from_bits(np.array(o), dt) for o, dt in zip(outs, output_dtypes)]
 
 

@@ -219,6 +219,32 @@ def test_the_emulated_counters_serve_launch_after_launch(emulated, monkeypatch):
                                    _softmax_attention(q, k, v, position), atol=1.5e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("merge", ["block", "launch"])
+def test_the_emulated_kernel_gives_the_same_bits_whichever_block_runs_last(emulated, monkeypatch,
+                                                                          merge):
+    """Determinism of one launch: the blocks run in shuffled orders (any block of a group
+    may be the one that merges) and the output is bit-identical to grid order's, the
+    token stored, the counters back at zero. (Launches running at once the emulation
+    cannot show: the whole step orders them, `tests/test_whole_step.py`.)"""
+    mx.random.seed(11)
+    q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
+    k = mx.random.normal((2, 2, 1025, 64)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 2, 1025, 64)).astype(mx.bfloat16)
+    new = tuple(mx.random.normal((2, 2, 1, 64)).astype(mx.bfloat16) for _ in range(2))
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    outputs = []
+    for shuffle in (None, 1, 2, 3):
+        monkeypatch.setattr(cuda_emulation.CudaKernelOnCPU, "shuffle", shuffle, raising=False)
+        outputs.append(cuda_attend.buffer_attention(q, k, v, mx.array(700, mx.int32), 0.125,
+                                                    store=new))
+        first = emulated[0]
+        if merge == "block":
+            assert not first.last_inputs[first.input_names.index("counter")].any()
+    assert all(mx.array_equal(outputs[0], o).item() for o in outputs[1:])
+    stored = mx.put_along_axis(k, mx.array(700).reshape(1, 1, 1, 1), new[0], axis=2)
+    assert np.array_equal(emulated[0].last_inputs[1], cuda_emulation.bits(stored))
+
+
 # ---------------------------------------------------------------------------- on the GPU
 
 
@@ -373,3 +399,26 @@ def test_the_whole_step_pipelined_as_generate_step_decodes_as_step_by_step(monke
         y = mx.argmax(logits - mx.logsumexp(logits, keepdims=True), axis=-1)
         stepwise.append(y.item())
     assert pipelined == stepwise
+
+
+@on_gpu
+@pytest.mark.parametrize("merge", ["block", "launch"])
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3_moe"])
+def test_a_decode_step_gives_the_same_logits_every_time(monkeypatch, moe, merge):
+    """Determinism (issue 35): the same decode step over the same inputs gives
+    bit-identical logits (`test_whole_step.assert_the_same_logits_every_time`: a fed
+    decode twice, built lazily so MLX's CUDA graphs hold several steps at once, past 64
+    rows (the merge runs) and a buffer's growth; and one step run again on its cache)."""
+    import decode
+    import test_whole_step
+
+    from turboquant.runtime import whole_step
+
+    if moe:
+        monkeypatch.setattr(decode, "QWEN3_30B_A3B", dict(decode.QWEN3_30B_A3B, **decode.TINY_MOE))
+    else:
+        monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **decode.TINY_LLAMA))
+    monkeypatch.setattr(whole_step, "GROW", 64)
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", True)
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    test_whole_step.assert_the_same_logits_every_time(decode.build("tq3", moe=moe), monkeypatch)
