@@ -65,7 +65,7 @@ import os
 import mlx.core as mx
 
 from . import attend  # noqa: F401 (adds the op before it is registered)
-from . import dispatch
+from . import compiled, dispatch
 
 NT = 128  # threads a block
 CHUNK_TOKENS = 64  # rows a block walks (grown for long buffers: at most MAX_CHUNKS)
@@ -434,7 +434,7 @@ def kernel_source(scale: float, merge: str = "block", store: bool = False, after
 @functools.cache
 def _kernel(scale: float, merge: str = "block", store: bool = False, after: bool = False):
     inputs, source = kernel_source(scale, merge, store, after)
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=_named("tq_attend" if merge == "block" else "tq_attend_split", source, inputs),
         input_names=inputs, output_names=["out", "ml", "part"], source=source, header=_HEADER)
 
@@ -442,7 +442,7 @@ def _kernel(scale: float, merge: str = "block", store: bool = False, after: bool
 @functools.cache
 def _join_kernel():
     source = _filled(_JOIN)
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=_named("tq_attend_join", source), input_names=["ml", "part", "position"],
         output_names=["out"], source=source, header=_HEADER)
 

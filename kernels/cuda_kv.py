@@ -57,7 +57,7 @@ import numpy as np
 
 from turboquant.stages import unrotate
 
-from . import cuda_memory, cuda_rotate
+from . import compiled, cuda_memory, cuda_rotate
 from .kv_reference import NEG, KVParts, kv_levels, kv_words
 
 NT = 128  # threads per block in every kernel
@@ -1073,7 +1073,7 @@ def kernel_name(name: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
     inputs, outputs, source = SOURCES[name]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=kernel_name(name), input_names=inputs, output_names=outputs, source=source,
         header=_HEADER,
         ensure_row_contiguous=False,  # the cache's parts are strided slices: no copies
