@@ -5,6 +5,7 @@
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
 #   gpu-suite (every test file that needs CUDA, one pytest run, three times in a row;
 #   gpu-suite-once: one run, for a call whose 10 minutes cannot hold three)  gpu-files
+#   determinism  first-token-cache
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
@@ -70,6 +71,17 @@ gpu_suite() {  # runs, name: the CUDA test files in ONE pytest invocation, `runs
 
 for s in "$@"; do
   case $s in
+    first-token-cache)  # issue 35: TQ3 and affine-4, fresh processes, first and second; MLX
+      # compiling (the peer) then the compiled cache (kernels/compiled.py), then its tests
+      step first-token-mlx 280 python3 benchmarks/first_token.py --kernel-cache off
+      step first-token-cached 280 python3 benchmarks/first_token.py --kernel-cache on
+      step tests-kernel-cache 400 env TURBOQUANT_KERNEL_CACHE=1 python3 -P -m pytest -q \
+        -p no:cacheprovider tests/test_kernels_cuda_compiled.py tests/test_kernels_cuda_attend.py ;;
+    determinism)  # issue 35: the same decode twice, bit-identical, and the whole step against
+      # the per-layer step, both merges
+      step determinism 400 python3 -P -m pytest -q -p no:cacheprovider -k \
+        "same_logits_every_time or whole_step_decodes or pipelined or slot_serves" \
+        tests/test_kernels_cuda_attend.py ;;
     gpu-files) gpu_files > "$OUT/gpu-files.txt" 2>"$OUT/gpu-files-collect.txt" ;;
     gpu-suite) gpu_suite 3 gpu-suite ;;
     gpu-suite-once) gpu_suite 1 "gpu-suite-$(date -u +%H%M%S)" ;;

@@ -245,3 +245,17 @@ def test_a_cached_kernel_gives_mlxs_values_and_the_next_process_reads_it(monkeyp
         assert mx.array_equal(got, want).item()
         assert len(builds) == 1  # one specialisation, built once
     cuda_attend._kernel.cache_clear()
+
+
+def test_the_first_token_benchmark_prints_its_table_and_command():
+    """`benchmarks/first_token.py --tiny` on the CPU: two fresh processes a variant, the
+    table and the command (the figures count only on the GPU)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "first_token.py"), "--tiny",
+                          "--kernel-cache", "off"], capture_output=True, text=True, timeout=600,
+                         cwd=root, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["affine4"], ["tq3"])]
+    assert [(r[0], r[1]) for r in rows] == [("affine4", "1"), ("tq3", "1"), ("affine4", "2"),
+                                            ("tq3", "2")]
+    assert all(float(r[4]) > 0 for r in rows) and rows[0][-1] == "1.00x"
+    assert "command: python benchmarks/first_token.py --kernel-cache off --tiny" in out
