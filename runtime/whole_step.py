@@ -96,8 +96,9 @@ def _applies(model, inputs: mx.array, cache) -> bool:
         return False
     if len(cache) != len(model.layers):
         return False
-    first = cache[0]
-    if first.keys is None or (MAX_CONTEXT and first.offset >= MAX_CONTEXT):
+    first = cache[0]  # (a compressed KV cache has no `keys`: its type is asked first)
+    if type(first) is not KVCache or first.keys is None or \
+            (MAX_CONTEXT and first.offset >= MAX_CONTEXT):
         return False
     for c in cache:  # a loop, not any(): a generator is a Python call a layer, every token
         if type(c) is not KVCache or c.keys is None or c.offset != first.offset:

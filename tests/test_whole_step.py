@@ -169,6 +169,17 @@ def test_other_caches_and_calls_take_mlx_lms_step(cpu_whole_step, monkeypatch):
     assert len(calls) == 1 and all(type(c) is KVCache and c.offset == 6 for c in cache)
 
 
+def test_a_compressed_kv_cache_takes_mlx_lms_step(cpu_whole_step, monkeypatch):
+    """TurboQuant's KV cache has no `keys` buffer: the whole step steps aside (it raised
+    AttributeError on CUDA, where the whole step is on, before its type was asked)."""
+    from turboquant.runtime.kvcache import kv_cache_from_args
+
+    model = _model(monkeypatch)
+    calls = _counting_runs(monkeypatch)
+    tokens, _, cache = _greedy(model, [1, 2, 3], 3, kv_cache_from_args(model, 4, 3))
+    assert not calls and len(tokens) == 3 and cache[0].offset == 6
+
+
 def test_a_model_whose_blocks_are_not_all_fused_is_not_enabled(monkeypatch):
     monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **TINY))
     assert not isinstance(decode.build("tq3-grouped").model, whole_step.WholeStepModel)
