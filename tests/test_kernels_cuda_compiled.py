@@ -2,9 +2,10 @@
 
 Everywhere: the entry key, the atomic write, the checksum that refuses a corrupt entry,
 processes building one entry at once (one build), the cache off by default (MLX's own
-kernel). Where nvcc is installed: the whole functions `precompiled_source` writes for the
-kernels a decode launches (recorded from the launch code, as `mx.fast.cuda_kernel` would
-get them) compile to sm_90 cubins holding their symbol. On the GPU: a cached kernel's
+kernel). Where nvcc is installed: the whole functions `precompiled_source` writes for
+every kernel a dense and an MoE model launch through the runtime (prefill, the whole
+step in both merges, the compressed KV cache's decode; recorded as `mx.fast.cuda_kernel`
+would get them) compile to sm_90 cubins holding their symbol. On the GPU: a cached kernel's
 values equal MLX's, and a second kernel object reads the entry instead of compiling.
 """
 
@@ -24,6 +25,7 @@ import pytest
 from turboquant.kernels import compiled, cuda, cuda_attend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
 on_gpu = pytest.mark.skipif(not CUDA, reason="needs MLX's CUDA backend")
@@ -163,50 +165,63 @@ class _Recording:
         return launch
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_every_kernel_a_decode_launches_compiles_to_a_cubin(monkeypatch, tmp_path):
-    """The fused q/k/v launch (norm, RoPE), the MLP's (SwiGLU, residual), the unfused
-    rotation and GEMV, the attention in both merges (store, `after`) and its join: each
-    specialisation as `precompiled_source` writes it, compiled by nvcc for sm_90 in
-    parallel, the cubin holding its symbol."""
-    import test_kernels_cuda_launch as launch
+def _forget_kernels():
+    from turboquant.kernels import cuda_dequant, cuda_gemv, cuda_kv, cuda_linear, cuda_rotate
+
+    for built in (cuda_attend._kernel, cuda_attend._join_kernel, cuda_gemv._kernel,
+                  cuda_linear._kernel, cuda_rotate._kernel, cuda_dequant._kernel,
+                  cuda_kv._kernel):
+        built.cache_clear()
+    cuda._PREPARED.clear()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel specialisation a TQ3 Llama and Qwen3-MoE (2 layers) launch through the
+    runtime with the CUDA kernels (prefill, decode through the whole step in both merges,
+    the compressed KV cache's decode), recorded as `mx.fast.cuda_kernel` would get them."""
+    import decode
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from turboquant.kernels import dispatch
+    from turboquant.runtime.kvcache import kv_cache_from_args
 
     rec = _Recording()
+    _forget_kernels()
     monkeypatch.setattr(mx.fast, "cuda_kernel", rec)
-    for built in (cuda_attend._kernel, cuda_attend._join_kernel):
-        built.cache_clear()
-    from turboquant.kernels import cuda_gemv, cuda_linear, cuda_rotate, group
-
-    for m in (cuda_gemv, cuda_linear, cuda_rotate):
-        m._kernel.cache_clear()
+    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+    monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **decode.TINY_LLAMA))
+    monkeypatch.setattr(decode, "QWEN3_30B_A3B", dict(decode.QWEN3_30B_A3B, **decode.TINY_MOE))
+    dispatch._changed()
     try:
-        x = mx.zeros((1, 1, 256), mx.bfloat16)
-        qkv = launch._members(256, (128, 64, 64))
-        cuda.linear_group(x, qkv, {}, group.Extras(norm=mx.ones((256,)), eps=1e-5))
-        cuda.linear_group(x, launch._members(256, (512,), bits=4), {},
-                          group.Extras(residual=mx.zeros((1, 1, 512), mx.bfloat16)))
-        monkeypatch.setattr(cuda, "FUSED", False)
-        cuda.linear_group(x, qkv, {})
-        q = mx.zeros((1, 8, 1, 64), mx.bfloat16)
-        k = mx.zeros((1, 2, 1024, 64), mx.bfloat16)
-        new = (mx.zeros((1, 2, 1, 64), mx.bfloat16),) * 2
-        for merge in ("block", "launch"):
+        for moe, merge, kv in ((False, "block", False), (True, "launch", False),
+                               (False, "block", True)):
             monkeypatch.setattr(cuda_attend, "MERGE", merge)
-            cuda_attend.buffer_attention(q, k, k, mx.array(900, mx.int32), 0.125, slot="t",
-                                         store=new, after=q)
+            model = decode.build("tq3", moe=moe)
+            cache = kv_cache_from_args(model, 4, 3, 4, 16) if kv else make_prompt_cache(model)
+            y = model(mx.array([list(range(1, 81))]), cache=cache)  # > 64 rows: the merge
+            for _ in range(3):
+                y = model(mx.array([[5]]), cache=cache)
+            mx.eval(y)
+        yield rec
     finally:
-        for built in (cuda_attend._kernel, cuda_attend._join_kernel, cuda_gemv._kernel,
-                      cuda_linear._kernel, cuda_rotate._kernel):
-            built.cache_clear()
-        cuda._PREPARED.clear()
-    names = " ".join(sorted(n for n, _ in rec.launches))
-    for kind in ("tq_linear", "tq_rotate", "tq_gemv", "tq_attend_", "tq_attend_split",
-                 "tq_attend_join"):
+        _forget_kernels()
+        dispatch._changed()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_every_kernel_a_decode_launches_compiles_to_a_cubin(launches, tmp_path):
+    """Each recorded specialisation as `precompiled_source` writes it, compiled by nvcc
+    for sm_90 (in parallel), the cubin holding its symbol: the kernels TURBOQUANT_KERNEL_CACHE
+    would build for these models."""
+    names = " ".join(sorted(n for n, _ in launches.launches))
+    for kind in ("tq_linear1", "tq_linear3", "tq_rotate", "tq_dequant", "tq_attend_",
+                 "tq_attend_split", "tq_attend_join", "tq_kv"):
         assert kind in names, names
     runs = []
     for i, (name, (dtypes, ndims, template, out_dtypes)) in enumerate(sorted(
-            rec.launches, key=str)):
-        ins, outs, source, header = rec.kernels[name]
+            launches.launches, key=str)):
+        ins, outs, source, header = launches.kernels[name]
         symbol = f"tq_cached_{i}"
         path = tmp_path / f"{symbol}.cu"
         path.write_text(compiled.precompiled_source(symbol, header, source, ins, dtypes, ndims,
