@@ -23,7 +23,8 @@ What a GPU run must still show (none could be run when this was written): that
 files with TURBOQUANT_KERNEL_CACHE=1), and the first token of a second process
 (`benchmarks/first_token.py`). Kernels that read an input's strides without
 `ensure_row_contiguous` (MLX's strides of a view are not visible from Python) always
-take MLX's path.
+take MLX's path. Each call of a precompiled kernel hands MLX the cubin (a copy per call):
+inside the compiled steps that is at trace time only; eager paths pay it every call.
 """
 
 from __future__ import annotations
