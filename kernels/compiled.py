@@ -339,7 +339,7 @@ def precompiled_source(symbol: str, header: str, source: str, input_names, input
             + body + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
-def scalars(source: str, input_names, inputs, ensure_row_contiguous: bool) -> list[int]:
+def scalars(source: str, input_names, inputs) -> list[int]:
     """The int scalars `precompiled_source`'s function takes for these inputs: each
     shape (and row-major strides) its source reads, each ndim."""
     out = []
@@ -381,7 +381,7 @@ class CachedKernel:
         return mx.fast.precompiled_cuda_kernel(
             name=symbol, compiled_source=binary, inputs=inputs,
             output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes),
-            scalars=scalars(self.source, self.input_names, inputs, self.ensure_row_contiguous),
+            scalars=scalars(self.source, self.input_names, inputs),
             grid=grid, threadgroup=threadgroup, shared_memory=self.shared_memory,
             init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous,
             stream=stream)

@@ -142,7 +142,7 @@ def test_the_function_passes_shapes_as_scalars_in_mlxs_order():
     assert "constexpr int N = 4;" in text and "using T = __half;" in text
     assert "constexpr bool F = false;" in text and "// header" in text
     x, y = mx.zeros((2, 5, 7), mx.bfloat16), mx.zeros((3, 4))
-    assert compiled.scalars("x_shape x_ndim y_strides", ["x", "y"], [x, y], True) == \
+    assert compiled.scalars("x_shape x_ndim y_strides", ["x", "y"], [x, y]) == \
         [2, 5, 7, 3, 4, 1]
 
 
