@@ -3,6 +3,9 @@
 # call (after `bash .mlxcuda/a/stash.sh` in the first):
 #   bash .mlxcuda/b/install.sh >/dev/null 2>&1; bash benchmarks/device_check.sh STEP...
 # Steps (each with its own time limit; output under $OUT/<step>.txt, a summary at the end):
+#   gpu-suite (every test file that needs CUDA, one pytest run, three times in a row;
+#   gpu-suite-once: one run, for a call whose 10 minutes cannot hold three)  gpu-files
+#   determinism  first-token-cache
 #   tests-linear  tests-kv  first-token  graphs  decode  decode-ab  kv-decode  layer
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
@@ -24,8 +27,68 @@ step() {  # name, seconds, command...
   echo "rc=$?" >> "$OUT/$name.txt"
 }
 
+gpu_files() {  # every test file with a test that needs CUDA, on stdout: marked `cuda`, or
+  # skipped off CUDA (a skipif whose reason names CUDA); found by collecting tests/
+  python3 -P - <<'PY'
+import contextlib
+import sys
+
+import pytest
+
+
+class NeedsCuda:
+    def __init__(self):
+        self.files = set()
+
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            for mark in item.iter_markers():
+                reason = str(mark.kwargs.get("reason", mark.args[1] if len(mark.args) > 1 else ""))
+                if mark.name == "cuda" or (mark.name == "skipif" and "CUDA" in reason):
+                    self.files.add(str(item.path.relative_to(item.config.rootpath)))
+
+
+found = NeedsCuda()
+with contextlib.redirect_stdout(sys.stderr):
+    code = pytest.main(["-q", "--collect-only", "-p", "no:cacheprovider", "tests"],
+                       plugins=[found])
+if code not in (0, 5) or not found.files:
+    sys.exit(f"gpu_files: collecting tests/ failed (pytest exit {code}): {sorted(found.files)}")
+print(" ".join(sorted(found.files)))
+PY
+}
+
+gpu_suite() {  # runs, name: the CUDA test files in ONE pytest invocation, `runs` times
+  local files extra
+  eval "extra=(${GPU_SUITE_ARGS:-})"  # a shell word list: -k "not emulated"
+  files=$(gpu_files 2>"$OUT/$2-collect.txt") || { echo "no CUDA test files: $OUT/$2-collect.txt"; return 1; }
+  echo "CUDA test files: $files" | tee "$OUT/$2-files.txt"
+  for i in $(seq 1 "$1"); do
+    # GPU_SUITE_ARGS: more pytest arguments, e.g. -k "not emulated" when the CPU emulation
+    # of the attention kernel would push one run past a call's 10 minutes
+    step "$2-$i" 590 python3 -P -m pytest -q -p no:cacheprovider -rfE --durations=10 \
+      "${extra[@]}" $files
+    grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|error)" "$OUT/$2-$i.txt" | tail -40 \
+      > "$OUT/$2-$i-summary.txt"
+  done
+}
+
 for s in "$@"; do
   case $s in
+    first-token-cache)  # issue 35: TQ3 and affine-4, fresh processes, first and second; MLX
+      # compiling (the peer) then the compiled cache (kernels/compiled.py), then its tests
+      step first-token-mlx 280 python3 benchmarks/first_token.py --kernel-cache off
+      step first-token-cached 280 python3 benchmarks/first_token.py --kernel-cache on
+      step tests-kernel-cache 400 env TURBOQUANT_KERNEL_CACHE=1 python3 -P -m pytest -q \
+        -p no:cacheprovider tests/test_kernels_cuda_compiled.py tests/test_kernels_cuda_attend.py ;;
+    determinism)  # issue 35: the same decode twice, bit-identical, and the whole step against
+      # the per-layer step, both merges
+      step determinism 400 python3 -P -m pytest -q -p no:cacheprovider -k \
+        "same_logits_every_time or whole_step_decodes or pipelined or slot_serves" \
+        tests/test_kernels_cuda_attend.py ;;
+    gpu-files) gpu_files > "$OUT/gpu-files.txt" 2>"$OUT/gpu-files-collect.txt" ;;
+    gpu-suite) gpu_suite 3 gpu-suite ;;
+    gpu-suite-once) gpu_suite 1 "gpu-suite-$(date -u +%H%M%S)" ;;
     tests-linear) step tests-linear 330 python3 -P -m pytest -q -x tests/test_kernels_cuda_linear.py ;;
     tests-kv) step tests-kv 240 python3 -P -m pytest -q -x tests/test_kernels_cuda_kv.py ;;
     first-token)  # twice: does MLX's disk cache of compiled kernels remove the first-token cost?

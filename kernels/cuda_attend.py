@@ -32,6 +32,17 @@ step) serves every position. One launch, split-K over the buffer as flash-decodi
 - `store=(k, v)`: the block holding the position writes the token's key and value into
   the buffers (in place: the whole step's store, no scatter) and reads that row from
   its inputs.
+- Ordering (issue 35): MLX's CUDA graphs order a kernel after the
+  last writer of each input buffer only, never after earlier readers, and this launch's
+  store into the buffers is invisible to them. Two launches of one layer with no data
+  between them (a decode fed its tokens, not sampling them) then ran at once: the later
+  one read a row before the earlier one stored it, and, sharing a slot, they counted into
+  one counter, so a block merged before its group's partials were written and the count
+  stayed stale for every launch after (the whole step's errors of 0.19-0.80 on the H200).
+  `after` orders a launch after the writer of an array (the whole step: the layer's last
+  launch output). Within a launch the merge is the usual one: every thread fences its
+  partial before one thread counts (`__threadfence`, `atomicAdd`), the last block fences
+  again and reads the partials through L2 (`__ldcg`), then resets the counter.
 - `position` should not be a scalar from MLX's CUDA pool of arrays of <= 8 bytes
   (managed memory the host writes): reading it stalled every block ~15 us on the H200.
   The whole step passes a view of a 16-byte buffer made on the GPU (`fuse._offset_array`);
@@ -54,7 +65,7 @@ import os
 import mlx.core as mx
 
 from . import attend  # noqa: F401 (adds the op before it is registered)
-from . import dispatch
+from . import compiled, dispatch
 
 NT = 128  # threads a block
 CHUNK_TOKENS = 64  # rows a block walks (grown for long buffers: at most MAX_CHUNKS)
@@ -400,33 +411,38 @@ def _filled(body: str) -> str:
     return body.replace("@NT@", str(NT)).replace("@MAX_CHUNKS@", str(MAX_CHUNKS))
 
 
-def _named(prefix: str, source: str) -> str:
-    return f"{prefix}_{hashlib.sha256((_HEADER + source).encode()).hexdigest()[:12]}"
+def _named(prefix: str, source: str, inputs=()) -> str:
+    """A kernel's name from its source and inputs: MLX keeps one compiled module a name,
+    so kernels whose signatures differ must not share one."""
+    text = _HEADER + source + ",".join(inputs)
+    return f"{prefix}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def kernel_source(scale: float, merge: str = "block", store: bool = False):
+def kernel_source(scale: float, merge: str = "block", store: bool = False, after: bool = False):
     """(input names, source) of the attention kernel: with its last-block merge ("block"),
     or the partials only ("launch": `_join_kernel` merges them); with `store`, the new
-    token's key and value as inputs, written into the buffers by the launch."""
+    token's key and value as inputs, written into the buffers by the launch; with
+    `after`, an input the kernel never reads (`buffer_attention`'s `after`)."""
     body = (_SOURCE if merge == "block" else _SPLIT).replace(
         "@STORE@", _STORE if store else _NO_STORE)
     source = f"  constexpr float TQ_SCALE = {float(scale)!r}f;\n" + _filled(body)
     inputs = ["queries", "keys", "values", "position"] + (["counter"] if merge == "block" else [])
-    return inputs + (["new_keys", "new_values"] if store else []), source
+    inputs += ["new_keys", "new_values"] if store else []
+    return inputs + (["after"] if after else []), source
 
 
 @functools.cache
-def _kernel(scale: float, merge: str = "block", store: bool = False):
-    inputs, source = kernel_source(scale, merge, store)
-    return mx.fast.cuda_kernel(
-        name=_named("tq_attend" if merge == "block" else "tq_attend_split", source),
+def _kernel(scale: float, merge: str = "block", store: bool = False, after: bool = False):
+    inputs, source = kernel_source(scale, merge, store, after)
+    return compiled.cuda_kernel(
+        name=_named("tq_attend" if merge == "block" else "tq_attend_split", source, inputs),
         input_names=inputs, output_names=["out", "ml", "part"], source=source, header=_HEADER)
 
 
 @functools.cache
 def _join_kernel():
     source = _filled(_JOIN)
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=_named("tq_attend_join", source), input_names=["ml", "part", "position"],
         output_names=["out"], source=source, header=_HEADER)
 
@@ -442,14 +458,21 @@ def _counters(slot) -> mx.array:
 
 
 def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
-                     position: mx.array, scale: float, slot=None, store=None) -> mx.array:
+                     position: mx.array, scale: float, slot=None, store=None,
+                     after: mx.array | None = None) -> mx.array:
     """`kernels.attend.buffer_attention` on CUDA (see the module docstring). `slot` names
     the counters the launch uses (`_counters`); None: a zeroed array of its own. With
     MERGE "launch" a second launch merges the chunks instead (no counters). `store`: the
     new token's (key, value), each (B, KV heads, 1, D), written at `position` into
     `keys` and `values` themselves by the launch (`stores_in_place`): the buffers are its
     inputs, not outputs, so MLX neither copies them nor knows they changed; the caller
-    orders later reads after this call (`mx.depends` on its output)."""
+    orders later reads after this call (`mx.depends` on its output).
+
+    `after`: an array the launch takes as an input and never reads, so that it runs after
+    the operation that wrote it. MLX's CUDA graphs order a kernel only after the last
+    writer of each of its inputs' buffers: two launches over the same buffers (and the
+    same slot's counters) with no data between them may run at once. The whole step
+    passes the last step's launch output of the same layer (`orders_after`)."""
     if not supports(queries.shape, keys.shape, values.shape, keys.dtype) or \
             queries.dtype != keys.dtype or values.dtype != keys.dtype:
         raise NotImplementedError(f"buffer attention of q {queries.shape} {queries.dtype} "
@@ -470,7 +493,8 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
     if merge == "block":
         inputs.append(_counters(slot) if slot is not None else mx.zeros((b * kvh,), mx.int32))
     inputs += list(store) if store is not None else []
-    out, ml, part = _kernel(scale, merge, store is not None)(
+    inputs += [after] if after is not None else []
+    out, ml, part = _kernel(scale, merge, store is not None, after is not None)(
         inputs=inputs, template=[("T", keys.dtype), ("D", d), ("R", r), ("CH", chunk)],
         grid=(chunks * NT, b * kvh, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(b, h, 1, d), (b * kvh, chunks, r, 2), (b * kvh, chunks, r, d)],
@@ -486,4 +510,5 @@ def buffer_attention(queries: mx.array, keys: mx.array, values: mx.array,
 
 buffer_attention.supports = supports  # the whole step asks before it traces a call
 buffer_attention.stores_in_place = True  # `store` writes into the buffers themselves
+buffer_attention.orders_after = True  # `after`: ordered after that array's writer
 dispatch.register("cuda", "buffer_attention", buffer_attention)

@@ -18,7 +18,7 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 
-from . import reference, tiles
+from . import compiled, reference, tiles
 from .cuda_gemv import constants_source
 
 SPAN = 8  # consecutive weights a thread writes
@@ -112,7 +112,7 @@ def _body(constants: tuple) -> str:
 @functools.lru_cache(maxsize=None)
 def _kernel(body: str):
     tag = hashlib.sha256((HEADER + body).encode()).hexdigest()[:12]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=f"tq_dequant_{tag}",
         input_names=["codes", "scales", "levels"],
         output_names=["out"],

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_memory
+from . import compiled, cuda_memory
 
 GROUP_CODES = 64  # codes a lane handles per step
 ROWS_PER_WARP = 4  # most rows a warp runs: its two register buffers of weights fit in ~96 registers
@@ -301,7 +301,7 @@ def _body(segments: int, constants: tuple) -> str:
 def _kernel(segments: int, shared: int, body: str):
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256((HEADER + body).encode()).hexdigest()[:12]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=f"tq_gemv{segments}_{tag}",
         input_names=INPUTS,
         output_names=[f"out{s}" for s in range(segments)],

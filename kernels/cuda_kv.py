@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cuda_kv_plan, cuda_memory
+from . import compiled, cuda_kv_plan, cuda_memory
 from .cuda_kv_layout import Layout, _layout
 from .cuda_kv_plan import NT
 from .cuda_kv_sources import HEADER, SOURCES, kernel_name
@@ -66,7 +66,7 @@ from .kv_reference import NEG, KVParts
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
     inputs, outputs, source = SOURCES[name]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=kernel_name(name), input_names=inputs, output_names=outputs, source=source,
         header=HEADER,
         ensure_row_contiguous=False,  # the cache's parts are strided slices: no copies

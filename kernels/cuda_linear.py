@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cuda_gemv, cuda_rotate
+from . import compiled, cuda_gemv, cuda_rotate
 
 WARPS_PER_BLOCK = 8
 THREADS = 32 * WARPS_PER_BLOCK
@@ -199,7 +199,7 @@ def _kernel(segments: int, shared: int, mode: tuple[bool, bool, bool, bool], bod
             gather: bool = False):
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256((_HEADER + body).encode()).hexdigest()[:12]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=f"tq_linear{segments}_{tag}",
         input_names=inputs(mode, gather),
         output_names=[f"out{s}" for s in range(segments)],

@@ -34,7 +34,7 @@ import numpy as np
 
 from turboquant.stages.rotate import _MLX_MAX_POW2, _hadamard_signs, _plan
 
-from . import cuda_gemv, cuda_memory
+from . import compiled, cuda_gemv, cuda_memory
 
 THREADS = 512
 MAX_SHARED_BYTES = 200 * 1024  # H100/H200 allow 227 KB of shared memory per block
@@ -187,7 +187,7 @@ def _kernel(dynamic_bytes: int, body: str):
     in dynamic shared memory of `dynamic_bytes` (0: static)."""
     # the source's hash in the name: MLX caches built kernels on disk by name
     tag = hashlib.sha256(body.encode()).hexdigest()[:12]
-    return mx.fast.cuda_kernel(
+    return compiled.cuda_kernel(
         name=f"tq_rotate_{tag}",
         input_names=["x", "signs", "mix"],
         output_names=["out"],

@@ -169,6 +169,9 @@ def _with_fallback(fn: Callable, ref: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except NotImplementedError:
+            # `after` orders a kernel's launch (MLX's CUDA graphs); the reference's
+            # operations are ordered by their data
+            kwargs.pop("after", None)
             return ref(*args, **kwargs)
 
     # the kernel's attributes too (`supports`, `stores_in_place`): callers ask them of

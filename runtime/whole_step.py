@@ -16,6 +16,15 @@ every layer's key and value buffers), traced once for every position:
 - the attention over the whole buffer, its length read on the GPU ("buffer_attention":
   `kernels/cuda_attend.py`), then o_proj, the MLP half (an MoE block's sparse one).
 
+Ordering: MLX's CUDA graphs order a kernel after the last writer of each input buffer,
+never after earlier readers, and the launch's store into the buffers is invisible to
+them. So each layer's launch also takes the layer's last attention output (`after`, kept
+on the cache as ATTENDED): without it, a decode fed its tokens (nothing joining one step
+to the next) ran two steps' launches at once, which read rows not yet stored and counted
+into one counter (issue 35: errors 0.19-0.80 against the per-layer step on the H200).
+Whatever else touches the buffers (growing them, mlx-lm's step) waits for those outputs
+first (`_settle`).
+
 Python then does per token what mlx-lm's cache did per layer: swap in the new buffers and
 count the offset. A new buffer size is a new trace, so the buffers grow by half their size
 (at least GROW rows, in multiples of GROW): from a short prompt to 32K tokens, 8 traces
@@ -43,6 +52,7 @@ per-layer step past 2048 tokens.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import mlx.core as mx
@@ -58,6 +68,7 @@ WHOLE_STEP = os.environ.get("TURBOQUANT_WHOLE_STEP", "1") == "1"
 # was the faster at every context measured, up to 32K, on 2026-12-04)
 MAX_CONTEXT = int(os.environ.get("TURBOQUANT_WHOLE_STEP_MAX_CONTEXT", "0"))
 GROW = 1024  # the least the KV buffers grow by, and the multiple their sizes take
+_SLOTS = itertools.count()  # a compiled step's counter slots: (its number, layer)
 BACKENDS = ("cuda",)  # where "buffer_attention" has a kernel (the reference masks MLX's sdpa)
 
 
@@ -68,6 +79,8 @@ class WholeStepModel:
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None, **kwargs):
         if input_embeddings is None and not kwargs and _applies(self, inputs, cache):
             return _run(self, inputs, cache)
+        if cache is not None:
+            _settle(cache)
         if input_embeddings is not None:
             kwargs["input_embeddings"] = input_embeddings
         return super().__call__(inputs, cache, **kwargs)
@@ -83,8 +96,9 @@ def _applies(model, inputs: mx.array, cache) -> bool:
         return False
     if len(cache) != len(model.layers):
         return False
-    first = cache[0]
-    if first.keys is None or (MAX_CONTEXT and first.offset >= MAX_CONTEXT):
+    first = cache[0]  # (a compressed KV cache has no `keys`: its type is asked first)
+    if type(first) is not KVCache or first.keys is None or \
+            (MAX_CONTEXT and first.offset >= MAX_CONTEXT):
         return False
     for c in cache:  # a loop, not any(): a generator is a Python call a layer, every token
         if type(c) is not KVCache or c.keys is None or c.offset != first.offset:
@@ -110,19 +124,51 @@ def _attention_fits(model, keys: mx.array, values: mx.array, batch: int) -> bool
     return fits
 
 
+# the attribute of a KVCache holding its layer's last attention output of the whole step:
+# the next step's launch of that layer takes it as `after` (see `_build`)
+ATTENDED = "tq_attended"
+
+
 def _run(model, inputs: mx.array, cache) -> mx.array:
     """One step: room for the token in every buffer, the compiled function, the cache
-    given its new buffers and offset."""
+    given its new buffers, offset and attention outputs."""
     offset = cache[0].offset
     _make_room(cache, offset + 1)
     step = fuse.compiled_for(model, functools.partial(_build, model))
     keys, values = [c.keys for c in cache], [c.values for c in cache]
-    h, keys, values = step(inputs, fuse._offset_array(offset), keys, values)
+    done = _attended(model, cache, inputs.shape[0])
+    h, keys, values, done = step(inputs, fuse._offset_array(offset), keys, values, done)
     # the old buffers' only holder is now the step's graph: MLX updates them in place
-    for c, k, v in zip(cache, keys, values):
+    for i, (c, k, v) in enumerate(zip(cache, keys, values)):
         c.keys, c.values = k, v
         c.offset = offset + 1
+        if done:
+            setattr(c, ATTENDED, done[i])
     return h
+
+
+def _attended(model, cache, batch: int) -> list:
+    """Each layer's last attention output (zeros before the first step), when the kernel
+    orders a launch after it (`orders_after`): else none."""
+    if not getattr(dispatch.get("buffer_attention"), "orders_after", False):
+        return []
+    done = []
+    for block, c in zip(model.layers, cache):
+        last = getattr(c, ATTENDED, None)
+        if last is None:
+            last = mx.zeros((batch, block.q_heads[0], 1, block.kv_heads[2]), c.keys.dtype)
+        done.append(last)
+    return done
+
+
+def _settle(cache) -> None:
+    """Before anything but the whole step touches the buffers: wait for the whole step's
+    last launches (their stores are invisible to MLX's graph edges: `_build`)."""
+    done = [getattr(c, ATTENDED, None) for c in cache]
+    if any(d is not None for d in done):
+        mx.eval([d for d in done if d is not None])
+        for c in cache:
+            setattr(c, ATTENDED, None)
 
 
 def grown_size(size: int, rows: int) -> int:
@@ -133,10 +179,12 @@ def grown_size(size: int, rows: int) -> int:
 
 
 def _make_room(cache, rows: int) -> None:
-    """Every buffer at least `rows` rows long, grown by `grown_size` (zeros)."""
+    """Every buffer at least `rows` rows long, grown by `grown_size` (zeros), after the
+    last step's stores are done (`_settle`: the copy would not wait for them)."""
     size = cache[0].keys.shape[2]
     if rows <= size:
         return
+    _settle(cache)
     more = grown_size(size, rows) - size
     for c in cache:
         c.keys, c.values = _longer(c.keys, more), _longer(c.values, more)
@@ -153,27 +201,34 @@ def _build(model):
     embed, norm, blocks = model["embed_tokens"], model["norm"], list(model.layers)
     attend = dispatch.get("buffer_attention")
     in_place = getattr(attend, "stores_in_place", False)
+    slots = [(next(_SLOTS), i) for i in range(len(blocks))]  # counters no other model uses
 
-    def step(tokens, position, keys, values):
+    def step(tokens, position, keys, values, done):
         h = embed(tokens)
         at = position.reshape(1, 1, 1, 1)  # the row of every (batch, head)
-        new_keys, new_values = [], []
+        new_keys, new_values, attended = [], [], []
         for i, (block, k_buf, v_buf) in enumerate(zip(blocks, keys, values)):
             q, k, v = fuse._queries(block, h, position)
             scale = block["self_attn"].scale
+            # the layer's launch after its last one (`done`): MLX's CUDA graphs would let
+            # two run at once when no data joins them (a decode fed its tokens)
+            after = {"after": done[i]} if done else {}
             if in_place:  # the launch stores k and v: the buffers, ordered after it
                 if k.dtype != k_buf.dtype:
                     k, v = k.astype(k_buf.dtype), v.astype(v_buf.dtype)
-                o = attend(q, k_buf, v_buf, position, scale, slot=i, store=(k, v))
+                o = attend(q, k_buf, v_buf, position, scale, slot=slots[i], store=(k, v),
+                           **after)
                 k_buf, v_buf = mx.depends([k_buf, v_buf], [o])
             else:
                 k_buf = mx.put_along_axis(k_buf, at, k, axis=2)
                 v_buf = mx.put_along_axis(v_buf, at, v, axis=2)
-                o = attend(q, k_buf, v_buf, position, scale, slot=i)
+                o = attend(q, k_buf, v_buf, position, scale, slot=slots[i], **after)
             h = fuse._step_after(block, o, h)
             new_keys.append(k_buf)
             new_values.append(v_buf)
-        return norm(h), new_keys, new_values
+            if done:
+                attended.append(o)
+        return norm(h), new_keys, new_values, attended
 
     return mx.compile(step)
 

@@ -4,15 +4,19 @@ The kernel function is the one `tests/cuda_source.py` rebuilds (MLX's signature 
 template arguments), compiled as C++20 by the host compiler over a few shims: one
 std::thread per CUDA thread of a block, `__syncthreads` a barrier of the block, a warp
 shuffle two barriers of the warp around a shared slot, `__shared__` a static (one block
-runs at a time: blocks run one after another, in order), atomics and fences the host's,
-half and bfloat16 as their bits with round-to-nearest-even conversions.
+runs at a time: blocks run one after another, in grid order unless shuffled), atomics
+and fences the host's, half and bfloat16 as their bits with round-to-nearest-even
+conversions.
 
 Two source rewrites (`for_the_host`): the inline PTX the kernels use as C++ (`_ASM`),
 `extern __shared__` arrays as pointers into the launch's dynamic shared memory.
 
 What it checks: indexing, the split of work over threads, warps and blocks, arithmetic,
-and state that outlives a launch (an input the kernel writes comes back too). What it
-does not: blocks running at once (the order is fixed), memory ordering between blocks,
+and state that outlives a launch (an input the kernel writes comes back too); blocks in
+any order (`CudaKernelOnCPU.shuffle`: a seed, the launch's blocks run in an order drawn
+from it, so any block of a merge may be the last); two launches' blocks interleaved over
+shared inputs (`run_pair`: what two launches running at once may do). What it does not:
+blocks running at once (one block at a time), memory ordering between blocks,
 speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`). A missing
 `__syncthreads` shows only when the threads happen to interleave (removing the attention
 merge's barrier before shared memory is reused went unnoticed; dropping its counter
@@ -263,24 +267,52 @@ int main(int argc, char** argv) {
   tq_emu_dynamic_shared = new (std::align_val_t(16)) char[@SHARED@ + 16];
   std::vector<uint32_t> mma_slots(6 * nt);
   tq_emu_mma_slots = mma_slots.data();
+  // a second launch (pair.txt: a flag an input, 1 shared with the first launch, 0 its own
+  // b_in<i>.bin), its outputs b_out<i>.bin
+  std::vector<std::vector<char>> ins_b(ins.size()), outs_b = outs;
+  std::vector<char*> pa, pb, qa, qb;
+  bool pair = false;
+  {
+    std::ifstream shared(dir + "/pair.txt");
+    for (size_t i = 0; i < ins.size(); ++i) {
+      int flag = 1;
+      pair = bool(shared >> flag) || pair;
+      if (!flag) ins_b[i] = tq_read(dir + "/b_in" + std::to_string(i) + ".bin");
+      pa.push_back(ins[i].data());
+      pb.push_back(flag ? ins[i].data() : ins_b[i].data());
+    }
+    for (size_t i = 0; i < outs.size(); ++i) { qa.push_back(outs[i].data()); qb.push_back(outs_b[i].data()); }
+  }
+  // the blocks' order: order.txt's (launch, linear index x + X * (y + Y * z)) pairs if
+  // there is one, else the grid's order
+  std::vector<std::pair<int, unsigned>> order;
+  {
+    std::ifstream given(dir + "/order.txt");
+    for (int l; given >> l;) { unsigned i; given >> i; order.emplace_back(l, i); }
+    if (order.empty())
+      for (unsigned i = 0; i < blocks[0] * blocks[1] * blocks[2]; ++i) order.emplace_back(0, i);
+  }
   std::vector<std::thread> pool;
   for (int t = 0; t < nt; ++t) {
     pool.emplace_back([&, t] {
       tq_emu_tid = t;
       threadIdx = {unsigned(t % threads[0]), unsigned(t / threads[0] % threads[1]),
                    unsigned(t / (threads[0] * threads[1]))};
-      for (unsigned z = 0; z < blocks[2]; ++z)
-        for (unsigned y = 0; y < blocks[1]; ++y)
-          for (unsigned x = 0; x < blocks[0]; ++x) {
-            blockIdx = {x, y, z};
-            mlx::core::cu::@NAME@(@ARGS@);
-            grid_barrier.arrive_and_wait();  // the block's threads done: the next block
-          }
+      for (auto [l, i] : order) {
+        char** P = l ? pb.data() : pa.data();
+        char** Q = l ? qb.data() : qa.data();
+        blockIdx = {i % blocks[0], i / blocks[0] % blocks[1], i / (blocks[0] * blocks[1])};
+        mlx::core::cu::@NAME@(@ARGS@);
+        grid_barrier.arrive_and_wait();  // the block's threads done: the next block
+      }
     });
   }
   for (auto& t : pool) t.join();
   for (size_t i = 0; i < outs.size(); ++i) tq_write(dir + "/out" + std::to_string(i) + ".bin", outs[i]);
   for (size_t i = 0; i < ins.size(); ++i) tq_write(dir + "/inout" + std::to_string(i) + ".bin", ins[i]);
+  for (size_t i = 0; pair && i < outs.size(); ++i) tq_write(dir + "/b_out" + std::to_string(i) + ".bin", outs_b[i]);
+  for (size_t i = 0; pair && i < ins.size(); ++i)
+    if (!ins_b[i].empty()) tq_write(dir + "/b_inout" + std::to_string(i) + ".bin", ins_b[i]);
   return 0;
 }
 """
@@ -352,14 +384,14 @@ class EmulatedKernel:
                                               input_dtypes, output_dtypes, template)
         args = []
         for i, (n, dt) in enumerate(zip(inputs, input_dtypes)):
-            args.append(f"(const {cuda_source._CUDA_TYPES[dt]}*)ins[{i}].data()")
+            args.append(f"(const {cuda_source._CUDA_TYPES[dt]}*)P[{i}]")
             if n + "_shape" in source:
                 args.append(f"shapes[{i}]")
             if n + "_strides" in source:  # a strided view arrives as a contiguous copy
                 args.append(f"strides[{i}]")
             if n + "_ndim" in source:
                 args.append(f"ndims[{i}]")
-        args += [f"({cuda_source._CUDA_TYPES[dt]}*)outs[{i}].data()"
+        args += [f"({cuda_source._CUDA_TYPES[dt]}*)Q[{i}]"
                  for i, dt in enumerate(output_dtypes)]
         driver = (_DRIVER.replace("@INPUTS@", str(len(inputs)))
                   .replace("@OUTPUTS@", str(len(outputs))).replace("@NAME@", name)
@@ -383,11 +415,17 @@ class EmulatedKernel:
             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{CXX} failed on {src}:\n{res.stderr[-4000:]}"
 
-    def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup):
+    def __call__(self, inputs: list[np.ndarray], output_shapes, grid, threadgroup,
+                 shuffle: int | None = None):
         """(outputs, inputs as the launch left them), numpy arrays (half and bfloat16 as
-        uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does."""
+        uint16 bits). `grid` counts threads, as `mx.fast.cuda_kernel`'s does. `shuffle`:
+        the blocks run in an order drawn from that seed, not in grid order (any block of
+        a group may then be its last)."""
         run = Path(tempfile.mkdtemp(prefix=f"{self.exe.name}_run", dir=self.folder))
         blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+        if shuffle is not None:
+            order = np.random.default_rng(shuffle).permutation(int(np.prod(blocks)))
+            (run / "order.txt").write_text(" ".join(f"0 {i}" for i in order))
         spec = [*blocks, *threadgroup]
         for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes)):
             x = np.ascontiguousarray(x, dtype=_NUMPY[dt])
@@ -402,6 +440,41 @@ class EmulatedKernel:
         back = [np.frombuffer((run / f"inout{i}.bin").read_bytes(), _NUMPY[dt])
                 .reshape(np.shape(x)) for i, (x, dt) in enumerate(zip(inputs, self.input_dtypes))]
         return outs, back
+
+
+def run_pair(kernel: EmulatedKernel, first: list[np.ndarray], second: list[np.ndarray | None],
+             output_shapes, grid, threadgroup, order: list[tuple[int, int]]):
+    """Two launches of `kernel` over one grid, their blocks in `order` ((launch 0 or 1,
+    linear block index) pairs): what two kernel launches running at once may do. The
+    second launch's inputs are `second`'s, None where it shares the first's (the same
+    memory: a buffer both read and write). Returns (outputs, inputs as left) of each."""
+    run = Path(tempfile.mkdtemp(prefix=f"{kernel.exe.name}_pair", dir=kernel.folder))
+    blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+    spec = [*blocks, *threadgroup]
+    for i, (x, y, dt) in enumerate(zip(first, second, kernel.input_dtypes)):
+        x = np.ascontiguousarray(x, dtype=_NUMPY[dt])
+        (run / f"in{i}.bin").write_bytes(x.tobytes())
+        if y is not None:
+            (run / f"b_in{i}.bin").write_bytes(np.ascontiguousarray(y, _NUMPY[dt]).tobytes())
+        spec += [x.ndim, *x.shape]
+    sizes = [int(np.prod(s)) * np.dtype(_NUMPY[dt]).itemsize
+             for s, dt in zip(output_shapes, kernel.output_dtypes)]
+    (run / "spec.txt").write_text(" ".join(str(v) for v in spec + sizes))
+    (run / "pair.txt").write_text(" ".join("1" if y is None else "0" for y in second))
+    (run / "order.txt").write_text(" ".join(f"{launch} {i}" for launch, i in order))
+    subprocess.run([str(kernel.exe), str(run)], check=True, timeout=300)
+
+    def read(prefix, shapes, dtypes):
+        return [np.frombuffer((run / f"{prefix}{i}.bin").read_bytes(), _NUMPY[dt]).reshape(s)
+                for i, (s, dt) in enumerate(zip(shapes, dtypes))]
+
+    shapes = [np.shape(x) for x in first]
+    ins_a = read("inout", shapes, kernel.input_dtypes)
+    ins_b = [a if y is None else
+             np.frombuffer((run / f"b_inout{i}.bin").read_bytes(), _NUMPY[dt]).reshape(s)
+             for i, (a, y, s, dt) in enumerate(zip(ins_a, second, shapes, kernel.input_dtypes))]
+    return ((read("out", output_shapes, kernel.output_dtypes), ins_a),
+            (read("b_out", output_shapes, kernel.output_dtypes), ins_b))
 
 
 def bits(x: mx.array) -> np.ndarray:
@@ -419,6 +492,8 @@ class CudaKernelOnCPU:
     (`patch`), a kernel wrapper runs unchanged on the CPU, its own launch plan included.
     Kernels are compiled once per source, template and input dtypes; `last_inputs` holds
     the inputs as the last launch left them (state a kernel keeps in an input)."""
+
+    shuffle: int | None = None  # a seed: launches run their blocks in an order drawn from it
 
     def __init__(self, folder: Path, name: str, input_names, output_names, source: str,
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
@@ -444,7 +519,8 @@ class CudaKernelOnCPU:
         if init_value is not None:
             raise NotImplementedError("init_value: the emulation leaves outputs unwritten (NaN)")
         kernel = self.compiled[key]
-        outs, self.last_inputs = kernel([bits(x) for x in inputs], output_shapes, grid, threadgroup)
+        outs, self.last_inputs = kernel([bits(x) for x in inputs], output_shapes, grid,
+                                        threadgroup, self.shuffle)
         return [from_bits(np.array(o), dt) for o, dt in zip(outs, output_dtypes)]
 
 

@@ -219,6 +219,99 @@ def test_the_emulated_counters_serve_launch_after_launch(emulated, monkeypatch):
                                    _softmax_attention(q, k, v, position), atol=1.5e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("merge", ["block", "launch"])
+def test_the_emulated_kernel_gives_the_same_bits_whichever_block_runs_last(emulated, monkeypatch,
+                                                                          merge):
+    """Determinism of one launch: the blocks run in shuffled orders (any block of a group
+    may be the one that merges) and the output is bit-identical to grid order's, the
+    token stored, the counters back at zero. (Launches running at once the emulation
+    cannot show: the whole step orders them, `tests/test_whole_step.py`.)"""
+    mx.random.seed(11)
+    q = mx.random.normal((2, 8, 1, 64)).astype(mx.bfloat16)
+    k = mx.random.normal((2, 2, 1025, 64)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 2, 1025, 64)).astype(mx.bfloat16)
+    new = tuple(mx.random.normal((2, 2, 1, 64)).astype(mx.bfloat16) for _ in range(2))
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    outputs = []
+    for shuffle in (None, 1, 2, 3):
+        monkeypatch.setattr(cuda_emulation.CudaKernelOnCPU, "shuffle", shuffle, raising=False)
+        outputs.append(cuda_attend.buffer_attention(q, k, v, mx.array(700, mx.int32), 0.125,
+                                                    store=new))
+        first = emulated[0]
+        if merge == "block":
+            assert not first.last_inputs[first.input_names.index("counter")].any()
+    assert all(mx.array_equal(outputs[0], o).item() for o in outputs[1:])
+    stored = mx.put_along_axis(k, mx.array(700).reshape(1, 1, 1, 1), new[0], axis=2)
+    assert np.array_equal(emulated[0].last_inputs[1], cuda_emulation.bits(stored))
+
+
+@pytest.mark.parametrize("merge", ["block", "launch"])
+def test_two_launches_of_a_layer_at_once_go_wrong_in_order_they_do_not(emulated, monkeypatch,
+                                                                        merge):
+    """Why the whole step orders a layer's launch after its last (`after`; issue 35): two
+    steps' launches of one layer share the buffers and, with the one-launch merge, the
+    slot's counters. Run one after the other (as ordered), each gives its attention and
+    the counters end at zero; their blocks interleaved (as MLX's CUDA graphs ran them):
+    with "block", a block of the second counts into the first's count, one launch merges
+    before its partials are written, the other never merges; with "launch", the second
+    reads the row the first has not stored yet."""
+    mx.random.seed(21)
+    q = [mx.random.normal((1, 8, 1, 64)).astype(mx.bfloat16) for _ in range(2)]
+    k = mx.random.normal((1, 2, 256, 64)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 2, 256, 64)).astype(mx.bfloat16)
+    new = [tuple(mx.random.normal((1, 2, 1, 64)).astype(mx.bfloat16) for _ in range(2))
+           for _ in range(2)]
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    p = 200  # step 1 stores row 200 and attends to 0..200; step 2 row 201, 0..201
+    cuda_attend.buffer_attention(q[0], k, v, mx.array(p, mx.int32), 0.125, slot="t",
+                                 store=new[0])  # builds the kernel
+    kernel = next(iter(emulated[0].compiled.values()))
+    names = emulated[0].input_names
+
+    def inputs(i):
+        given = dict(queries=q[i], keys=k, values=v, position=mx.array([p + i], mx.int32),
+                     counter=mx.zeros((cuda_attend.MAX_GROUPS,), mx.int32),
+                     new_keys=new[i][0], new_values=new[i][1])
+        return [cuda_emulation.bits(given[n]) for n in names]
+
+    shared = {"keys", "values", "counter"}
+    chunk, chunks = cuda_attend.plan(256, 2)
+    shapes = [(1, 8, 1, 64), (2, chunks, 4, 2), (2, chunks, 4, 64)]
+    grid, group = (chunks * cuda_attend.NT, 2, 1), (cuda_attend.NT, 1, 1)
+    blocks = [(0, c + chunks * g) for g in range(2) for c in range(chunks)]
+    ordered = blocks + [(1, i) for _, i in blocks]
+    interleaved = [x for pair in zip(blocks, [(1, i) for _, i in blocks]) for x in pair]
+    if merge == "launch":  # the second launch's chunk of row 200 before the first's
+        interleaved = [(1, i) for _, i in blocks] + blocks
+    runs = {}
+    for name, order in (("ordered", ordered), ("interleaved", interleaved)):
+        runs[name] = cuda_emulation.run_pair(
+            kernel, inputs(0), [None if n in shared else x for n, x in zip(names, inputs(1))],
+            shapes, grid, group, order)
+    (a_out, a_ins), (b_out, b_ins) = runs["ordered"]
+    stored_k = mx.put_along_axis(k, mx.array(p).reshape(1, 1, 1, 1), new[0][0], axis=2)
+    assert np.array_equal(a_ins[names.index("keys")][:, :, p], cuda_emulation.bits(new[0][0])[:, :, 0])
+    if merge == "block":
+        assert not a_ins[names.index("counter")].any()
+        for out, i in ((a_out, 0), (b_out, 1)):
+            keys = stored_k if i == 0 else mx.put_along_axis(
+                stored_k, mx.array(p + 1).reshape(1, 1, 1, 1), new[1][0], axis=2)
+            values = mx.put_along_axis(v, mx.array(p).reshape(1, 1, 1, 1), new[0][1], axis=2)
+            if i == 1:
+                values = mx.put_along_axis(values, mx.array(p + 1).reshape(1, 1, 1, 1),
+                                           new[1][1], axis=2)
+            got = np.array(cuda_emulation.from_bits(out[0], mx.bfloat16).astype(mx.float32))
+            np.testing.assert_allclose(got, _softmax_attention(q[i], keys, values, p + i),
+                                       atol=1.5e-2, rtol=1e-2)
+        (a_bad, _), (b_bad, _) = runs["interleaved"]
+        wrong = [not np.array_equal(x[0], y[0]) for x, y in ((a_bad, a_out), (b_bad, b_out))]
+        assert any(wrong)  # one launch merged early or never
+    else:
+        last = chunks - 1  # the chunk holding rows 200, 201: the second launch's partial
+        (_, _), (b_bad, _) = runs["interleaved"]
+        assert not np.allclose(b_bad[2][:, last], b_out[2][:, last], equal_nan=True)
+
+
 # ---------------------------------------------------------------------------- on the GPU
 
 
@@ -373,3 +466,26 @@ def test_the_whole_step_pipelined_as_generate_step_decodes_as_step_by_step(monke
         y = mx.argmax(logits - mx.logsumexp(logits, keepdims=True), axis=-1)
         stepwise.append(y.item())
     assert pipelined == stepwise
+
+
+@on_gpu
+@pytest.mark.parametrize("merge", ["block", "launch"])
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3_moe"])
+def test_a_decode_step_gives_the_same_logits_every_time(monkeypatch, moe, merge):
+    """Determinism (issue 35): the same decode step over the same inputs gives
+    bit-identical logits (`test_whole_step.assert_the_same_logits_every_time`: a fed
+    decode twice, built lazily so MLX's CUDA graphs hold several steps at once, past 64
+    rows (the merge runs) and a buffer's growth; and one step run again on its cache)."""
+    import decode
+    import test_whole_step
+
+    from turboquant.runtime import whole_step
+
+    if moe:
+        monkeypatch.setattr(decode, "QWEN3_30B_A3B", dict(decode.QWEN3_30B_A3B, **decode.TINY_MOE))
+    else:
+        monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **decode.TINY_LLAMA))
+    monkeypatch.setattr(whole_step, "GROW", 64)
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", True)
+    monkeypatch.setattr(cuda_attend, "MERGE", merge)
+    test_whole_step.assert_the_same_logits_every_time(decode.build("tq3", moe=moe), monkeypatch)

@@ -169,6 +169,17 @@ def test_other_caches_and_calls_take_mlx_lms_step(cpu_whole_step, monkeypatch):
     assert len(calls) == 1 and all(type(c) is KVCache and c.offset == 6 for c in cache)
 
 
+def test_a_compressed_kv_cache_takes_mlx_lms_step(cpu_whole_step, monkeypatch):
+    """TurboQuant's KV cache has no `keys` buffer: the whole step steps aside (it raised
+    AttributeError on CUDA, where the whole step is on, before its type was asked)."""
+    from turboquant.runtime.kvcache import kv_cache_from_args
+
+    model = _model(monkeypatch)
+    calls = _counting_runs(monkeypatch)
+    tokens, _, cache = _greedy(model, [1, 2, 3], 3, kv_cache_from_args(model, 4, 3))
+    assert not calls and len(tokens) == 3 and cache[0].offset == 6
+
+
 def test_a_model_whose_blocks_are_not_all_fused_is_not_enabled(monkeypatch):
     monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **TINY))
     assert not isinstance(decode.build("tq3-grouped").model, whole_step.WholeStepModel)
@@ -219,3 +230,112 @@ def test_past_max_context_the_per_layer_step_takes_over(cpu_whole_step, monkeypa
     calls = _counting_runs(monkeypatch)
     got, _, cache = _greedy(model, prompt, 12, make_prompt_cache(model))
     assert len(calls) == 5 and got == want and cache[0].offset == len(prompt) + 12
+
+
+@pytest.fixture
+def ordered_kernel(cpu_whole_step):
+    """A CPU "buffer_attention" that, like the CUDA kernel, takes `after` (the reference's
+    values); yields the `after` shapes each traced call got."""
+    from turboquant.kernels import dispatch
+
+    seen = []
+
+    def kernel(queries, keys, values, position, scale, slot=None, store=None, after=None):
+        seen.append(None if after is None else (after.shape, after.dtype, slot))
+        return attend.buffer_attention(queries, keys, values, position, scale, slot, store)
+
+    kernel.orders_after = True
+    dispatch.register("cpu", "buffer_attention", kernel)
+    try:
+        yield seen
+    finally:
+        dispatch.unregister("cpu", "buffer_attention")
+
+
+def test_each_layers_launch_is_ordered_after_its_last_one(ordered_kernel, monkeypatch):
+    """MLX's CUDA graphs order a kernel only after the last writer of its inputs: the
+    whole step hands each layer's launch the layer's last attention output (`after`), so
+    two steps' launches over the same buffers and counters never run at once (issue 35:
+    a decode fed its tokens ran them at once and merged stale partials)."""
+    model = _model(monkeypatch)
+    steps = []
+    compiled_for = whole_step.fuse.compiled_for
+
+    def recording(owner, build):
+        step = compiled_for(owner, build)
+
+        def run(tokens, position, keys, values, done):
+            out = step(tokens, position, keys, values, done)
+            steps.append((list(done), out[3]))
+            return out
+
+        return run
+
+    monkeypatch.setattr(whole_step.fuse, "compiled_for", recording)
+    cache = make_prompt_cache(model)
+    _greedy(model, [1, 2, 3], 4, cache)
+    heads, dim = model.layers[0].q_heads[0], model.layers[0].kv_heads[2]
+    assert len(steps) == 4 and len(ordered_kernel) == len(model.layers)  # traced once
+    assert all(shape == (1, heads, 1, dim) for shape, _, _ in ordered_kernel)
+    assert len({slot for _, _, slot in ordered_kernel}) == len(model.layers)
+    assert not any(mx.any(d).item() for d in steps[0][0])  # zeros before the first step
+    for (_, made), (given, _) in zip(steps, steps[1:]):
+        assert all(a is b for a, b in zip(made, given))  # the last step's outputs, as they are
+    assert all(getattr(c, whole_step.ATTENDED) is o for c, o in zip(cache, steps[-1][1]))
+    model(mx.array([[7, 8]]), cache=cache)  # mlx-lm's step waits for them, and drops them
+    assert all(getattr(c, whole_step.ATTENDED) is None for c in cache)
+
+
+def test_a_growing_buffer_waits_for_the_last_steps_stores(ordered_kernel, monkeypatch):
+    """Growing copies the buffers, a copy MLX's graph would not order after the launches
+    that stored into them: the last step's launches are evaluated first."""
+    model = _model(monkeypatch)
+    monkeypatch.setattr(whole_step, "GROW", 8)
+    settled = []
+    settle = whole_step._settle
+    monkeypatch.setattr(whole_step, "_settle", lambda cache: settled.append(
+        [getattr(c, whole_step.ATTENDED, None) for c in cache]) or settle(cache))
+    cache = make_prompt_cache(model)
+    for c in cache:
+        c.step = 8
+    _greedy(model, list(range(3, 10)), 12, cache)
+    grown = [s for s in settled if all(d is not None for d in s)]
+    assert grown and cache[0].keys.shape[2] > 16
+
+
+def assert_the_same_logits_every_time(model, monkeypatch, steps: int = 260):
+    """Determinism (issue 35): the whole step over the same inputs gives bit-identical
+    logits: a decode of the same tokens fed in, built lazily (on CUDA, MLX's graphs then
+    hold several steps at once: what let two steps' launches run together before `after`
+    ordered them), twice over fresh caches; then the last step run twice more on its cache
+    (its row stored again). Also run by the GPU file (`tests/test_kernels_cuda_attend.py`)."""
+    calls = _counting_runs(monkeypatch)
+    prompt = mx.array([list(range(1, 40))])
+    vocab = model.model.embed_tokens.weight.shape[0]
+    fed = [int(t) for t in mx.random.randint(0, vocab, (steps,), key=mx.random.key(0)).tolist()]
+
+    def decode_fed():
+        cache = make_prompt_cache(model)
+        model(prompt, cache=cache)
+        rows = [model(mx.array([[t]]), cache=cache)[0, -1] for t in fed]
+        mx.eval(rows)
+        return rows, cache
+
+    first, cache = decode_fed()
+    second, _ = decode_fed()
+    assert len(calls) == 2 * steps and cache[0].offset == 39 + steps
+    same = [mx.array_equal(a, b).item() for a, b in zip(first, second)]
+    assert all(same), f"{same.count(False)} of {steps} steps differ"
+    again = []
+    for _ in range(2):
+        for c in cache:
+            c.offset -= 1
+        again.append(model(mx.array([[fed[-1]]]), cache=cache)[0, -1])
+        mx.eval(again[-1])
+    assert mx.array_equal(again[0], again[1]).item() and mx.array_equal(again[0], first[-1]).item()
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "qwen3_moe"])
+def test_a_decode_step_gives_the_same_logits_every_time(cpu_whole_step, monkeypatch, moe):
+    monkeypatch.setattr(whole_step, "GROW", 64)
+    assert_the_same_logits_every_time(_model(monkeypatch, moe), monkeypatch, steps=90)
