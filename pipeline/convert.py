@@ -13,17 +13,19 @@ import multiprocessing
 import os
 import shutil
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
 
+from .distributed import run_on_dask
 from .errors import ConversionError, OutputError
 from .job import JobContext, JobResult, SourceSpec, run_job
-from .ledger import FileLock, WorkDir
+from .ledger import FileLock, WorkDir, atomic_write
 from .plan import GB, Job, Plan, build_plan
+from .progress import Progress
 from .repo import RepoSummary, write_repo_files
 from .sources import HubSource, LocalSource, Source, is_aux_file, open_source
 
@@ -269,8 +271,6 @@ def prepare_output(p: Prepared) -> int:
                               f"{', ...' if len(leftovers) > 5 else ''}); add --fresh to replace "
                               "a conversion, or choose an empty folder.")
         work.make()
-        from .ledger import atomic_write
-
         atomic_write(work.run_file, json.dumps(ident, indent=2, sort_keys=True).encode())
     work.make()
     run = 1 + sum(1 for e in work.events() if e.get("event") == "run_start")
@@ -376,10 +376,6 @@ def finish(p: Prepared, results: list[JobResult]) -> Summary:
 
 def convert(opts: ConvertOptions) -> Summary:
     """The whole conversion without Prefect (same steps, same files as the flow)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .progress import Progress
-
     p = validate(opts)
     with output_lock(p):
         p.run = prepare_output(p)
@@ -387,9 +383,13 @@ def convert(opts: ConvertOptions) -> Summary:
         progress.start()
         try:
             if opts.on_dask:
-                from .distributed import run_jobs_on_dask_plain
+                def done(i: int) -> None:
+                    progress.job_finished(p.plan.jobs[i])
+                    release_sources(p)
 
-                results = run_jobs_on_dask_plain(p, progress)
+                # parent_pid stays None: a Dask worker process is the job's only writer
+                contexts = [job_context(p, job) for job in p.plan.jobs]
+                results = run_on_dask(opts, contexts, done)
             else:
                 with JobRunner(p) as runner:
                     def one(job: Job) -> JobResult:

@@ -37,7 +37,8 @@ from prefect.utilities.annotations import quote  # noqa: E402
 from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD  # noqa: E402
 
 from .convert import (ConvertOptions, JobRunner, Prepared, Summary, finish,  # noqa: E402
-                      output_lock, prepare_output, release_sources, validate)
+                      job_context, output_lock, prepare_output, release_sources, validate)
+from .distributed import check_api_reachable, task_runner  # noqa: E402
 from .flow_api import local_api, note_final_state  # noqa: E402
 from .head_start import HeadStart  # noqa: E402
 from .job import JobContext, JobResult, run_job  # noqa: E402
@@ -141,8 +142,6 @@ def convert_flow(
         bars.start()
         try:
             if opts.on_dask:  # one task per job on Dask (pipeline/distributed.py)
-                from .distributed import run_jobs_on_dask
-
                 results = run_jobs_on_dask(p, bars)
             else:
                 with head.jobs() if head is not None else JobRunner(p) as runner:
@@ -171,6 +170,39 @@ def convert_flow(
         finally:
             bars.close()
         return finish_task(quote(p), results)
+
+
+def run_jobs_on_dask(p: Prepared, progress) -> list[JobResult]:
+    """One Prefect task per job, submitted to Dask through prefect-dask (call inside the
+    convert flow)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with get_client(sync_client=True) as client:
+        api = str(client.api_url)  # the temporary server's, when none is configured
+    check_api_reachable(p.options.dask_address, api)
+    # workers report to this flow's API (else each would start a temporary server of its
+    # own) and keep the cache records with the output (shared with remote workers)
+    settings = {PREFECT_API_URL: api, PREFECT_LOCAL_STORAGE_PATH: str(p.work.prefect_dir)}
+    runner = task_runner(p.options)
+    with temporary_settings(settings), runner:
+        futures = []
+        for job in p.plan.jobs:
+            # parent_pid stays None: a Dask worker process is the job's only writer
+            t = dask_job_task.with_options(name=f"convert-{job.name}",
+                                           refresh_cache=not p.work.done(job).exists())
+            futures.append(runner.submit(t, {"key": job_key(p, job), "ctx": job_context(p, job)}))
+        results = []
+        for job, fut in zip(p.plan.jobs, futures):
+            fut.wait()
+            state = fut.state
+            r = state.result()  # raises the job's error
+            if state.name == "Cached":
+                r = dataclasses.replace(r, skipped=True, read_bytes=0)
+            results.append(r)
+            progress.job_finished(job)
+            release_sources(p)
+        return results
 
 
 def run_convert_flow(opts: ConvertOptions, head: HeadStart | None = None) -> Summary:
