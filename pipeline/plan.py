@@ -161,7 +161,8 @@ class Plan:
         return sum(j.size for j in self.jobs)
 
     def plan_hash(self) -> str:
-        """sha256 over everything that decides the output bytes (layout and codecs)."""
+        """sha256 over everything that decides the output bytes (layout and codecs) but the
+        source's contents, which run.json binds shard by shard (`identities`)."""
         h = hashlib.sha256()
         h.update(f"{QUANT_METHOD}/{FORMAT_VERSION}/{self.recipe_hash}".encode())
         for job in self.jobs:
@@ -170,8 +171,6 @@ class Plan:
                 for it in unit.items:
                     h.update(repr((it.name, it.piece, it.codec, it.bits, it.group_size,
                                    it.seed, it.shape)).encode())
-        for f in sorted(self.identities):
-            h.update(json.dumps(self.identities[f], sort_keys=True).encode())
         return h.hexdigest()
 
     def readers(self) -> dict[str, set[str]]:
