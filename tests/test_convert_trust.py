@@ -274,8 +274,8 @@ def test_a_planted_pickle_in_the_output_folder_never_runs(sources, tmp_path):
     pickle.loads(pickle.dumps(_Plant(str(tmp_path / "probe"))))
     assert (tmp_path / "probe").exists()  # loading one would run it
     rc, _, err = cli(a, out, "--in-process", home=tmp_path / "prefect-home")
+    assert not marker.exists(), "a planted result file was unpickled"
     assert rc == 0, err
-    assert not marker.exists()
     assert repo_files(out) == refs["a"]
 
 
@@ -302,8 +302,8 @@ def test_refused_runs_write_nothing(sources, tmp_path):
                                   (b, done, SHARD1)):
             before = tree(out)
             rc, _, err = cli(source, out, *mode, home=home)
-            assert rc == 1 and says in one_error(err), (mode, out)
             assert tree(out) == before, (mode, out)
+            assert rc == 1 and says in one_error(err), (mode, out)
 
 
 def test_a_failed_run_leaves_only_what_resume_needs(sources, tmp_path):
