@@ -120,8 +120,9 @@ def decide(out: Path, record: dict, fresh: bool, source_folder: Path | None = No
 
 
 def check_same_conversion(out: Path, old: dict, new: dict) -> None:
-    """A conversion is resumed (or found finished) only with the same recipe, layout and
-    source contents; the first difference is raised, in one line."""
+    """A conversion is resumed (or found finished) only with the same recipe, source
+    contents and layout; the first difference is raised, in one line (a source shard of
+    other shapes is named as such, before the layout it changes)."""
     if old.get("recipe_hash") != new["recipe_hash"]:
         diff = recipe_diff(old.get("resolved_recipe") or {}, new["resolved_recipe"])
         what = f" ({'; '.join(diff[:4])})" if diff else ""
@@ -131,16 +132,16 @@ def check_same_conversion(out: Path, old: dict, new: dict) -> None:
             f"{new['recipe']!r} (hash {new['recipe_hash'][:12]}){what}: outputs of "
             "different recipes are never mixed. Rerun with the same options, add --fresh "
             "to start over, or choose another output folder.")
-    if old.get("plan_hash") != new["plan_hash"]:
-        raise OutputError(
-            f"{out} was made from another source or layout ({old.get('source')}, "
-            f"{old.get('jobs')} jobs; now {new['source']}, {new['jobs']} jobs): "
-            "add --fresh to start over, or choose another output folder.")
     problem = source_difference(old.get("sources"), new["sources"])
     if problem:
         raise OutputError(f"{out} was converted from {old.get('source')}, and {problem}: "
                           "outputs of different sources are never mixed. Add --fresh to start "
                           "over, or choose another output folder.")
+    if old.get("plan_hash") != new["plan_hash"]:
+        raise OutputError(
+            f"{out} was made from another source or layout ({old.get('source')}, "
+            f"{old.get('jobs')} jobs; now {new['source']}, {new['jobs']} jobs): "
+            "add --fresh to start over, or choose another output folder.")
 
 
 def same_shard(old: dict, new: dict) -> bool:
