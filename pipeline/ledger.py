@@ -1,6 +1,6 @@
 """What is durable: the work folder, each job's ledger and shard writer, completion markers.
 
-The ledger, not Prefect's cache, is the source of truth for what is done:
+The ledger is the source of truth for what is done (Prefect keeps no results or cache):
 
     OUTPUT/.turboquant/run.json              identity of the conversion (recipe, plan, each
                                              source shard's contents, the files it writes)
