@@ -16,6 +16,10 @@ Thin orchestration around `turboquant.stages` (the codec) and `turboquant.manife
     verify.py          re-read a repo: checksums, decoded errors
     progress.py        tqdm bars driven by the ledgers
     distributed.py     the jobs on Dask (local cluster or a scheduler address)
+
+Arrows point down: job.py and ledger.py at the bottom, distributed.py (Dask) on the jobs,
+convert.py (the plain conversion) on both, head_start.py on convert.py, and flow.py (the
+Prefect flow, its Dask tasks) on top of them all.
     publish.py         upload converted repos to the Hub, only what changed
     publish_flow.py    the same as a Prefect flow, one task per repo
     deploy.py          Prefect deployments per model family, resume of crashed runs

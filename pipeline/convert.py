@@ -8,24 +8,26 @@ after the other in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
 import shutil
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
-
-from .errors import ConversionError, OutputError
+from . import output
+from .distributed import run_on_dask
+from .errors import ConversionError
 from .job import JobContext, JobResult, SourceSpec, run_job
-from .ledger import FileLock, WorkDir
+from .ledger import FileLock, WorkDir, atomic_write
 from .plan import GB, Job, Plan, build_plan
-from .repo import RepoSummary, write_repo_files
-from .sources import HubSource, LocalSource, Source, is_aux_file, open_source
+from .progress import Progress
+from .repo import RepoSummary, summarize, write_repo_files
+from .sources import HubSource, LocalSource, Source, open_source
 
 
 @dataclass
@@ -162,119 +164,39 @@ def check_disk(p: Prepared) -> None:
 
 # ------------------------------------------------------------------------ the output folder
 
-_OURS = ("config.json", "README.md", MANIFEST_FILE, INDEX_FILE)
+
+def _source_folder(p: Prepared) -> Path | None:
+    return p.source.folder if isinstance(p.source, LocalSource) else None
 
 
-def run_identity(p: Prepared) -> dict:
-    return {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "recipe": p.plan.recipe.name,
-        "recipe_hash": p.plan.recipe_hash,
-        "plan_hash": p.plan.plan_hash(),
-        "source": p.plan.source,
-        "jobs": len(p.plan.jobs),
-        "resolved_recipe": p.plan.recipe.data,
-    }
-
-
-def _recipe_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ between two resolved recipes, as 'key: old -> new'."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _recipe_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
-
-
-def _looks_like_ours(out: Path) -> bool:
-    cfg = out / "config.json"
-    if (out / ".turboquant" / "run.json").exists():
-        return True
-    try:
-        q = json.loads(cfg.read_text()).get("quantization_config", {})
-        return q.get("quant_method") == QUANT_METHOD
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def refuse_foreign(out: Path) -> None:
-    """A non-empty folder that no conversion made is never written to."""
-    if out.exists() and not _looks_like_ours(out):
-        if any(f.name != ".turboquant" for f in out.iterdir()):
-            raise OutputError(f"{out} is not empty and is not a TurboQuant conversion; choose an "
-                              "empty or new output folder (--fresh only deletes a conversion's "
-                              "own files).")
+def decide_output(p: Prepared) -> output.Decision:
+    """What this run may do with its output folder (output.py); refuses before any write."""
+    record = output.run_record(p.plan, p.source)
+    return output.decide(p.work.output, record, p.options.fresh, _source_folder(p))
 
 
 def output_lock(p: Prepared) -> FileLock:
-    """The output folder's lock (held for the whole run; a second run on it fails fast)."""
-    refuse_foreign(p.work.output)
+    """The output folder's lock (held for the whole run; a second run on it fails fast).
+    Every refusal comes first: a refused run writes nothing."""
+    decide_output(p)
     p.work.root.mkdir(parents=True, exist_ok=True)
     return FileLock(p.work.lock("run"), f"output folder {p.work.output}")
 
 
-def clear_output(out: Path) -> None:
-    """--fresh: remove what a conversion wrote (never anything else; the lock stays)."""
-    if not out.exists():
-        return
-    refuse_foreign(out)
-    root = out / ".turboquant"
-    if root.exists():
-        for f in root.iterdir():
-            if f.is_dir():
-                shutil.rmtree(f)
-            elif f.name != "run.lock":
-                f.unlink()
-    for f in out.iterdir():
-        if f.is_file() and (f.name in _OURS or is_aux_file(f.name) or
-                            (f.name.startswith("model") and ".safetensors" in f.name)):
-            f.unlink()
-
-
 def prepare_output(p: Prepared) -> int:
-    """Create or check the output folder; returns this run's number (1 for a new one).
-
-    An output made by another recipe, plan or source is refused, never mixed.
-    """
-    out, work = p.work.output, p.work
-    if p.options.fresh:
-        clear_output(out)
-    out.mkdir(parents=True, exist_ok=True)
-    ident = run_identity(p)
-    if work.run_file.exists():
-        old = json.loads(work.run_file.read_text())
-        if old.get("recipe_hash") != ident["recipe_hash"]:
-            diff = _recipe_diff(old.get("resolved_recipe") or {}, ident["resolved_recipe"])
-            what = f" ({'; '.join(diff[:4])})" if diff else ""
-            raise OutputError(
-                f"{out} was made with recipe {old.get('recipe')!r} (hash "
-                f"{str(old.get('recipe_hash'))[:12]}), this command resolves to recipe "
-                f"{ident['recipe']!r} (hash {ident['recipe_hash'][:12]}){what}: outputs of "
-                "different recipes are never mixed. Rerun with the same options, add --fresh "
-                "to start over, or choose another output folder.")
-        if old.get("plan_hash") != ident["plan_hash"]:
-            raise OutputError(
-                f"{out} was made from another source or layout ({old.get('source')}, "
-                f"{old.get('jobs')} jobs; now {ident['source']}, {ident['jobs']} jobs): "
-                "add --fresh to start over, or choose another output folder.")
-    else:
-        leftovers = [f.name for f in out.iterdir() if f.name != ".turboquant"]
-        if leftovers:
-            what = "a TurboQuant repo made elsewhere" if _looks_like_ours(out) else "other files"
-            raise OutputError(f"{out} already holds {what} ({', '.join(sorted(leftovers)[:5])}"
-                              f"{', ...' if len(leftovers) > 5 else ''}); add --fresh to replace "
-                              "a conversion, or choose an empty folder.")
-        work.make()
-        from .ledger import atomic_write
-
-        atomic_write(work.run_file, json.dumps(ident, indent=2, sort_keys=True).encode())
+    """Under the output's lock: decide again (refusing a folder that is not this
+    conversion's), delete a previous conversion's files for --fresh, record this one;
+    returns this run's number (1 for a new one)."""
+    decision = decide_output(p)
+    work = p.work
+    output.delete(decision)
+    work.output.mkdir(parents=True, exist_ok=True)
     work.make()
+    record = output.run_record(p.plan, p.source)
+    if not decision.resume:
+        atomic_write(work.run_file, json.dumps(record, indent=2, sort_keys=True).encode())
     run = 1 + sum(1 for e in work.events() if e.get("event") == "run_start")
-    work.event("run_start", run=run, recipe_hash=ident["recipe_hash"], jobs=len(p.plan.jobs))
+    work.event("run_start", run=run, recipe_hash=record["recipe_hash"], jobs=len(p.plan.jobs))
     return run
 
 
@@ -283,8 +205,9 @@ def prepare_output(p: Prepared) -> int:
 
 def job_context(p: Prepared, job: Job, parent_pid: int | None = None) -> JobContext:
     headers = {f: p.plan.headers[f] for f in job.files}
+    identities = {f: p.plan.identities[f] for f in job.files}
     return JobContext(str(p.work.output), job, headers, p.spec, p.plan.recipe.refit, p.run,
-                      parent_pid)
+                      parent_pid, identities=identities)
 
 
 def _worker_init() -> None:
@@ -374,12 +297,37 @@ def finish(p: Prepared, results: list[JobResult]) -> Summary:
     )
 
 
+def finished(opts: ConvertOptions) -> Summary | None:
+    """The summary of a finished conversion of this same source, recipe and layout in the
+    output folder, found without writing anything (and without Prefect); None when there
+    is something to do, or something to report, which the normal run then does."""
+    if opts.fresh or opts.delete_source:
+        return None
+    out = Path(opts.output).resolve()
+    work = WorkDir(out)
+    if not work.complete_file.exists():
+        return None
+    try:
+        p = validate(dataclasses.replace(opts, check_disk=False))
+        decision = decide_output(p)
+    except (ConversionError, ValueError, OSError):  # reported by the normal run
+        return None
+    if not decision.resume or not FileLock(work.lock("run"), "").free():
+        return None
+    for job in p.plan.jobs:
+        shard = out / job.shard
+        if work.read_done(job) is None or not shard.is_file() or \
+                shard.stat().st_size != job.size:
+            return None
+    if not all((out / name).is_file() for name in output.REPO_FILES):
+        return None
+    return Summary(output=str(out), repo=summarize(p.plan), read_bytes=0,
+                   total_read_bytes=p.plan.read_bytes, seconds=time.monotonic() - p.t0,
+                   jobs_run=0, jobs_skipped=len(p.plan.jobs), jobs_resumed=0)
+
+
 def convert(opts: ConvertOptions) -> Summary:
     """The whole conversion without Prefect (same steps, same files as the flow)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .progress import Progress
-
     p = validate(opts)
     with output_lock(p):
         p.run = prepare_output(p)
@@ -387,9 +335,13 @@ def convert(opts: ConvertOptions) -> Summary:
         progress.start()
         try:
             if opts.on_dask:
-                from .distributed import run_jobs_on_dask_plain
+                def done(i: int) -> None:
+                    progress.job_finished(p.plan.jobs[i])
+                    release_sources(p)
 
-                results = run_jobs_on_dask_plain(p, progress)
+                # parent_pid stays None: a Dask worker process is the job's only writer
+                contexts = [job_context(p, job) for job in p.plan.jobs]
+                results = run_on_dask(opts, contexts, done)
             else:
                 with JobRunner(p) as runner:
                     def one(job: Job) -> JobResult:

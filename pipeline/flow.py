@@ -1,12 +1,13 @@
 """The Prefect 3 flow `convert`: validate, one task per job, then the repo files.
 
 Each task wraps a plain function of `turboquant.pipeline.convert` / `.job`. The ledger
-decides what is done; Prefect's cache keys are derived from the same identifiers (format
-version, recipe hash, plan hash, job, output folder), and a job's cached result is only
-trusted while its completion marker exists (`refresh_cache` otherwise). So a rerun of the
-same command, or of the same deployment, skips finished jobs, and a crashed job resumes
-from its ledger. With `dask_workers` or `dask_address` the job tasks run on Dask through
-prefect-dask (pipeline/distributed.py) instead of this process's worker processes.
+decides what is done, not Prefect: no task persists a result and none is cached, so nothing
+is ever read back (unpickled) from the output folder, which others may be able to write (a
+shared filesystem with Dask workers). A rerun of the same command, or of the same
+deployment, runs every job's task again; a finished job's task returns at once (its
+completion marker), and a crashed job resumes from its ledger. With `dask_workers` or
+`dask_address` the job tasks run on Dask through prefect-dask (pipeline/distributed.py)
+instead of this process's worker processes.
 
 The CLI begins a run before it imports Prefect (head_start.py): validation, the output's
 lock and its worker processes already converting. `run_convert_flow(opts, head)` hands
@@ -25,36 +26,20 @@ configure_prefect_env()
 
 import contextvars  # noqa: E402
 import dataclasses  # noqa: E402
-import hashlib  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.settings import PREFECT_LOCAL_STORAGE_PATH  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 from prefect.utilities.annotations import quote  # noqa: E402
 
-from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD  # noqa: E402
-
 from .convert import (ConvertOptions, JobRunner, Prepared, Summary, finish,  # noqa: E402
-                      output_lock, prepare_output, release_sources, validate)
+                      job_context, output_lock, prepare_output, release_sources, validate)
+from .distributed import check_api_reachable, task_runner  # noqa: E402
 from .flow_api import local_api, note_final_state  # noqa: E402
 from .head_start import HeadStart  # noqa: E402
 from .job import JobContext, JobResult, run_job  # noqa: E402
-from .ledger import WORK  # noqa: E402
 from .plan import Job  # noqa: E402
 from .progress import Progress  # noqa: E402
-
-
-def job_key(p: Prepared, job: Job) -> str:
-    """The Prefect cache key of a job: the same identifiers as its ledger."""
-    ident = "|".join([QUANT_METHOD, str(FORMAT_VERSION), p.plan.recipe_hash, p.plan.plan_hash(),
-                      job.name, job.shard, str(p.work.output)])
-    return "turboquant-job-" + hashlib.sha256(ident.encode()).hexdigest()
-
-
-def _cache_key(context, parameters) -> str:
-    return parameters["key"]
 
 
 # The head start (head_start.py) that `run_convert_flow` hands to the flow it runs: set
@@ -70,19 +55,23 @@ def given_head_start() -> HeadStart | None:
     return _HEAD_START.get()
 
 
+# No task persists its result or is cached (the ledger knows what is done): Prefect never
+# reads a result file, and writes none into the output folder, not even a failure's
+NOTHING_KEPT = {"cache_policy": NO_CACHE, "persist_result": False}
+
 # each task's final state is recorded by the in-process API before it stops (flow_api.py)
 RECORDED = {"on_completion": [note_final_state], "on_failure": [note_final_state]}
 
 
-@task(name="validate", cache_policy=NO_CACHE, persist_result=False, **RECORDED)
+@task(name="validate", **NOTHING_KEPT, **RECORDED)
 def validate_task(options: ConvertOptions, head: HeadStart | None = None) -> Prepared:
     """Metadata only: source headers, recipe coverage, shapes, layout, disk (or the result
     of that same validation, run by the head start before Prefect was up)."""
     return head.validated() if head is not None else validate(options)
 
 
-@task(name="convert-shard", cache_key_fn=_cache_key, persist_result=True, **RECORDED)
-def job_task(key: str, job_index: int, prepared, runner, progress) -> JobResult:
+@task(name="convert-shard", **NOTHING_KEPT, **RECORDED)
+def job_task(job_index: int, prepared, runner, progress) -> JobResult:
     """Convert one job (one output shard) through the plain `run_job`."""
     job = prepared.plan.jobs[job_index]
     progress.job_started(job)
@@ -93,13 +82,13 @@ def job_task(key: str, job_index: int, prepared, runner, progress) -> JobResult:
         release_sources(prepared)
 
 
-@task(name="convert-shard", cache_key_fn=_cache_key, persist_result=True)
-def dask_job_task(key: str, ctx: JobContext) -> JobResult:
+@task(name="convert-shard", **NOTHING_KEPT)
+def dask_job_task(ctx: JobContext) -> JobResult:
     """Convert one job on a Dask worker: it gets paths and metadata, never arrays."""
     return run_job(ctx)
 
 
-@task(name="write-repo-files", cache_policy=NO_CACHE, persist_result=False, **RECORDED)
+@task(name="write-repo-files", **NOTHING_KEPT, **RECORDED)
 def finish_task(prepared, results: list[JobResult]) -> Summary:
     return finish(prepared, results)
 
@@ -141,20 +130,14 @@ def convert_flow(
         bars.start()
         try:
             if opts.on_dask:  # one task per job on Dask (pipeline/distributed.py)
-                from .distributed import run_jobs_on_dask
-
                 results = run_jobs_on_dask(p, bars)
             else:
                 with head.jobs() if head is not None else JobRunner(p) as runner:
                     states = []
                     futures = []
                     for job in p.plan.jobs:
-                        t = job_task.with_options(
-                            name=f"convert-{job.name}",
-                            refresh_cache=(runner.started_ahead(job)
-                                           or not p.work.done(job).exists()),
-                        )
-                        args = (job_key(p, job), job.index, quote(p), quote(runner), quote(bars))
+                        t = job_task.with_options(name=f"convert-{job.name}")
+                        args = (job.index, quote(p), quote(runner), quote(bars))
                         if opts.in_process or opts.workers <= 1:
                             states.append(t(*args, return_state=True))  # in this thread
                         else:
@@ -162,15 +145,36 @@ def convert_flow(
                     for f in futures:
                         f.wait()
                         states.append(f.state)
-                    results = []
-                    for state in states:
-                        r = state.result()  # raises the job's error
-                        if state.name == "Cached":
-                            r = dataclasses.replace(r, skipped=True, read_bytes=0)
-                        results.append(r)
+                    results = [state.result() for state in states]  # raises a job's error
         finally:
             bars.close()
         return finish_task(quote(p), results)
+
+
+def run_jobs_on_dask(p: Prepared, progress) -> list[JobResult]:
+    """One Prefect task per job, submitted to Dask through prefect-dask (call inside the
+    convert flow)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with get_client(sync_client=True) as client:
+        api = str(client.api_url)  # the temporary server's, when none is configured
+    check_api_reachable(p.options.dask_address, api)
+    # workers report to this flow's API (else each would start a temporary server of its own)
+    runner = task_runner(p.options)
+    with temporary_settings({PREFECT_API_URL: api}), runner:
+        futures = []
+        for job in p.plan.jobs:
+            # parent_pid stays None: a Dask worker process is the job's only writer
+            t = dask_job_task.with_options(name=f"convert-{job.name}")
+            futures.append(runner.submit(t, {"ctx": job_context(p, job)}))
+        results = []
+        for job, fut in zip(p.plan.jobs, futures):
+            fut.wait()
+            results.append(fut.state.result())  # raises the job's error
+            progress.job_finished(job)
+            release_sources(p)
+        return results
 
 
 def run_convert_flow(opts: ConvertOptions, head: HeadStart | None = None) -> Summary:
@@ -180,11 +184,9 @@ def run_convert_flow(opts: ConvertOptions, head: HeadStart | None = None) -> Sum
     takes it over (and it is closed whatever happens)."""
     runner = ThreadPoolTaskRunner(max_workers=max(1, opts.workers))
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-    # Prefect's result records (its cache) live with the output they describe
-    store = Path(opts.output).resolve() / WORK / "prefect"
     token = _HEAD_START.set(head)
     try:
-        with local_api({PREFECT_LOCAL_STORAGE_PATH: str(store)}):
+        with local_api():
             return convert_flow.with_options(task_runner=runner)(**fields)
     finally:
         _HEAD_START.reset(token)

@@ -8,7 +8,7 @@ every job that is not finished yet, so that the jobs convert while Prefect loads
 The flow stays the record and the judge of the run. `convert_flow` takes the head start
 over (flow.py): its `validate` task returns the head start's validated plan, it holds the
 head start's lock for the rest of the run, and each job's task waits for the job that was
-started for it, returns its result (persisted and cached by the same key as before) or
+started for it, returns its result (Prefect persists none: the ledger is the record) or
 raises its error. After the jobs the idle worker processes exit in the background while
 the repo files are written and Prefect's API stops; `close()` (run_convert_flow) waits
 for them last. A step of `begin()` that failed is not reported by `begin()`: its

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .ledger import FileLock, JobWriter, WorkDir, crash_point, sha256_file_range
 from .plan import Item, Job, cut_piece
 from .published import PublishedReader
 from .safetensors_io import FLOAT_DTYPES, SafetensorsHeader, check_finite, read_raw, to_float32
+from .sources import sampled_content_sha256
 
 # weights per chunk of rows (4 MiB as float32: faster than bigger chunks, cache-friendly);
 # tests lower it to cut tensors in more pieces
@@ -64,6 +66,7 @@ class JobContext:
     run: int = 1
     parent_pid: int | None = None  # a worker exits if this process is gone
     lock_wait: float = 120.0
+    identities: dict[str, dict] = field(default_factory=dict)  # source file -> identity
 
 
 @dataclass
@@ -193,6 +196,7 @@ class _Reader:
                 raise SourceError(file, f"is {size} bytes now but was {self.ctx.headers[file].file_size} "
                                         "when the conversion was planned: the file changed; "
                                         "rerun with --fresh")
+            self._check_contents(file, path)
         return self.fds[file]
 
     def published(self, item: Item) -> PublishedReader | None:
@@ -207,6 +211,16 @@ class _Reader:
         """A published item's expert slice, float32, sliced and transposed."""
         return cut_piece(self.published(item).expert(item.published, item.piece.expert),
                          item.piece)
+
+    def _check_contents(self, file: str, path: Path) -> None:
+        """The shard this worker reads is the one the run was planned (and run.json bound)
+        with: its sampled bytes match (a file replaced since, or another file at the same
+        path on a Dask worker's filesystem, is refused)."""
+        want = self.ctx.identities.get(file, {}).get("sample_sha256")
+        if want and sampled_content_sha256(path, self.ctx.headers[file]) != want:
+            raise SourceError(file, "its contents changed since the conversion was planned "
+                                    "(sampled bytes differ); rerun the command (add --fresh "
+                                    "to start over from the new contents)")
 
     def info(self, item: Item):
         return self.ctx.headers[item.piece.file].tensors[item.piece.tensor]
@@ -229,17 +243,34 @@ def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
     return to_float32(bits.reshape(-1).view(np.uint8), dtype).reshape(bits.shape)
 
 
+class _SourceCrc:
+    """CRC-32 of the source values an item reads, as raw bytes in the order it reads them
+    (for a whole tensor: its byte range in the source file). Recorded in the ledger as
+    `source_crc32`, so a repo can be checked against a source tensor by tensor; a CRC
+    costs about a tenth of the coding, a sha256 would cost a third."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool) -> dict:
     writer.expect(item.byte_start, item.name)
     sha = hashlib.sha256()
+    crc = _SourceCrc()
     rel_mse = None
     if item.codec == "raw":
-        _write_raw(item, reader, writer, sha)
+        _write_raw(item, reader, writer, sha, crc)
     else:
-        rel_mse = _write_coded(item, reader, writer, sha, refit)
+        rel_mse = _write_coded(item, reader, writer, sha, crc, refit)
     writer.expect(item.byte_end, item.name)
     return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
-            "checksum": sha.hexdigest(), "rel_mse": rel_mse}
+            "checksum": sha.hexdigest(), "rel_mse": rel_mse, "source_crc32": crc.hexdigest()}
 
 
 def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
@@ -247,7 +278,7 @@ def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
     writer.write(data)
 
 
-def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
+def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc) -> None:
     p = item.piece
     src = p.file
     if item.published is not None:
@@ -255,6 +286,7 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
         return
     if p.expert is not None:
         bits = reader.raw_piece(item)
+        crc.update(np.ascontiguousarray(bits))
         if item.source_dtype in FLOAT_DTYPES:
             check_finite(_as_float32(bits, item.source_dtype), src, p.tensor)
         _emit(writer, sha, memoryview(bits).cast("B"))
@@ -266,6 +298,7 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
         n = min(step, info.numel - start)
         _check_parent()
         raw = read_raw(fd, info, start, n, src)
+        crc.update(raw)
         if info.dtype in FLOAT_DTYPES:
             check_finite(to_float32(raw, info.dtype), src, info.name, start)
         _emit(writer, sha, memoryview(raw))
@@ -289,7 +322,8 @@ def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) ->
         _emit(writer, sha, memoryview(np.ascontiguousarray(x, dtype="<f4")).cast("B"))
 
 
-def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: bool) -> float:
+def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
+                 refit: bool) -> float:
     from turboquant.stages import encode
 
     out_f, in_f = item.shape
@@ -300,7 +334,9 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: boo
     if pub is not None and p.expert is not None:
         whole = reader.published_piece(item)
     elif p.expert is not None:
-        whole = _as_float32(reader.raw_piece(item), item.source_dtype)
+        bits = np.ascontiguousarray(reader.raw_piece(item))
+        crc.update(bits)
+        whole = _as_float32(bits, item.source_dtype)
     elif pub is None:
         info, fd = reader.info(item), reader.fd(p.file)
     codes_spec, scales_spec = item.stored
@@ -314,8 +350,9 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, refit: boo
         elif pub is not None:
             x = pub.rows(item.published, r0, r1)
         else:
-            x = to_float32(read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file),
-                           info.dtype).reshape(r1 - r0, in_f)
+            raw = read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file)
+            crc.update(raw)
+            x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
         check_finite(x, p.file, p.tensor, r0 * in_f)
         _check_parent()
         try:

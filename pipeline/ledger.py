@@ -1,8 +1,9 @@
 """What is durable: the work folder, each job's ledger and shard writer, completion markers.
 
-The ledger, not Prefect's cache, is the source of truth for what is done:
+The ledger is the source of truth for what is done (Prefect keeps no results or cache):
 
-    OUTPUT/.turboquant/run.json              identity of the conversion (recipe, plan, source)
+    OUTPUT/.turboquant/run.json              identity of the conversion (recipe, plan, each
+                                             source shard's contents, the files it writes)
     OUTPUT/.turboquant/events.jsonl          one line per thing a run did (start, skip, done)
     OUTPUT/.turboquant/jobs/<job>.partial    the shard being written (header + data so far)
     OUTPUT/.turboquant/jobs/<job>.ledger.jsonl  one line per finished unit, appended after
@@ -108,10 +109,6 @@ class WorkDir:
     def source_dir(self) -> Path:
         return self.root / "source"
 
-    @property
-    def prefect_dir(self) -> Path:
-        return self.root / "prefect"
-
     def partial(self, job: Job) -> Path:
         return self.jobs / f"{job.name}.partial"
 
@@ -177,6 +174,21 @@ class FileLock:
                 time.sleep(0.1)
         os.ftruncate(self.fd, 0)
         os.write(self.fd, str(os.getpid()).encode())
+
+    def free(self) -> bool:
+        """Whether no process holds the lock now (asked without creating or writing the
+        file; a missing file is free)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)  # closing drops the shared lock, if taken
 
     def release(self) -> None:
         if self.fd is not None:

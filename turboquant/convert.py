@@ -161,10 +161,7 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         print("turboquant convert: error: give --dask-workers N (a local cluster) or "
               "--dask-address ADDR (an existing scheduler), not both", file=sys.stderr)
         return 2
-    if uses_prefect(args):
-        _quiet_prefect(args.verbose)
-
-    from turboquant.pipeline.convert import ConvertOptions, convert, validate
+    from turboquant.pipeline.convert import ConvertOptions, convert, finished, validate
     from turboquant.pipeline.errors import ConversionError
     from turboquant.manifests.recipe import RecipeError
 
@@ -183,6 +180,13 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         if args.dry_run:
             print(describe_plan(validate(opts)))
             return 0
+        # a finished conversion of the same source is found before Prefect is imported
+        done = finished(opts)
+        if done is not None:
+            print(done.text())
+            return 0
+        if uses_prefect(args):
+            _quiet_prefect(args.verbose)
         if args.no_prefect:
             summary = convert(opts)
         else:
