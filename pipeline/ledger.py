@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import LedgerError, OutputError
+from .errors import LedgerError, OutputError, writing
 from .plan import Job
 
 WORK = ".turboquant"
@@ -233,7 +233,7 @@ class JobWriter:
             raise LedgerError(f"{self.ledger_path}: records {len(self.records)} units but the "
                               f"partial shard {self.partial} is gone; rerun with --fresh")
         if not self.records:
-            with open(self.partial, "wb") as f:
+            with writing(self.partial), open(self.partial, "wb") as f:
                 f.write(self.job.header)
                 f.flush()
                 os.fsync(f.fileno())
@@ -298,7 +298,8 @@ class JobWriter:
 
     # --- writing --------------------------------------------------------------------
     def write(self, data) -> None:
-        self.f.write(data)
+        with writing(self.partial):
+            self.f.write(data)
         self.pos += len(memoryview(data).cast("B"))
 
     def expect(self, offset: int, what: str) -> None:
@@ -334,13 +335,14 @@ class JobWriter:
         lines and fsync the ledger."""
         if not self.pending:
             return
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        with writing(self.partial):
+            self.f.flush()
+            os.fsync(self.f.fileno())
         crash_point("unit_data_durable")
         lines = [(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
                  for rec in self.pending]
         data = b"".join(lines)
-        with open(self.ledger_path, "ab") as lf:
+        with writing(self.ledger_path), open(self.ledger_path, "ab") as lf:
             half = len(data) - len(lines[-1]) // 2  # the torn point: half the last line
             lf.write(data[:half])
             lf.flush()
@@ -358,8 +360,9 @@ class JobWriter:
             raise LedgerError(f"{self.job.name}: shard has {self.pos} bytes, the plan says "
                               f"{self.job.size}")
         self.sync()  # every unit in the ledger before the rename (_adopt_renamed counts them)
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        with writing(self.partial):
+            self.f.flush()
+            os.fsync(self.f.fileno())
         self.f.close()
         self.f = None
         crash_point("before_rename")
