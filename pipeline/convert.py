@@ -20,7 +20,7 @@ from pathlib import Path
 
 from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
 
-from .errors import ConversionError, OutputError
+from .errors import ConversionError, OutputError, spawned_worker_hint
 from .job import JobContext, JobResult, SourceSpec, run_job
 from .ledger import FileLock, WorkDir
 from .plan import GB, Job, Plan, build_plan
@@ -331,6 +331,7 @@ class JobRunner:
             raise ConversionError(
                 f"a worker process died (killed, or out of memory) while converting {job.name}; "
                 "what it finished is in the ledger: run the same command again to resume"
+                + spawned_worker_hint()
             ) from None
 
     def close(self, wait: bool = True) -> None:

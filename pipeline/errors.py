@@ -150,3 +150,17 @@ def hub_unreachable(reason: str, what: str | None = None) -> str:
     target = f" to read Hub repo {what!r}" if what else ""
     return (f"cannot reach the Hugging Face Hub at {endpoint}{target} ({reason}); check the "
             "network connection (or HF_ENDPOINT), or give a local folder")
+
+
+def spawned_worker_hint() -> str:
+    """Why worker processes die at once when convert() runs from a script without a
+    `__main__` guard; empty when this process is not such a script."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or "turboquant" in Path(path).parts or Path(path).name == "turboquant":
+        return ""
+    return (f". If {Path(path).name} calls convert() at its top level: worker processes are "
+            "spawned and import the script again, so put the call under "
+            "`if __name__ == \"__main__\":` (or pass in_process=True)")
