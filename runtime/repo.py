@@ -81,6 +81,14 @@ class Repo:
         return self.config["quantization_config"]
 
 
+def is_hub_id(text: str) -> bool:
+    """`text` names no local file or folder and reads as a Hub repo id ('owner/name' whose
+    owner is not a folder here)."""
+    text = str(text)
+    return (not Path(text).expanduser().exists() and bool(_REPO_ID.match(text))
+            and not text.startswith((".", "~")) and not Path(text.split("/", 1)[0]).is_dir())
+
+
 def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hub repo id, fetched with snapshot_download.
 

@@ -73,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --context must be at least 1", file=sys.stderr)
         return 2
     from turboquant.runtime.doctor import check_folder, check_machine, exit_code
-    from turboquant.runtime.repo import RepoError, resolve
+    from turboquant.runtime.repo import RepoError, is_hub_id, resolve
 
-    try:
-        folder = str(resolve(args.model))  # a Hub repo id is fetched (HF cache), as `generate`
-    except RepoError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    folder = args.model
+    if is_hub_id(folder):  # fetched into the HF cache, as `generate` and `serve` do
+        try:
+            folder = str(resolve(folder))
+        except RepoError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
     checks = check_folder(folder, quick=args.quick)
     by_id = {c.id: c.status for c in checks}
     usable = all(by_id.get(i) == "PASS" for i in ("D001", "D003", "D004"))
