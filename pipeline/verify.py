@@ -46,6 +46,7 @@ from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, QUANT_METHO
 
 from .ledger import sha256_file_range
 from .plan import cut_piece, split_piece_of
+from .errors import SourceError
 from .safetensors_io import read_float32, read_header
 
 # Upper bounds on rel_mse for Gaussian-like weights: the Lloyd-Max MSE of each codebook
@@ -197,7 +198,9 @@ class _SourceReader:
         f = row["source_shard"]
         if f not in self.headers:
             self.headers[f] = read_header(self.folder / f, f)
-        info = self.headers[f].tensors[row["source_name"]]
+        info = self.headers[f].tensors.get(row["source_name"])
+        if info is None:
+            return None
         fd = os.open(self.folder / f, os.O_RDONLY)
         try:
             if row["source_name"] == row["name"]:
@@ -235,9 +238,19 @@ def _check_decode(repo: Path, row: dict, header, src: _SourceReader | None,
         return
     measured = None
     if src is not None:
-        ref = src.weight(row)
+        try:
+            ref = src.weight(row)
+        except SourceError as e:
+            rep.problems.append(f"source {src.folder}: {e}")
+            return
         if ref is None:
-            rep.problems.append(f"{name!r}: cannot locate {row['source_name']!r} in the source")
+            rep.problems.append(f"{name!r}: cannot locate {row['source_name']!r} in the source "
+                                f"{src.folder} (another model?)")
+            return
+        if tuple(ref.shape) != tuple(w.shape):
+            rep.problems.append(f"{name!r}: the source's {row['source_name']!r} has shape "
+                                f"{tuple(ref.shape)}, the repo's {tuple(w.shape)} (another "
+                                "model?)")
             return
         measured = _relative_error(ref, w)
         tol = match_tolerance(row["group_size"], row["shape"][1], recorded)

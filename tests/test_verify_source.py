@@ -159,3 +159,19 @@ def _fine_tune(src: Path, dst: Path, amount: float) -> Path:
             os.close(fd)
     assert json.loads((dst / "config.json").read_text())["torch_dtype"] == "bfloat16"
     return dst
+
+
+@pytest.mark.parametrize("other", ["another-model", "no-shards"])
+def test_a_source_that_is_not_the_model_is_a_problem_not_a_traceback(converted, tmp_path,
+                                                                    other):
+    _, out = converted
+    if other == "another-model":
+        alt = write_llama_checkpoint(tmp_path / "alt", layers=2, hidden=64, intermediate=128,
+                                     vocab=520, shards=2)
+        want = "has shape"
+    else:
+        alt = tmp_path / "alt"
+        alt.mkdir()
+        want = "cannot open"
+    report = verify_repo(out, source=alt, full=True)
+    assert not report.ok and want in report.text(), report.text()

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --memory-gb must be positive", file=sys.stderr)
         return 2
     from turboquant.manifests.recipe import RecipeError
-    from turboquant.pipeline.errors import ConversionError, SourceError
+    from turboquant.pipeline.errors import (ConversionError, SourceError, hub_unreachable,
+                                            network_reason)
     from turboquant.pipeline.fit import project, this_machine
     from turboquant.pipeline.fit_model import ShapeError
     from turboquant.pipeline.fit_weights import inventory
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                        prefill_step=args.prefill_step)
     except (ConversionError, SourceError, RecipeError, ShapeError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the Hub client's network errors are many
+        reason = network_reason(e)
+        if reason is None:
+            raise
+        print(f"{PROG}: error: {hub_unreachable(reason)}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     alternatives = suggestions(proj, args.dtype) if proj.verdict != "RESIDENT" else []
