@@ -364,7 +364,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def summary_table(results: list[PublishResult]) -> str:
+def summary_table(results: list[PublishResult], dry_run: bool = False) -> str:
     """One line per repo: id, files uploaded / skipped, bytes, url, status."""
     head = ("repo", "uploaded", "skipped", "bytes", "url", "status")
     rows = []
@@ -380,6 +380,7 @@ def summary_table(results: list[PublishResult]) -> str:
     out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
     ok = sum(r.ok for r in results)
     total = sum(r.bytes for r in results if r.ok)
+    planned = dry_run or any(r.status == "dry run" for r in results)
     out.append(f"{ok} of {len(results)} repos ok, {_size(total)} "
-               f"{'to upload' if any(r.status == 'dry run' for r in results) else 'uploaded'}")
+               f"{'to upload' if planned else 'uploaded'}")
     return "\n".join(out)

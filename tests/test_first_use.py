@@ -113,6 +113,7 @@ def test_publish_dry_run_offline_writes_nothing_and_says_so(converted, tmp_path,
     assert r.returncode == 1, r.stdout + r.stderr
     assert (f"failed: could not reach the Hugging Face Hub at {endpoint} (") in r.stdout
     assert "nothing was written" in r.stdout and "would upload" not in r.stdout
+    assert r.stdout.rstrip().endswith("0 of 1 repos ok, 0 B to upload")
     assert _snapshot(out) == before
 
 
