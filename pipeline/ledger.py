@@ -62,7 +62,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with writing(path), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -72,7 +72,7 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def atomic_copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+    with open(src, "rb") as fi, writing(dst), open(tmp, "wb") as fo:
         while chunk := fi.read(1 << 22):
             fo.write(chunk)
         fo.flush()

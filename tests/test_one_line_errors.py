@@ -158,3 +158,22 @@ def test_deeply_nested_json_body_is_400(tmp_path):
         assert err["message"] == ("the request body nests JSON arrays or objects too deeply to "
                                   "parse")
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_a_full_disk_names_each_small_file_written_too(tmp_path):
+    """The index, config and markers go through atomic_write/atomic_copy: same message."""
+    from turboquant.pipeline.errors import OutputWriteError
+    from turboquant.pipeline.ledger import atomic_copy, atomic_write
+
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as small:
+        with open(small / "filler", "wb") as f:  # fill the disk up
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        with pytest.raises(OutputWriteError) as e:
+            atomic_write(small / "config.json", b"{}" * 100_000)
+        assert str(e.value).startswith(f"{small / 'config.json'}: no space left on device "
+                                       "while writing it (")
+        with pytest.raises(OutputWriteError, match="tokenizer.json: no space left"):
+            atomic_copy(DENSE / "tokenizer.json", small / "tokenizer.json")
