@@ -126,17 +126,19 @@ def test_plan_into_a_closed_pipe_is_quiet():
     assert err == ""
 
 
-@pytest.mark.parametrize("command, status", [("plan", 2), ("convert", 1)])
+@pytest.mark.parametrize("command, status", [("plan", 2), ("convert", 1), ("generate", 1)])
 def test_local_path_typo_is_not_a_hub_id(tmp_path, command, status):
     (tmp_path / "out").mkdir()
-    args = [command, "out/nosuch"] + (["converted"] if command == "convert" else [])
+    args = {"plan": ["plan", "out/nosuch"], "convert": ["convert", "out/nosuch", "converted"],
+            "generate": ["generate", "--model", "out/nosuch", "--prompt", "x"]}[command]
     r = subprocess.run([sys.executable, "-m", "turboquant", *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"})
     assert r.returncode == status
     line = _one_line(r.stderr)
-    assert "source folder out/nosuch does not exist (read as a local path, not a Hub repo id: " \
-           "out/ is a folder here); check the path" in line
+    what = "model" if command == "generate" else "source"
+    assert f"{what} folder out/nosuch does not exist (read as a local path, not a Hub repo " \
+           "id: out/ is a folder here); check the path" in line
     assert "Hub at" not in line
 
 
