@@ -145,6 +145,20 @@ def network_reason(e: BaseException) -> str | None:
     return None
 
 
+_HUB_CLIENT_MODULES = ("httpx", "httpcore", "huggingface_hub", "requests", "urllib3")
+
+
+def from_hub_client(e: BaseException) -> bool:
+    """Whether `e` or what caused it was raised by the Hub client's HTTP stack."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0].rstrip("0123456789") in _HUB_CLIENT_MODULES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def hub_unreachable(reason: str, what: str | None = None) -> str:
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     target = f" to read Hub repo {what!r}" if what else ""

@@ -179,3 +179,15 @@ def test_a_full_disk_names_each_small_file_written_too(tmp_path):
                                        "while writing it (")
         with pytest.raises(OutputWriteError, match="tokenizer.json: no space left"):
             atomic_copy(DENSE / "tokenizer.json", small / "tokenizer.json")
+
+
+def test_which_errors_become_one_line():
+    """A network failure outside the Hub client is not blamed on the Hub; a bug keeps its
+    traceback (one_line_error gives None and the dispatcher re-raises)."""
+    from turboquant.cli import one_line_error
+
+    dask = TimeoutError("Timed out trying to connect to tcp://10.0.0.1:8786 after 30 s")
+    assert one_line_error(dask) == ("cannot connect: Timed out trying to connect to "
+                                    "tcp://10.0.0.1:8786 after 30 s")
+    assert one_line_error(ValueError("a bug")) is None
+    assert one_line_error(KeyError("x")) is None

@@ -99,11 +99,12 @@ ERROR_STATUS = {"plan": 2, "doctor": 2}
 def one_line_error(e: BaseException) -> str | None:
     """The one-line message for an error no command caught (a full disk, a file in the way,
     no network), or None for a bug, which keeps its traceback."""
-    from turboquant.pipeline.errors import describe_os_error, hub_unreachable, network_reason
+    from turboquant.pipeline.errors import (describe_os_error, from_hub_client, hub_unreachable,
+                                            network_reason)
 
     reason = network_reason(e)
     if reason is not None:
-        return hub_unreachable(reason)
+        return hub_unreachable(reason) if from_hub_client(e) else f"cannot connect: {reason}"
     if isinstance(e, OSError) and e.errno is not None and (e.filename or e.strerror):
         return describe_os_error(e)
     return None
