@@ -305,11 +305,12 @@ def test_expert_budget_minimum_adds_up(tmp_path):
     ("raw", "argument --bits: must be 2, 3, 4 or ternary; raw (16-bit) is for --expert-bits, "
             "--down-proj-bits, --embeddings-bits and --lm-head-bits"),
 ])
-def test_bits_errors_list_what_bits_takes(value, message, capsys):
+def test_bits_errors_list_what_bits_takes(value, message, capsys, tmp_path):
     from turboquant.convert import main as convert_main
 
     with pytest.raises(SystemExit):
-        convert_main(["src", "out", "--bits", value])
+        convert_main([str(DENSE), str(tmp_path / "out"), "--bits", value])
+    assert not (tmp_path / "out").exists()
     assert message in capsys.readouterr().err
 
 
