@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import output
 from .distributed import run_on_dask
-from .errors import ConversionError
+from .errors import ConversionError, spawned_worker_hint
 from .job import JobContext, JobResult, SourceSpec, run_job
 from .ledger import FileLock, WorkDir, atomic_write
 from .plan import GB, Job, Plan, build_plan
@@ -254,6 +254,7 @@ class JobRunner:
             raise ConversionError(
                 f"a worker process died (killed, or out of memory) while converting {job.name}; "
                 "what it finished is in the ledger: run the same command again to resume"
+                + spawned_worker_hint()
             ) from None
 
     def close(self, wait: bool = True) -> None:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
+import socket
+from pathlib import Path
+
 
 class ConversionError(Exception):
     """A conversion cannot go on; the message says why and what to do."""
@@ -40,3 +47,134 @@ class OutputError(ConversionError):
 
 class LedgerError(ConversionError):
     """The ledger of a job disagrees with the plan or with the bytes on disk."""
+
+
+# --- one-line messages for what the operating system and the network say ----------------
+
+_WHAT_TO_DO = {
+    errno.ENOSPC: "free some space (or choose another output folder) and run the same command "
+                  "again: it resumes where it stopped",
+    errno.EDQUOT: "raise the quota or free some space, then run the same command again: it "
+                  "resumes where it stopped",
+    errno.EROFS: "choose a folder on a writable disk",
+    errno.EACCES: "choose a folder you can write to (or fix its permissions)",
+    errno.EPERM: "choose a folder you can write to (or fix its permissions)",
+}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _existing_parent(path: Path) -> Path | None:
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return None
+
+
+def describe_os_error(e: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line: the file, what the system said, and what to do."""
+    path = path or e.filename
+    what = e.strerror or str(e)
+    if path is None:
+        return what
+    p = Path(path)
+    if e.errno == errno.ENOTDIR:
+        blocker = _existing_parent(p)
+        if blocker is not None and not blocker.is_dir():
+            where = f"{p} is" if blocker == p else f"{p}: {blocker} is"
+            return (f"{where} a file, not a folder; choose an output path that is a folder or "
+                    "does not exist yet")
+        return f"{p}: not a folder; choose an output path that is a folder or does not exist yet"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = _existing_parent(p.parent) or p.parent
+        try:
+            free = f"{human_bytes(shutil.disk_usage(where).free)} free on that disk"
+        except OSError:
+            free = "free space unknown"
+        return f"{p}: {what.lower()} while writing it ({free}); {_WHAT_TO_DO[e.errno]}"
+    if e.errno in _WHAT_TO_DO:
+        return f"{p}: {what.lower()}; {_WHAT_TO_DO[e.errno]}"
+    return f"{p}: {what}"
+
+
+class OutputWriteError(OutputError, OSError):
+    """Writing into the output failed (a full disk, a read-only file system, ...)."""
+
+    def __init__(self, errno_: int, message: str):
+        OSError.__init__(self, errno_, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # picklable across worker processes
+        return (OutputWriteError, (self.errno, self.message))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """Within: an OSError names `path`, the free space where it matters, and what to do."""
+    try:
+        yield
+    except OutputWriteError:
+        raise
+    except OSError as e:
+        raise OutputWriteError(e.errno, describe_os_error(e, path)) from None
+
+
+_NETWORK_ERROR_NAMES = {"ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError",
+                        "TransportError", "ProxyError", "OfflineModeIsEnabled", "Timeout",
+                        "ConnectionError", "RemoteDisconnected"}
+
+
+def network_reason(e: BaseException) -> str | None:
+    """What failed, if `e` (or what caused it) is a failure to reach a server; else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, socket.gaierror, TimeoutError)) or any(
+                c.__name__ in _NETWORK_ERROR_NAMES for c in type(e).__mro__):
+            return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        e = e.__cause__ or e.__context__
+    return None
+
+
+_HUB_CLIENT_MODULES = ("httpx", "httpcore", "huggingface_hub", "requests", "urllib3")
+
+
+def from_hub_client(e: BaseException) -> bool:
+    """Whether `e` or what caused it was raised by the Hub client's HTTP stack."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0].rstrip("0123456789") in _HUB_CLIENT_MODULES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def hub_unreachable(reason: str, what: str | None = None) -> str:
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    target = f" to read Hub repo {what!r}" if what else ""
+    return (f"cannot reach the Hugging Face Hub at {endpoint}{target} ({reason}); check the "
+            "network connection (or HF_ENDPOINT), or give a local folder")
+
+
+def spawned_worker_hint() -> str:
+    """Why worker processes die at once when convert() runs from a script without a
+    `__main__` guard; empty when this process is not such a script."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or "turboquant" in Path(path).parts or Path(path).name == "turboquant":
+        return ""
+    return (f". If {Path(path).name} calls convert() at its top level: worker processes are "
+            "spawned and import the script again, so put the call under "
+            "`if __name__ == \"__main__\":` (or pass in_process=True)")

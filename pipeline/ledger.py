@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import LedgerError, OutputError
+from .errors import LedgerError, OutputError, writing
 from .plan import Job
 
 WORK = ".turboquant"
@@ -63,7 +63,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with writing(path), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -73,7 +73,7 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def atomic_copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+    with open(src, "rb") as fi, writing(dst), open(tmp, "wb") as fo:
         while chunk := fi.read(1 << 22):
             fo.write(chunk)
         fo.flush()
@@ -245,7 +245,7 @@ class JobWriter:
             raise LedgerError(f"{self.ledger_path}: records {len(self.records)} units but the "
                               f"partial shard {self.partial} is gone; rerun with --fresh")
         if not self.records:
-            with open(self.partial, "wb") as f:
+            with writing(self.partial), open(self.partial, "wb") as f:
                 f.write(self.job.header)
                 f.flush()
                 os.fsync(f.fileno())
@@ -310,7 +310,8 @@ class JobWriter:
 
     # --- writing --------------------------------------------------------------------
     def write(self, data) -> None:
-        self.f.write(data)
+        with writing(self.partial):
+            self.f.write(data)
         self.pos += len(memoryview(data).cast("B"))
 
     def expect(self, offset: int, what: str) -> None:
@@ -346,13 +347,14 @@ class JobWriter:
         lines and fsync the ledger."""
         if not self.pending:
             return
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        with writing(self.partial):
+            self.f.flush()
+            os.fsync(self.f.fileno())
         crash_point("unit_data_durable")
         lines = [(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
                  for rec in self.pending]
         data = b"".join(lines)
-        with open(self.ledger_path, "ab") as lf:
+        with writing(self.ledger_path), open(self.ledger_path, "ab") as lf:
             half = len(data) - len(lines[-1]) // 2  # the torn point: half the last line
             lf.write(data[:half])
             lf.flush()
@@ -370,8 +372,9 @@ class JobWriter:
             raise LedgerError(f"{self.job.name}: shard has {self.pos} bytes, the plan says "
                               f"{self.job.size}")
         self.sync()  # every unit in the ledger before the rename (_adopt_renamed counts them)
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        with writing(self.partial):
+            self.f.flush()
+            os.fsync(self.f.fileno())
         self.f.close()
         self.f = None
         crash_point("before_rename")

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
 
-from .errors import ConversionError
+from .errors import ConversionError, network_reason
 from .ledger import WORK, atomic_write
 
 # never uploaded: the conversion state, temporary files of an atomic write, git and caches
@@ -173,9 +173,10 @@ def _hash_file(path: Path) -> tuple[str, str]:
     return sha.hexdigest(), git.hexdigest()
 
 
-def local_files(folder: Path) -> list[LocalFile]:
+def local_files(folder: Path, save_hashes: bool = True) -> list[LocalFile]:
     """Every file to publish with its hashes. Hashes of files unchanged since the last call
-    (same size and mtime) are reused from OUTPUT/.turboquant/publish-hashes.json."""
+    (same size and mtime) are reused from OUTPUT/.turboquant/publish-hashes.json, which is
+    updated unless `save_hashes` is False (a dry run writes nothing)."""
     work = folder / WORK
     cache_path = work / HASH_CACHE
     try:
@@ -196,7 +197,7 @@ def local_files(folder: Path) -> list[LocalFile]:
         fresh[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha,
                       "git_oid": git}
         out.append(LocalFile(rel, st.st_size, sha, git))
-    if work.is_dir() and fresh != cache:
+    if save_hashes and work.is_dir() and fresh != cache:
         atomic_write(cache_path, json.dumps(fresh, indent=1, sort_keys=True).encode())
     return out
 
@@ -254,15 +255,20 @@ def publish_repo(folder: str | os.PathLike, repo_id: str, *, private: bool = Fal
     if not dry_run:
         ensure_card(folder, base_model)
     api = _api(api)
-    files = local_files(folder)
+    files = local_files(folder, save_hashes=not dry_run)
     if dry_run and (base_model is not None or not _has_card(folder)):
         card = card_from_manifest(folder, base_model).encode()  # what would be written
         files = [f for f in files if f.path != "README.md"]
         files.append(LocalFile("README.md", len(card), hashlib.sha256(card).hexdigest(),
                                hashlib.sha1(b"blob %d\0" % len(card) + card).hexdigest()))
+    endpoint = getattr(api, "endpoint", None) or "https://huggingface.co"
     try:
         exists = api.repo_exists(repo_id)
-    except Exception:  # noqa: BLE001 - reported as not existing, create_repo says why
+    except Exception as e:  # noqa: BLE001 - reported as not existing, create_repo says why
+        reason = network_reason(e)
+        if dry_run and reason is not None:  # nothing else would say the comparison failed
+            raise PublishError(f"could not reach the Hugging Face Hub at {endpoint} ({reason}) "
+                               "to compare the folder with the repo; nothing was written") from None
         exists = False
     remote = remote_files(api, repo_id, revision) if exists else {}
     for f in files:
@@ -272,7 +278,6 @@ def publish_repo(folder: str | os.PathLike, repo_id: str, *, private: bool = Fal
     if prune:
         local = {f.path for f in files}
         res.deleted = sorted(p for p in remote if p not in local and p != ".gitattributes")
-    endpoint = getattr(api, "endpoint", None) or "https://huggingface.co"
     res.url = f"{endpoint.rstrip('/')}/{repo_id}"
     log.info("%s: %d of %d files to upload (%s)%s", repo_id, len(res.uploaded), len(files),
              _size(res.bytes), f", {len(res.deleted)} to delete" if res.deleted else "")
@@ -359,7 +364,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def summary_table(results: list[PublishResult]) -> str:
+def summary_table(results: list[PublishResult], dry_run: bool = False) -> str:
     """One line per repo: id, files uploaded / skipped, bytes, url, status."""
     head = ("repo", "uploaded", "skipped", "bytes", "url", "status")
     rows = []
@@ -375,6 +380,7 @@ def summary_table(results: list[PublishResult]) -> str:
     out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
     ok = sum(r.ok for r in results)
     total = sum(r.bytes for r in results if r.ok)
+    planned = dry_run or any(r.status == "dry run" for r in results)
     out.append(f"{ok} of {len(results)} repos ok, {_size(total)} "
-               f"{'to upload' if any(r.status == 'dry run' for r in results) else 'uploaded'}")
+               f"{'to upload' if planned else 'uploaded'}")
     return "\n".join(out)

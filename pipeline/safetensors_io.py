@@ -74,11 +74,15 @@ def header_length(first8: bytes, file: str, file_size: int) -> int:
     if file_size < 8 or len(first8) < 8:
         raise SourceError(file, f"file is truncated ({file_size} bytes): not a safetensors file")
     (n,) = struct.unpack("<Q", first8[:8])
-    if n > MAX_HEADER or n > file_size - 8:
+    if n > MAX_HEADER and n <= file_size - 8:
+        raise SourceError(file, f"header length field says {n} bytes, more than the {MAX_HEADER} "
+                                "a safetensors header may have: not a safetensors file")
+    if n > file_size - 8:
         raise SourceError(
             file,
-            f"header length field says {n} bytes but the file has {file_size} bytes: "
-            "the file is truncated or not a safetensors file",
+            f"header length field says {n} bytes, but only {max(file_size - 8, 0)} bytes "
+            f"follow it (the file has {file_size} bytes): the file is truncated or not a "
+            "safetensors file",
         )
     return n
 

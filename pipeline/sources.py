@@ -366,8 +366,26 @@ def open_source(spec: str, *, revision: str | None = None, download_dir=None,
             raise ConversionError("--delete-source applies to Hub sources only (it never "
                                   "deletes files of a local folder)")
         return LocalSource(spec)
-    if _REPO_ID.match(spec) and not os.path.exists(spec):
+    if os.path.exists(spec):
+        raise ConversionError(f"source {spec} is a file; give the checkpoint's folder (the one "
+                              "with config.json and the *.safetensors files)")
+    why = _local_path_reason(spec)
+    if why is not None:
+        raise ConversionError(f"source folder {spec} does not exist (read as a local path, not "
+                              f"a Hub repo id: {why}); check the path")
+    if _REPO_ID.match(spec):
         return HubSource(spec, revision=revision, download_dir=download_dir,
                          delete_after=delete_after)
     raise ConversionError(f"source {spec!r} is neither a local folder nor a Hub repo id "
                           "(org/name)")
+
+
+def _local_path_reason(spec: str) -> str | None:
+    """Why `spec`, which does not exist, must still be a local path; None if it may be a Hub
+    repo id."""
+    if spec.startswith(("/", "./", "../", "~")) or spec in (".", ".."):
+        return "it starts with '/', '.' or '~'"
+    first = spec.split("/", 1)[0]
+    if first and os.path.isdir(first):
+        return f"{first}/ is a folder here"
+    return None

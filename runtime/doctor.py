@@ -14,7 +14,7 @@ second failure. Nothing here writes: files are opened read-only, and the folder'
     D004 shard-sizes           every shard is as long as its safetensors header says
     D005 manifest-rows         manifest.parquet rows agree with the index and the headers
     D006 checksums             sha256 of every row's byte range (skipped with quick=True)
-    D007 tokenizer             tokenizer files present and readable
+    D007 tokenizer             tokenizer files present and readable, no code (auto_map)
     D008 architecture          mlx-lm has an architecture for the model_type
     D009 conversion-complete   no unfinished conversion left in the folder
     M001 mlx-backend           MLX and mlx-lm import; which backend and device
@@ -169,7 +169,8 @@ def read_header(path: Path) -> tuple[dict, int, int]:
             raise ValueError(f"{size} bytes: truncated before its header")
         n = int.from_bytes(head, "little")
         if n > size - 8:
-            raise ValueError(f"header length {n} but the file has {size} bytes: truncated")
+            raise ValueError(f"header length field says {n} bytes, but only {size - 8} bytes "
+                             f"follow it (the file has {size} bytes): truncated")
         try:
             header = json.loads(fh.read(n))
         except (ValueError, UnicodeDecodeError) as e:
@@ -376,6 +377,12 @@ def _tokenizer(f: _Folder) -> Check:
     if not (f.path / "tokenizer_config.json").is_file():
         return Check("D007", "WARN", "no tokenizer_config.json (special tokens and chat "
                      "template may be missing)")
+    from .repo import tokenizer_code
+
+    code = tokenizer_code(f.path)
+    if code is not None:
+        return Check("D007", "FAIL", f"{code}: a tokenizer in the repo's own Python code, "
+                     "which turboquant never runs (generate and serve refuse it)")
     present = [n for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
                if (f.path / n).is_file()]
     return Check("D007", "PASS", ", ".join(present))

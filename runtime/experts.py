@@ -261,12 +261,16 @@ def plan_streaming(repo: Repo, model: nn.Module, tq: dict[str, list[Row]],
     budget = parse_budget(options.budget, total)
     minimum = minimum_budget(groups)
     if budget < minimum:
-        k = max(g.top_k for g in groups)
+        need: dict = {}  # layout -> experts one token needs at once (minimum_budget's sum)
+        for g in groups:
+            need[g.layout] = max(need.get(g.layout, 0), g.top_k)
+        per = " + ".join(f"{k} x {fmt_bytes(lay.nbytes)}" for lay, k in need.items())
+        kinds = "" if len(need) == 1 else f", for each of the {len(need)} expert sizes"
         raise ExpertBudgetError(
             f"expert budget {fmt_bytes(budget)} is too small for {repo.path.name}: one token "
-            f"needs {k} experts per layer ({fmt_bytes(groups[0].layout.nbytes)} each), so the "
-            f"minimum is {fmt_bytes(minimum)} ({minimum} bytes, {100 * minimum / total:.1f}% "
-            f"of the {fmt_bytes(total)} of experts)"
+            f"needs the experts it routes to in one layer in memory at once{kinds} ({per}), so "
+            f"the minimum is {fmt_bytes(minimum)} ({minimum} bytes, "
+            f"{100 * minimum / total:.1f}% of the {fmt_bytes(total)} of experts)"
         )
     return StreamPlan(groups, paths, projections, budget, options)
 

@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten
 from turboquant import kernels
 
 from .layers import TQEmbedding, TQLinear, TQSwitchLinear
-from .repo import Repo, RepoError, Row, open_repo, resolve
+from .repo import (TOKENIZER_OPTIONS, Repo, RepoError, Row, check_tokenizer_code, open_repo,
+                   resolve)
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ def load(path_or_repo_id, *, dtype=None, lazy: bool = False, revision: str | Non
     from mlx_lm.utils import load_tokenizer
 
     path = resolve(path_or_repo_id, revision=revision)
+    check_tokenizer_code(path)  # before the weights: a refused repo costs nothing
     model, config = load_model(
         path, dtype=dtype, lazy=lazy, expert_budget=expert_budget, expert_pin=expert_pin,
         expert_prefetch=expert_prefetch, expert_threads=expert_threads, fuse=fuse,
     )
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(path, tokenizer_config_extra=dict(TOKENIZER_OPTIONS),
+                               eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 
 

@@ -81,6 +81,14 @@ class Repo:
         return self.config["quantization_config"]
 
 
+def is_hub_id(text: str) -> bool:
+    """`text` names no local file or folder and reads as a Hub repo id ('owner/name' whose
+    owner is not a folder here)."""
+    text = str(text)
+    return (not Path(text).expanduser().exists() and bool(_REPO_ID.match(text))
+            and not text.startswith((".", "~")) and not Path(text.split("/", 1)[0]).is_dir())
+
+
 def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hub repo id, fetched with snapshot_download.
 
@@ -97,15 +105,50 @@ def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
             f"model folder {text} does not exist (and it is not a Hub repo id "
             "like 'owner/name')"
         )
+    first = text.split("/", 1)[0]
+    if text.startswith((".", "~")) or Path(first).is_dir():
+        raise RepoError(f"model folder {text} does not exist (read as a local path, not a Hub "
+                        f"repo id: {first}/ is a folder here); check the path")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(text, revision=revision))
     except Exception as e:  # the client's errors are many; say what was tried
+        detail = (str(e).strip().splitlines() or [""])[0]
         raise RepoError(
             f"{text} is not a local folder, and downloading it as a Hub repo failed: "
-            f"{type(e).__name__}: {e}"
+            f"{type(e).__name__}: {detail}"
         ) from e
+
+
+# Tokenizers load with this, whatever transformers' default: a model folder's own Python code
+# never runs (a repo whose tokenizer needs it is refused by `check_tokenizer_code`).
+TOKENIZER_OPTIONS = {"trust_remote_code": False}
+
+
+def tokenizer_code(path: Path) -> str | None:
+    """What in `path` asks for a tokenizer written in the repo's own Python code (an
+    `auto_map` in tokenizer_config.json, or an AutoTokenizer entry in config.json's), or None."""
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map and (key is None or (isinstance(auto_map, dict) and key in auto_map)):
+            entry = auto_map.get(key or "AutoTokenizer", auto_map) if isinstance(auto_map, dict) \
+                else auto_map
+            return f"{name} has auto_map {json.dumps(entry)}"
+    return None
+
+
+def check_tokenizer_code(path: Path) -> None:
+    """RepoError when the tokenizer would need code from the repo (see TOKENIZER_OPTIONS)."""
+    found = tokenizer_code(Path(path))
+    if found is not None:
+        raise RepoError(f"{path}: {found}: its tokenizer is Python code shipped in the repo, "
+                        "which turboquant never runs; use a tokenizer.json-only tokenizer "
+                        "(copy one in, or convert it with transformers yourself)")
 
 
 def _read_json(path: Path) -> dict:

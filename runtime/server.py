@@ -214,6 +214,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None, **kw):
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON arrays or objects too deeply "
+                           "to parse") from None
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             _check_model(body["model"], cfg)  # an unknown model is a 404 before anything else
         req = (parse_chat if kind == "chat" else parse_completion)(body, vocab_size)

@@ -97,17 +97,27 @@ def _load_model(path, *, dtype: str | None = None, revision: str | None = None,
 
         model, tokenizer = load(local, dtype=dtype, expert_budget=options.expert_budget)
     else:
-        import mlx.core as mx
-        from mlx_lm import load
-
-        model, tokenizer = load(str(local))
-        if dtype is None and _cpu_moe(model):
-            dtype = "float32"  # MLX's CPU gather_mm supports nothing else, as in the runtime
-            log.info("%s: Mixture-of-Experts on the CPU runs in float32", local)
-        if dtype is not None:
-            model.set_dtype(getattr(mx, dtype))
+        model, tokenizer = load_plain(local, dtype)
     config = json.loads((local / "config.json").read_text())
     return model, tokenizer, config
+
+
+def load_plain(local: Path, dtype: str | None = None):
+    """(model, tokenizer) of a plain Hugging Face / mlx-lm folder, through `mlx_lm.load`
+    (no code from the folder runs: see repo.TOKENIZER_OPTIONS)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from turboquant.runtime.repo import TOKENIZER_OPTIONS, check_tokenizer_code
+
+    check_tokenizer_code(local)
+    model, tokenizer = load(str(local), tokenizer_config=dict(TOKENIZER_OPTIONS))
+    if dtype is None and _cpu_moe(model):
+        dtype = "float32"  # MLX's CPU gather_mm supports nothing else, as in the runtime
+        log.info("%s: Mixture-of-Experts on the CPU runs in float32", local)
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    return model, tokenizer
 
 
 def _cpu_moe(model) -> bool:

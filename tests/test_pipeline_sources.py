@@ -124,7 +124,7 @@ def test_local_source_lists_shards_and_identities(tmp_path, shards):
 
 
 def test_open_source_rejects_nonsense_and_local_delete(tmp_path):
-    with pytest.raises(ConversionError, match="neither a local folder nor a Hub repo id"):
+    with pytest.raises(ConversionError, match="source folder .* does not exist"):
         open_source(str(tmp_path / "a" / "b" / "c"))
     src = write_llama_checkpoint(tmp_path / "m", shards=1)
     with pytest.raises(ConversionError, match="Hub sources only"):

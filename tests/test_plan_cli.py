@@ -83,7 +83,7 @@ def test_a_converted_repo_and_a_recipe_refusal(tmp_path, capsys):
 
 def test_errors_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
-    assert "neither a local folder nor a Hub repo id" in capsys.readouterr().err
+    assert "missing does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--kv-bits", "5/3"])
     assert e.value.code == 2

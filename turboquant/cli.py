@@ -76,10 +76,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"turboquant: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     apply_decode_env(name)  # before MLX touches the GPU
-    module = importlib.import_module(COMMANDS[name][0])
-    if argv is None and name in OWN_PROCESS_COMMANDS:  # this process's own command line
-        return int(module.main(rest, own_process=True) or 0)
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        if argv is None and name in OWN_PROCESS_COMMANDS:  # this process's own command line
+            return int(module.main(rest, own_process=True) or 0)
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `turboquant plan ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+    except Exception as e:  # noqa: BLE001 - one_line_error re-raises what it does not know
+        message = one_line_error(e)
+        if message is None:
+            raise
+        print(f"turboquant {name}: error: {message}", file=sys.stderr)
+        return ERROR_STATUS.get(name, 1)
+
+
+# Exit status of an error that reaches the dispatcher, where a command's docs say other than 1.
+ERROR_STATUS = {"plan": 2, "doctor": 2}
+
+
+def one_line_error(e: BaseException) -> str | None:
+    """The one-line message for an error no command caught (a full disk, a file in the way,
+    no network), or None for a bug, which keeps its traceback."""
+    from turboquant.pipeline.errors import (describe_os_error, from_hub_client, hub_unreachable,
+                                            network_reason)
+
+    reason = network_reason(e)
+    if reason is not None:
+        return hub_unreachable(reason) if from_hub_client(e) else f"cannot connect: {reason}"
+    if isinstance(e, OSError) and e.errno is not None and (e.filename or e.strerror):
+        return describe_os_error(e)
+    return None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

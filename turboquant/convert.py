@@ -29,13 +29,26 @@ def parse_size(text: str) -> int:
 
 
 def parse_bits(text: str):
+    """Bits of a kind of weight (--expert-bits, --embeddings-bits ...): 2, 3, 4, ternary or
+    raw (kept in 16 bits)."""
     t = text.strip().lower()
     if t in ("ternary", "raw"):
         return t
     if t in ("2", "3", "4"):
         return int(t)
-    raise argparse.ArgumentTypeError(f"bits must be 2, 3, 4 or ternary (or raw where allowed), "
-                                     f"got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be 2, 3, 4, ternary or raw, got {text!r}")
+
+
+def parse_main_bits(text: str):
+    """--bits: 2, 3, 4 or ternary (raw is for kinds of weight, not the default)."""
+    if text.strip().lower() == "raw":
+        raise argparse.ArgumentTypeError("must be 2, 3, 4 or ternary; raw (16-bit) is for "
+                                         "--expert-bits, --down-proj-bits, --embeddings-bits "
+                                         "and --lm-head-bits")
+    try:
+        return parse_bits(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 2, 3, 4 or ternary, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("recipe (defaults come from the model family's recipe)")
     r.add_argument("--recipe", help="bundled recipe name or path to a .toml file (default: "
                    "chosen by config.json's model_type)")
-    r.add_argument("--bits", type=parse_bits, help="bits of attention and dense MLP weights "
-                   "(2, 3, 4)")
+    r.add_argument("--bits", type=parse_main_bits, help="bits of attention and dense MLP "
+                   "weights (2, 3, 4 or ternary)")
     r.add_argument("--group-size", type=int, choices=(32, 64, 128), help="weights per scale")
     r.add_argument("--expert-bits", type=parse_bits, help="bits of MoE expert weights (2, 3, 4 "
                    "or ternary)")
-    r.add_argument("--down-proj-bits", type=parse_bits, help="bits of down projections")
+    r.add_argument("--down-proj-bits", type=parse_bits, help="bits of down projections, or raw")
     r.add_argument("--embeddings-bits", type=parse_bits, help="bits of the embeddings, or raw")
     r.add_argument("--lm-head-bits", type=parse_bits, help="bits of lm_head, or raw")
     r.add_argument("--protect-layers", type=int, metavar="N", help="first and last N decoder "

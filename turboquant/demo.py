@@ -16,9 +16,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SOURCE = ROOT / "reference" / "models" / "pystd-dense"
-DEFAULT_OUTPUT = ROOT / "out" / "demo" / "pystd-dense-tq3"
+CHECKOUT_MODEL = ROOT / "reference" / "models" / "pystd-dense"
+INSTALLED_MODEL = Path(__file__).resolve().parent / "bundled" / "pystd-dense"  # package data
 PROMPT = "def read_config(path):\n"
+
+
+def default_paths() -> tuple[Path, Path]:
+    """(source, output) of the demo: in a source checkout the bundled model under
+    reference/ and out/demo/ beside it; in an installed package its copy of the model and
+    ./turboquant-demo/ in the current folder (never site-packages)."""
+    if CHECKOUT_MODEL.is_dir() and (ROOT / "pyproject.toml").is_file():
+        return CHECKOUT_MODEL, ROOT / "out" / "demo" / "pystd-dense-tq3"
+    return INSTALLED_MODEL, Path.cwd() / "turboquant-demo" / "pystd-dense-tq3"
 
 
 def _banner(text: str) -> None:
@@ -27,12 +36,17 @@ def _banner(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="turboquant demo", description=__doc__.splitlines()[0])
-    p.add_argument("--source", default=str(DEFAULT_SOURCE), help="checkpoint to convert")
-    p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="output folder")
+    source, output = default_paths()
+    p.add_argument("--source", default=str(source), help="checkpoint to convert")
+    p.add_argument("--output", default=str(output), help="output folder")
     p.add_argument("--bits", default="3", help="weight bits (2, 3, 4)")
     p.add_argument("--prompt", default=PROMPT, help="prompt to complete")
     p.add_argument("--max-tokens", type=int, default=80)
     args = p.parse_args(argv)
+    if not Path(args.source).is_dir():
+        print(f"turboquant demo: error: the bundled model {args.source} is not installed; give "
+              "--source FOLDER (a Hugging Face checkpoint)", file=sys.stderr)
+        return 2
 
     from turboquant import convert, generate, verify
 

@@ -2,6 +2,7 @@
 
     turboquant doctor out/llama-tq4            # everything, checksums included
     turboquant doctor out/llama-tq4 --quick    # skip the checksums (D006)
+    turboquant doctor org/llama-tq4            # a Hub repo: fetched into the HF cache first
 
 One line per check: PASS, WARN, FAIL or SKIP, a stable id (D001..., M001...) and what was
 found. Exit status: 0 all passed, 1 warnings only, 2 any failure (and 2 for bad options).
@@ -24,10 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check a TurboQuant repo folder (files against the index and manifest, "
         "checksums, config, tokenizer) and this machine (MLX backend, memory), read-only.",
     )
-    p.add_argument("model", help="TurboQuant repo folder")
+    p.add_argument("model", help="TurboQuant repo folder or Hub repo id (downloaded into the "
+                   "Hugging Face cache first)")
     p.add_argument("--quick", action="store_true", help="skip the sha256 checksums (D006)")
-    p.add_argument("--context", type=int, default=4096, metavar="N",
-                   help="context the memory check (M002) plans for (default 4096)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="context the memory check (M002) plans for (default 4096, or the "
+                   "model's max_position_embeddings where smaller)")
     p.add_argument("--memory-gb", type=float, metavar="G",
                    help="memory M002 plans for, in GB (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
@@ -46,9 +49,11 @@ def memory_check(folder: str, context: int, memory_gb: float | None, usable: boo
         from turboquant.pipeline.fit_weights import inventory
         from turboquant.pipeline.sources import LocalSource
 
+        from turboquant.plan import default_context
+
         try:
-            proj = project(inventory(LocalSource(folder)), context,
-                           this_machine(memory_gb))
+            inv = inventory(LocalSource(folder))
+            proj = project(inv, context or default_context(inv.config), this_machine(memory_gb))
         except Exception as e:  # noqa: BLE001 - report, do not crash the other checks
             return Check("M002", "FAIL", f"cannot project memory: {type(e).__name__}: {e}")
         text = proj.summary()
@@ -64,15 +69,23 @@ def memory_check(folder: str, context: int, memory_gb: float | None, usable: boo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.context < 1:
+    if args.context is not None and args.context < 1:
         print(f"{PROG}: --context must be at least 1", file=sys.stderr)
         return 2
     from turboquant.runtime.doctor import check_folder, check_machine, exit_code
+    from turboquant.runtime.repo import RepoError, is_hub_id, resolve
 
-    checks = check_folder(args.model, quick=args.quick)
+    folder = args.model
+    if is_hub_id(folder):  # fetched into the HF cache, as `generate` and `serve` do
+        try:
+            folder = str(resolve(folder))
+        except RepoError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+    checks = check_folder(folder, quick=args.quick)
     by_id = {c.id: c.status for c in checks}
     usable = all(by_id.get(i) == "PASS" for i in ("D001", "D003", "D004"))
-    checks += check_machine(memory_check(args.model, args.context, args.memory_gb, usable))
+    checks += check_machine(memory_check(folder, args.context, args.memory_gb, usable))
     code = exit_code(checks)
     if args.json:
         print(json.dumps({"model": args.model, "exit_code": code,

@@ -1,4 +1,4 @@
-"""`turboquant generate`: stream text from a TurboQuant repo.
+"""`turboquant generate`: stream text from a TurboQuant repo (or a plain HF / mlx-lm folder).
 
     turboquant generate --model ./out --prompt "Once upon a time" --max-tokens 64
 
@@ -21,9 +21,11 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="turboquant generate",
-        description="Generate text from a TurboQuant repo (a local folder or a Hub repo id).",
+        description="Generate text from a TurboQuant repo, or a plain Hugging Face / mlx-lm "
+        "model folder (a local folder or a Hub repo id).",
     )
-    p.add_argument("--model", required=True, help="TurboQuant repo folder or Hub repo id")
+    p.add_argument("--model", required=True, help="model folder (TurboQuant, or plain HF / "
+                   "mlx-lm) or Hub repo id")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -113,17 +115,26 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from turboquant.runtime import ExpertBudgetError, RepoError, expert_stats, load
+    from turboquant.runtime import ExpertBudgetError, RepoError, expert_stats, load, resolve
+    from turboquant.runtime.server_engine import is_turboquant, load_plain
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
-        model, tokenizer = load(
-            args.model, dtype=args.dtype, revision=args.revision,
-            expert_budget=args.expert_budget, expert_pin=args.expert_pin,
-            expert_prefetch=args.expert_prefetch, expert_threads=args.expert_threads,
-        )
+        local = resolve(args.model, revision=args.revision)
+        if not is_turboquant(local):  # a plain HF / mlx-lm folder, as `serve` takes
+            if args.expert_budget is not None:
+                print("turboquant generate: --expert-budget needs a TurboQuant repo (convert "
+                      "the model first)", file=sys.stderr)
+                return 2
+            model, tokenizer = load_plain(local, args.dtype)
+        else:
+            model, tokenizer = load(
+                local, dtype=args.dtype, expert_budget=args.expert_budget,
+                expert_pin=args.expert_pin, expert_prefetch=args.expert_prefetch,
+                expert_threads=args.expert_threads,
+            )
     except ExpertBudgetError as e:
         print(f"turboquant generate: {e}", file=sys.stderr)
         return 2

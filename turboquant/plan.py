@@ -19,11 +19,26 @@ import os
 import sys
 import time
 
-from turboquant.convert import parse_bits
+from turboquant.convert import parse_bits, parse_main_bits
 
 PROG = "turboquant plan"
 DEFAULT_CONTEXT = 4096
 GUIDE = "docs/bigger-than-memory.md"
+
+
+def model_max_context(config: dict) -> int | None:
+    """The context the model was built for (max_position_embeddings), if config says."""
+    for c in (config, config.get("text_config") or {}):
+        n = c.get("max_position_embeddings") if isinstance(c, dict) else None
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def default_context(config: dict) -> int:
+    """DEFAULT_CONTEXT, or the model's own maximum where that is smaller."""
+    n = model_max_context(config)
+    return min(DEFAULT_CONTEXT, n) if n else DEFAULT_CONTEXT
 
 
 def parse_kv_bits(text: str) -> tuple[int, int]:
@@ -50,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", help="source checkpoint or TurboQuant repo: a local folder or a "
                    "Hub repo id (org/name)")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
-                   help=f"tokens of context: prompt + generated (default {DEFAULT_CONTEXT})")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help=f"tokens of context: prompt + generated (default {DEFAULT_CONTEXT}, or "
+                   "the model's max_position_embeddings where smaller)")
     p.add_argument("--memory-gb", type=float, metavar="G",
                    help="memory to plan for, in GB (default: this machine's)")
     p.add_argument("--backend", choices=("cpu", "metal", "cuda"),
@@ -68,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("recipe (source checkpoints: what `turboquant convert` would "
                              "write)")
     r.add_argument("--recipe", help="bundled recipe name or .toml path (default: by model_type)")
-    r.add_argument("--bits", type=parse_bits, help="attention and dense MLP bits")
-    r.add_argument("--expert-bits", type=parse_bits, help="MoE expert bits (2, 3, 4, ternary)")
+    r.add_argument("--bits", type=parse_main_bits, help="attention and dense MLP bits (2, 3, 4 "
+                   "or ternary)")
+    r.add_argument("--expert-bits", type=parse_bits, help="MoE expert bits (2, 3, 4, ternary or raw)")
     r.add_argument("--down-proj-bits", type=parse_bits, help="down projection bits")
     r.add_argument("--embeddings-bits", type=parse_bits, help="embedding bits, or raw")
     r.add_argument("--lm-head-bits", type=parse_bits, help="lm_head bits, or raw")
@@ -85,14 +102,15 @@ _OVERRIDES = ("bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_he
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.context < 1 or args.prefill_step < 1:
+    if (args.context is not None and args.context < 1) or args.prefill_step < 1:
         print(f"{PROG}: --context and --prefill-step must be at least 1", file=sys.stderr)
         return 2
     if args.memory_gb is not None and args.memory_gb <= 0:
         print(f"{PROG}: --memory-gb must be positive", file=sys.stderr)
         return 2
     from turboquant.manifests.recipe import RecipeError
-    from turboquant.pipeline.errors import ConversionError, SourceError
+    from turboquant.pipeline.errors import (ConversionError, SourceError, hub_unreachable,
+                                            network_reason)
     from turboquant.pipeline.fit import project, this_machine
     from turboquant.pipeline.fit_model import ShapeError
     from turboquant.pipeline.fit_weights import inventory
@@ -104,10 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         source = open_source(args.source, revision=args.revision)
         inv = inventory(source, args.recipe, overrides)
         machine = this_machine(args.memory_gb, args.backend)
+        if args.context is None:
+            args.context = default_context(inv.config)
         proj = project(inv, args.context, machine, dtype=args.dtype, kv_bits=args.kv_bits,
                        prefill_step=args.prefill_step)
     except (ConversionError, SourceError, RecipeError, ShapeError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the Hub client's network errors are many
+        reason = network_reason(e)
+        if reason is None:
+            raise
+        print(f"{PROG}: error: {hub_unreachable(reason)}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     alternatives = suggestions(proj, args.dtype) if proj.verdict != "RESIDENT" else []
@@ -234,7 +260,11 @@ def report(proj, args, seconds: float, alternatives) -> str:
     lines.append(model)
     kv = "fp16 KV cache" if not proj.kv_bits else \
         f"TurboQuant KV cache K{proj.kv_bits[0]}/V{proj.kv_bits[1]}"
-    lines.append(f"  {proj.dtype} activations, {kv}, context {proj.context:,} tokens, "
+    top = model_max_context(proj.inventory.config)
+    note = "" if not top else (" (the model's maximum)" if proj.context == top else
+                               f" (more than the model's maximum, {top:,})"
+                               if proj.context > top else "")
+    lines.append(f"  {proj.dtype} activations, {kv}, context {proj.context:,} tokens{note}, "
                  f"{m.backend} backend")
     lines.append("")
     rows = [("weights", proj.weights, "")]

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r.repo_id}: {'would upload' if args.dry_run else 'uploaded'} {path}")
             for path in r.deleted:
                 print(f"{r.repo_id}: {'would delete' if args.dry_run else 'deleted'} {path}")
-    print(summary_table(results))
+    print(summary_table(results, dry_run=args.dry_run))
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 
 PROG = "turboquant serve"
 
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $TURBOQUANT_API_KEY, "
                    "else no key)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: --model as given)")
+                   help="model id clients send (default: the model folder's name, or the Hub "
+                   "repo id)")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + completion token limit (default: the config's "
                    "max_position_embeddings)")
@@ -56,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
+
+
+def served_model_id(model: str) -> str:
+    """The model id clients send by default: a local folder's name (not its path, which
+    tells clients about this machine's file system), or the Hub repo id as given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model.rstrip("/")
 
 
 def _fail(message: str, code: int) -> int:
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e), 2)
 
     cfg = ServerConfig(
-        model_id=args.served_model_name or args.model.rstrip("/"),
+        model_id=args.served_model_name or served_model_id(args.model),
         max_context=max_context_of(config, args.max_context),
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,

@@ -1,0 +1,177 @@
+"""`verify --source` on clean conversions: the recomputed error agrees with the recorded one
+within pipeline.verify.match_tolerance on both encode paths (numba and numpy), dense and MoE,
+the bundled reference models; and it fails on a flipped bit and on another source."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from checkpoints import float32_to_bf16_bits, write_llama_checkpoint, write_moe_checkpoint
+
+from turboquant.pipeline.convert import ConvertOptions, convert
+from turboquant.pipeline.safetensors_io import read_float32, read_header
+from turboquant.pipeline.verify import match_tolerance, verify_repo
+from turboquant.stages import fast_quantize
+
+rotate_mod = importlib.import_module("turboquant.stages.rotate")
+codec_mod = importlib.import_module("turboquant.stages.codec")
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "reference" / "models"
+
+
+def run(src, out, **kw):
+    kw.update(in_process=True, min_job_bytes=0, progress=False)
+    return convert(ConvertOptions(str(src), str(out), **kw))
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def encode_path(request, monkeypatch):
+    compiled = request.param == "numba"
+    if compiled and not fast_quantize.AVAILABLE:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(rotate_mod, "_COMPILED", compiled)
+    monkeypatch.setattr(codec_mod, "_COMPILED", compiled)
+    return request.param
+
+
+def _dense(path):  # odd input sizes: the 12 * 2^k and dense-factor rotations too
+    return write_llama_checkpoint(path, layers=2, hidden=96, intermediate=300, heads=4,
+                                  kv_heads=2, vocab=520, shards=2)
+
+
+def _moe(path):
+    return write_moe_checkpoint(path, style="qwen3_moe", layers=3, hidden=128,
+                                intermediate=128, experts=4, shards=2)
+
+
+SOURCES = {
+    "dense": (_dense, {"bits": 3}),
+    "moe-ternary": (_moe, {"expert_bits": "ternary"}),
+    "dense-2bit-g32": (_dense, {"bits": 2, "group_size": 32}),
+    "reference-dense": (lambda p: REFERENCE / "pystd-dense", {"bits": 3}),
+    "reference-moe": (lambda p: REFERENCE / "pystd-moe", {"bits": 3}),
+}
+
+
+@pytest.mark.parametrize("model", list(SOURCES))
+def test_clean_conversions_verify_against_their_source(tmp_path, encode_path, model):
+    make, options = SOURCES[model]
+    src = make(tmp_path / "src")
+    out = tmp_path / "out"
+    run(src, out, **options)
+    report = verify_repo(out, source=src, full=True)
+    assert report.ok, report.text()
+    rows = {r["name"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
+    assert len(report.decoded) == sum(r["codec"] != "raw" for r in rows.values())
+    gaps = []
+    for name, recorded, measured in report.decoded:
+        r = rows[name]
+        tol = match_tolerance(r["group_size"], r["shape"][1], recorded)
+        gaps.append(abs(measured - recorded) / tol)
+    # the bound is a worst case: clean conversions sit far below it
+    print(f"{model} {encode_path}: worst gap {max(gaps):.2e} of the tolerance")
+    assert max(gaps) < 0.1
+
+
+def test_float32_recomputation_would_cry_wolf(tmp_path):
+    """What verify did before: float32 sums disagree with the record beyond 1e-4 relative
+    on the reference model, the float64 recomputation does not."""
+    import mlx.core as mx
+
+    from turboquant.pipeline.verify import _SourceReader, _relative_error, load_coded
+    from turboquant.stages import decode
+
+    src = REFERENCE / "pystd-dense"
+    out = tmp_path / "out"
+    run(src, out, bits=3)
+    reader = _SourceReader(src, "llama")
+    row = next(r for r in pq.read_table(out / "manifest.parquet").to_pylist()
+               if r["name"] == "model.layers.1.mlp.up_proj.weight")
+    w = decode(load_coded(out, row, read_header(out / row["shard"])))
+    x = mx.array(reader.weight(row))
+    f32 = (mx.sum(mx.square(x - w)) / mx.sum(mx.square(x))).item()
+    f64 = _relative_error(reader.weight(row), w)
+    assert abs(f32 - row["rel_mse"]) > 1e-4 * row["rel_mse"]
+    assert abs(f64 - row["rel_mse"]) < 1e-5 * row["rel_mse"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("verify")
+    src = _dense(base / "src")
+    out = base / "out"
+    run(src, out, bits=3)
+    return src, out
+
+
+def test_flipped_bit_in_a_shard_fails(converted, tmp_path):
+    src, clean = converted
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    row = next(r for r in pq.read_table(out / "manifest.parquet").to_pylist()
+               if r["name"] == "model.layers.1.mlp.down_proj.weight")
+    with open(out / row["shard"], "r+b") as f:
+        f.seek(row["byte_start"] + 17)
+        b = f.read(1)[0]
+        f.seek(row["byte_start"] + 17)
+        f.write(bytes([b ^ 0x04]))
+    report = verify_repo(out, source=src, full=True)
+    assert not report.ok
+    assert "model.layers.1.mlp.down_proj.weight" in report.text()
+    assert "checksum mismatch" in report.text()
+
+
+@pytest.mark.parametrize("other", ["other-seed", "fine-tune-2pct"])
+def test_another_source_of_the_same_shapes_fails(converted, tmp_path, other):
+    src, out = converted
+    if other == "other-seed":
+        alt = write_llama_checkpoint(tmp_path / "alt", layers=2, hidden=96, intermediate=300,
+                                     heads=4, kv_heads=2, vocab=520, shards=2, seed=7)
+    else:  # every weight moved by 2% of its own size, as a light fine-tune would
+        alt = _fine_tune(src, tmp_path / "alt", 0.02)
+    report = verify_repo(out, source=alt, sample=4)
+    assert not report.ok, report.text()
+    assert "rel_mse recomputed from the source" in report.text()
+    assert "not converted from this source" in report.text()
+
+
+def _fine_tune(src: Path, dst: Path, amount: float) -> Path:
+    """A copy of `src` whose float tensors are W + amount * std(W) * noise (bf16)."""
+    shutil.copytree(src, dst)
+    rng = np.random.default_rng(1)
+    for f in sorted(dst.glob("*.safetensors")):
+        h = read_header(f)
+        fd = os.open(f, os.O_RDWR)
+        try:
+            for info in h.tensors.values():
+                x = read_float32(fd, info, 0, info.numel, f.name)
+                y = x + amount * float(x.std()) * rng.standard_normal(x.shape).astype(np.float32)
+                os.pwrite(fd, float32_to_bf16_bits(y).tobytes(), info.start)
+        finally:
+            os.close(fd)
+    assert json.loads((dst / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    return dst
+
+
+@pytest.mark.parametrize("other", ["another-model", "no-shards"])
+def test_a_source_that_is_not_the_model_is_a_problem_not_a_traceback(converted, tmp_path,
+                                                                    other):
+    _, out = converted
+    if other == "another-model":
+        alt = write_llama_checkpoint(tmp_path / "alt", layers=2, hidden=64, intermediate=128,
+                                     vocab=520, shards=2)
+        want = "has shape"
+    else:
+        alt = tmp_path / "alt"
+        alt.mkdir()
+        want = "cannot open"
+    report = verify_repo(out, source=alt, full=True)
+    assert not report.ok and want in report.text(), report.text()
