@@ -100,7 +100,8 @@ def decide(out: Path, record: dict, fresh: bool, source_folder: Path | None = No
     if not out.exists():
         return Decision(out)
     if not out.is_dir():
-        raise OutputError(f"{out} is a file, not a folder; choose another output folder")
+        raise OutputError(f"{out} is a file, not a folder; choose an output path that is a "
+                          "folder or does not exist yet")
     old = read_record(out)
     others = _listing(out)
     if old is None and not made_elsewhere(out):

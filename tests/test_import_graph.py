@@ -211,6 +211,20 @@ def test_design_arrows():
 # ---------------------------------------------------------------------------- the checker
 
 
+def test_the_conversion_core_sits_below_the_flow_and_the_runners():
+    """pipeline/: the plain core (convert, job, ledger, ...) below; the Dask runner above the
+    jobs only; the head start and the Prefect flow above the core."""
+    edges, _ = graph()
+
+    def reaches(module: str) -> set[str]:
+        return {m.rsplit(".", 1)[-1] for m in _reached(f"turboquant.pipeline.{module}", edges)
+                if m.startswith("turboquant.pipeline.")}
+
+    assert not reaches("convert") & {"flow", "head_start", "flow_api", "flow_env"}
+    assert not reaches("distributed") & {"convert", "flow", "head_start"}
+    assert not reaches("head_start") & {"flow", "flow_api"}
+
+
 def _package(tmp_path: Path, files: dict[str, str], packages=("tq", "tq.a")) -> Path:
     """A package laid out as this repository's: folder `x` holds package tq.x."""
     where = "".join(f'"{p}" = "{p.rpartition(".")[2]}"\n' for p in packages)
