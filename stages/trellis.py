@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import fast_trellis
+
+_COMPILED = fast_trellis.AVAILABLE  # Viterbi through numba (the same paths); tests flip it
+
 # value j of a state uses MUL[j], ADD[j] (odd multipliers, chosen by measurement:
 # benchmarks/codec.py --trellis; tests check the values' distribution)
 MUL = (0x9E3779B1, 0x85EBCA77)
@@ -111,6 +115,12 @@ def viterbi(code: TrellisCode, y: np.ndarray, table: np.ndarray, closing=None):
     first state's low L-kV bits and last state's high L-kV bits are both c.
     Returns (states (rows, steps) int64, cost (rows,) float64).
     """
+    if _COMPILED:
+        return fast_trellis.viterbi(code, y, table, closing)
+    return _viterbi_np(code, y, table, closing)
+
+
+def _viterbi_np(code: TrellisCode, y: np.ndarray, table: np.ndarray, closing=None):
     rows, steps, _ = y.shape
     n, kv, keep = 1 << code.state_bits, code.step_bits, code.keep_bits
     fan = 1 << kv

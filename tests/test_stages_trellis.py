@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turboquant.stages import trellis
+from turboquant.stages import fast_trellis, trellis
 from turboquant.stages.trellis import TrellisCode
 
 TINY = [TrellisCode(4, 1, 1), TrellisCode(5, 2, 1), TrellisCode(5, 1, 2), TrellisCode(6, 2, 2)]
@@ -180,3 +180,16 @@ def test_bad_codes_are_refused(kwargs, match):
 def test_bad_block_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         TrellisCode(8, 2, 1).check_block(48)
+
+
+@pytest.mark.skipif(not fast_trellis.AVAILABLE, reason="numba not installed")
+@given(codes_small, seeds, st.booleans())
+@settings(max_examples=10, deadline=None)
+def test_compiled_viterbi_gives_the_numpy_paths(code, seed, closed):
+    y = gaussian(seed, 3, 40, code.values)
+    table = trellis.codebook(code)
+    closing = (np.arange(3) * 7) % (1 << code.keep_bits) if closed else None
+    fast = fast_trellis.viterbi(code, y, table, closing)
+    slow = trellis._viterbi_np(code, y, table, closing)
+    assert np.array_equal(fast[0], slow[0])
+    assert fast[1].tobytes() == slow[1].tobytes()
