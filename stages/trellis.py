@@ -16,8 +16,8 @@ The code, for k bits per weight, V weights per step and a state of L bits:
   +-3.45). On a GPU that is a multiply-add, a shift-xor and one dp4a.
 - the values are scaled by the group's stored float16 scale: w = scale * v(S_t)_j.
 
-Encode (Viterbi) minimises ||y - gain * v||^2 over tail-biting paths, y the rows divided by
-their group RMS; `gain` (< 1, by measurement) only steers the search: the stored scale is the
+Encode (Viterbi) minimises ||y / gain - v||^2 over tail-biting paths, y the rows divided by
+their group RMS; `gain` (GAIN, by measurement) only steers the search: the stored scale is the
 least-squares refit <x, v> / <v, v> of each group, so decode needs no gain. The tail-biting
 path is found as QTIP does: a free Viterbi over the block rotated by half its length fixes
 the L - kV bits where the circle closes, then a Viterbi constrained to them codes the block.
@@ -44,8 +44,9 @@ MUL = (0x9E3779B1, 0x85EBCA77)
 ADD = (0x7F4A7C15, 0x165667B1)
 BYTESUM_MEAN = 510.0  # 4 * 255 / 2
 BYTESUM_STD = float(np.sqrt(4 * (256**2 - 1) / 12))  # 147.80...
-# reconstruction gain the Viterbi search aims with, per bits (measured; see gain_for)
-GAIN = {1: 0.80, 2: 0.92, 3: 0.975, 4: 0.99}
+# the Viterbi search codes y / GAIN[bits] (benchmarks/codec.py --trellis: at L = 12 and 16
+# the MSE is flat within ~1% from 1.0 to 1.1, lowest near 1.0 at 2 bits and 1.1 at 3-4 bits)
+GAIN = {1: 1.0, 2: 1.0, 3: 1.1, 4: 1.1}
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,13 @@ class TrellisCode:
         return block
 
 
-def state_values(code: TrellisCode, states) -> np.ndarray:
-    """The V computed values (float32, unit variance) of each state: shape (..., V)."""
+def state_values(code: TrellisCode, states, mul=MUL, add=ADD) -> np.ndarray:
+    """The V computed values (float32, unit variance) of each state: shape (..., V).
+    `mul`, `add`: other constants, for the benchmark that chose MUL and ADD."""
     s = np.asarray(states, dtype=np.uint32)
     out = np.empty(s.shape + (code.values,), dtype=np.float32)
     for j in range(code.values):
-        h = s * np.uint32(MUL[j]) + np.uint32(ADD[j])  # mod 2^32
+        h = s * np.uint32(mul[j]) + np.uint32(add[j])  # mod 2^32
         h ^= h >> np.uint32(16)
         total = (h & 0xFF) + ((h >> 8) & 0xFF) + ((h >> 16) & 0xFF) + (h >> 24)
         out[..., j] = (total.astype(np.float32) - np.float32(BYTESUM_MEAN)) / np.float32(
@@ -103,9 +105,9 @@ def state_values(code: TrellisCode, states) -> np.ndarray:
     return out
 
 
-def codebook(code: TrellisCode) -> np.ndarray:
+def codebook(code: TrellisCode, mul=MUL, add=ADD) -> np.ndarray:
     """Every state's values, (2^L, V) float32: what the encoder compares against."""
-    return state_values(code, np.arange(1 << code.state_bits, dtype=np.uint32))
+    return state_values(code, np.arange(1 << code.state_bits, dtype=np.uint32), mul, add)
 
 
 def viterbi(code: TrellisCode, y: np.ndarray, table: np.ndarray, closing=None):
@@ -265,10 +267,11 @@ class TrellisRows:
 
 
 def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 256,
-                exact: bool = False) -> TrellisRows:
+                exact: bool = False, gain: float | None = None, table=None) -> TrellisRows:
     """Code rotated, padded rows x (rows, n) (n % group_size == 0): the trellis's step in
     place of the scalar code's nearest levels. Blocks of `block` weights (the last one may
-    be shorter: any multiple of 32), group RMS -> Viterbi -> least-squares scale refit."""
+    be shorter: any multiple of 32), group RMS -> Viterbi -> least-squares scale refit.
+    `gain`, `table`: other than the code's (the benchmark that chose them)."""
     code.check_block(block)
     x = np.asarray(x, dtype=np.float32)
     rows, n = x.shape
@@ -276,14 +279,16 @@ def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 
         raise ValueError(f"row length {n} is not a multiple of group_size {group_size} and 32")
     g = x.reshape(rows, -1, group_size)
     rms = np.sqrt((g * g).mean(axis=2)).astype(np.float16).astype(np.float32)
-    y = (g / np.where(rms > 0, rms, 1.0)[..., None]).reshape(rows, n) / np.float32(code.gain)
-    table = codebook(code)
-    parts = []
+    gain = code.gain if gain is None else gain
+    y = (g / np.where(rms > 0, rms, 1.0)[..., None]).reshape(rows, n) / np.float32(gain)
+    table = codebook(code) if table is None else table
+    parts, values = [], []
     for b0 in range(0, n, block):
-        yb = y[:, b0 : b0 + block]
-        parts.append(pack_bits(code, path_bits(code, encode_block(code, yb, table, exact))))
+        path = encode_block(code, y[:, b0 : b0 + block], table, exact)
+        parts.append(pack_bits(code, path_bits(code, path)))
+        values.append(table[path].reshape(rows, -1))  # = decode_words of the words (tests)
     words = np.concatenate(parts, axis=1)
-    v = decode_words(code, words, block).reshape(rows, -1, group_size)
+    v = np.concatenate(values, axis=1).reshape(rows, -1, group_size)
     xq, qq = (g * v).sum(axis=2), (v * v).sum(axis=2)
     scales = np.where(qq > 0, xq / np.maximum(qq, 1e-30), 0.0)
     scales = np.clip(scales, 0.0, 65504.0).astype(np.float16)
