@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -193,3 +194,17 @@ def test_compiled_viterbi_gives_the_numpy_paths(code, seed, closed):
     slow = trellis._viterbi_np(code, y, table, closing)
     assert np.array_equal(fast[0], slow[0])
     assert fast[1].tobytes() == slow[1].tobytes()
+
+
+def test_state_values_follow_the_documented_formula():
+    """docs/FORMAT.md's integer steps, by hand for state 1, and the whole L = 16 codebook
+    pinned: changing the constants or the steps changes every decoded weight."""
+    h = (1 * 0x9E3779B1 + 0x7F4A7C15) % 2**32
+    h ^= h >> 16
+    assert h == 0x1D81E847 and sum(h.to_bytes(4, "little")) == 461
+    value = trellis.state_values(TrellisCode(16, 2, 1), [1])[0, 0]
+    assert trellis.BYTESUM_STD == pytest.approx(147.8005, abs=1e-4)
+    assert value == (np.float32(461) - np.float32(510)) / np.float32(trellis.BYTESUM_STD)
+    table = trellis.codebook(TrellisCode(16, 2, 2))
+    digest = hashlib.sha256(table.tobytes()).hexdigest()
+    assert digest == "e000618ed120baa4a9c8b4cf331fcb30eecd39fce2b1a7f303a29085f887ed81"
