@@ -277,6 +277,9 @@ def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 
     rows, n = x.shape
     if n % group_size or n % 32:
         raise ValueError(f"row length {n} is not a multiple of group_size {group_size} and 32")
+    if not np.isfinite(x).all():
+        raise ValueError("rows hold NaN/Inf: the trellis codes finite weights only; keep "
+                         "this tensor in 16 bits or fix the checkpoint")
     g = x.reshape(rows, -1, group_size)
     rms = np.sqrt((g * g).mean(axis=2)).astype(np.float16).astype(np.float32)
     gain = code.gain if gain is None else gain

@@ -208,3 +208,15 @@ def test_state_values_follow_the_documented_formula():
     table = trellis.codebook(TrellisCode(16, 2, 2))
     digest = hashlib.sha256(table.tobytes()).hexdigest()
     assert digest == "e000618ed120baa4a9c8b4cf331fcb30eecd39fce2b1a7f303a29085f887ed81"
+
+
+def test_zero_groups_decode_to_zero_and_non_finite_rows_are_refused():
+    code = TrellisCode(8, 2, 1)
+    x = gaussian(5, 2, 128)
+    x[1, 64:] = 0.0
+    rows = trellis.encode_rows(code, x, 64, block=128)
+    assert rows.scales[1, 1] == 0
+    assert not trellis.decode_rows(code, rows.words, rows.scales, 64, block=128)[1, 64:].any()
+    x[0, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        trellis.encode_rows(code, x, 64, block=128)
