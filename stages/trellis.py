@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import fast_trellis
+from .scale import group_energy_np, refit_sums_np, rms_from_energy_np, scales_from_sums_np
 
 _COMPILED = fast_trellis.AVAILABLE  # Viterbi through numba (the same paths); tests flip it
 
@@ -267,10 +268,13 @@ class TrellisRows:
 
 
 def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 256,
-                exact: bool = False, gain: float | None = None, table=None) -> TrellisRows:
+                exact: bool = False, gain: float | None = None, table=None,
+                valid: int | None = None) -> TrellisRows:
     """Code rotated, padded rows x (rows, n) (n % group_size == 0): the trellis's step in
     place of the scalar code's nearest levels. Blocks of `block` weights (the last one may
     be shorter: any multiple of 32), group RMS -> Viterbi -> least-squares scale refit.
+    `valid`: the real row length (the rest is padding: left out of the RMS, decoded as 0).
+    Scales and refit sums are scale.py's float32 in-order sums, as the scalar code's.
     `gain`, `table`: other than the code's (the benchmark that chose them)."""
     code.check_block(block)
     x = np.asarray(x, dtype=np.float32)
@@ -281,7 +285,9 @@ def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 
         raise ValueError("rows hold NaN/Inf: the trellis codes finite weights only; keep "
                          "this tensor in 16 bits or fix the checkpoint")
     g = x.reshape(rows, -1, group_size)
-    rms = np.sqrt((g * g).mean(axis=2)).astype(np.float16).astype(np.float32)
+    xt = np.ascontiguousarray(g.reshape(-1, group_size).T)  # (group_size, groups), as scale.py
+    energy = group_energy_np(xt).reshape(rows, -1)
+    rms = rms_from_energy_np(energy, group_size, valid).astype(np.float32)
     gain = code.gain if gain is None else gain
     y = (g / np.where(rms > 0, rms, 1.0)[..., None]).reshape(rows, n) / np.float32(gain)
     table = codebook(code) if table is None else table
@@ -292,18 +298,23 @@ def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 
         values.append(table[path].reshape(rows, -1))  # = decode_words of the words (tests)
     words = np.concatenate(parts, axis=1)
     v = np.concatenate(values, axis=1).reshape(rows, -1, group_size)
-    xq, qq = (g * v).sum(axis=2), (v * v).sum(axis=2)
-    scales = np.where(qq > 0, xq / np.maximum(qq, 1e-30), 0.0)
-    scales = np.clip(scales, 0.0, 65504.0).astype(np.float16)
+    if valid is not None and valid < n:
+        v.reshape(rows, n)[:, valid:] = 0.0  # padding decodes to zero
+    xq, qq = refit_sums_np(xt, np.ascontiguousarray(v.reshape(-1, group_size).T))
+    scales = scales_from_sums_np(xq, qq).reshape(rows, -1)
     err = g.astype(np.float64) - scales.astype(np.float64)[..., None] * v
     return TrellisRows(words, scales, (err * err).sum(axis=(1, 2)),
                        (g.astype(np.float64) ** 2).sum(axis=(1, 2)))
 
 
 def decode_rows(code: TrellisCode, words: np.ndarray, scales: np.ndarray, group_size: int,
-                block: int = 256) -> np.ndarray:
-    """Rotated rows (rows, n) float32 from packed words and float16 scales."""
+                block: int = 256, valid: int | None = None) -> np.ndarray:
+    """Rotated rows (rows, n) float32 from packed words and float16 scales; columns from
+    `valid` on (padding) are 0."""
     v = decode_words(code, words, block)
     rows, n = v.shape
     s = np.asarray(scales).astype(np.float32)
-    return (v.reshape(rows, -1, group_size) * s[..., None]).reshape(rows, n)
+    out = (v.reshape(rows, -1, group_size) * s[..., None]).reshape(rows, n)
+    if valid is not None:
+        out[:, valid:] = 0.0
+    return out

@@ -220,3 +220,17 @@ def test_zero_groups_decode_to_zero_and_non_finite_rows_are_refused():
     x[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN/Inf"):
         trellis.encode_rows(code, x, 64, block=128)
+
+
+@given(codes_small, seeds, st.integers(1, 63))
+@settings(max_examples=10, deadline=None)
+def test_padding_decodes_to_zero_and_costs_no_error(code, seed, pad):
+    """Columns from `valid` on are padding: left out of the error, decoded as 0."""
+    n, valid = 128, 128 - pad
+    x = gaussian(seed, 2, n)
+    x[:, valid:] = 0.0
+    rows = trellis.encode_rows(code, x, 64, block=128, valid=valid)
+    x_hat = trellis.decode_rows(code, rows.words, rows.scales, 64, block=128, valid=valid)
+    assert not x_hat[:, valid:].any()
+    err = ((x.astype(np.float64) - x_hat) ** 2).sum(axis=1)
+    np.testing.assert_allclose(err, rows.sq_error, rtol=1e-4)
