@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure trellis codes (L, V, k) against Lloyd-Max and 4^-b")
     parser.add_argument("--trellis-rows", type=int, default=256,
                         help="most Gaussian rows of --cols per trellis candidate")
-    parser.add_argument("--trellis-budget", type=float, default=2.0**33,
-                        help="trellis work per candidate: rows x 2^L x 2^(kV) / V x 2 passes")
+    parser.add_argument("--trellis-budget", type=float, default=2.0**32,
+                        help="trellis work per candidate: rows x cols x 2^L / V x 2 passes")
     parser.add_argument("--trellis-states", default="8,10,12,14,16", help="L candidates")
     parser.add_argument("--trellis-constants", type=int, default=12,
                         help="random multiply-add constants the chosen ones are set against")
@@ -212,7 +212,7 @@ def trellis_main(args) -> int:
     Every number is a per-weight mean over iid Gaussian rows (rotation leaves iid Gaussian
     rows iid Gaussian, so the trellis codes them unrotated), group RMS scales refit by least
     squares, blocks of 256 weights; the expensive candidates (large L, kV) get fewer rows
-    (the work per row grows as 2^L 2^(kV) / V): the error bar says how much that costs.
+    (the work per row grows as 2^L / V): the error bar says how much that costs.
     """
     from turboquant.stages import fast_trellis, trellis
     from turboquant.stages.trellis import TrellisCode
@@ -299,7 +299,7 @@ def trellis_main(args) -> int:
                 if states <= bits * values:
                     continue
                 code = TrellisCode(states, bits, values)
-                work = 2.0 * cols * 2**states * 2 ** (bits * values) / values
+                work = 2.0 * cols * 2**states / values  # a step: each state's min and cost
                 n_rows = int(min(len(pool), max(1, args.trellis_budget // work)))
                 mse, se, wps = _trellis_error(code, pool[:n_rows], gs, block)
                 print(
@@ -315,7 +315,7 @@ def trellis_main(args) -> int:
     print(
         "reproduce: .venv/bin/python benchmarks/codec.py --trellis "
         f"--cols {cols} --group-size {gs} --trellis-rows {args.trellis_rows} "
-        f"--trellis-budget {args.trellis_budget:g} --trellis-states {args.trellis_states} "
+        f"--trellis-budget {args.trellis_budget:.0f} --trellis-states {args.trellis_states} "
         f"--trellis-constants {args.trellis_constants} --seed {args.seed}"
     )
     return 0
