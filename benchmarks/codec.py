@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trellis-states", default="8,10,12,14,16", help="L candidates")
     parser.add_argument("--trellis-constants", type=int, default=12,
                         help="random multiply-add constants the chosen ones are set against")
+    parser.add_argument("--trellis-search", type=int, default=0,
+                        help="search N random multiply-add constants per value instead")
     args = parser.parse_args(argv)
+    if args.trellis and args.trellis_search:
+        return trellis_search(args)
     if args.trellis:
         return trellis_main(args)
     bit_list = [b if b == "ternary" else int(b) for b in args.bits.split(",")]
@@ -204,6 +208,61 @@ def _trellis_error(code, x, group_size, block, **kwargs):
     mse = float(err.sum() / norm.sum())
     se = float(ratio.std(ddof=1) / np.sqrt(len(ratio))) if len(ratio) > 1 else float("nan")
     return mse, se, x.size / seconds
+
+
+def trellis_search(args) -> int:
+    """Choose the multiply-add constants of the computed codebook by measurement.
+
+    For value 0 (codes with V = 1), then value 1 (V = 2, value 0 fixed to the winner):
+    N random (odd multiplier, addend) pairs are scored at L = 12 on rows A by the mean over
+    k = 2, 3, 4 of rel. MSE / 4^-k; the best 4, and the constants in the code, are scored
+    again on independent rows B, and the best on B wins (no selection bias in its score).
+    """
+    from turboquant.stages import trellis
+    from turboquant.stages.trellis import TrellisCode
+
+    gs, block = args.group_size, 256
+    rng = np.random.default_rng(args.seed + 1)
+    rows_a = rng.standard_normal((8, 1024), dtype=np.float32)
+    rows_b = rng.standard_normal((48, 1024), dtype=np.float32)
+    draw = np.random.default_rng(2026)
+    mul, add = list(trellis.MUL), list(trellis.ADD)
+
+    def score(values, m, a, x):
+        errs = []
+        for bits in (2, 3, 4):
+            code = TrellisCode(12, bits, values)
+            table = trellis.codebook(code, m, a)
+            errs.append(_trellis_error(code, x, gs, block, table=table)[0] * 4**bits)
+        return float(np.mean(errs))
+
+    print(f"constant search: {args.trellis_search} candidates a value, L=12, k=2,3,4, "
+          f"score = mean rel.MSE / 4^-k; rows A {rows_a.shape}, rows B {rows_b.shape}")
+    for j, values in ((0, 1), (1, 2)):
+        found = []
+        for _ in range(args.trellis_search):
+            m, a = list(mul), list(add)
+            m[j] = int(draw.integers(0, 2**31)) * 2 + 1
+            a[j] = int(draw.integers(0, 2**32))
+            found.append((score(values, m, a, rows_a), m[j], a[j]))
+        found.sort()
+        spread = np.array([f[0] for f in found])
+        print(f"  value {j}: on A min {spread.min():.4f} median {np.median(spread):.4f} "
+              f"max {spread.max():.4f}")
+        finalists = [(mul[j], add[j], "in code")] + [(f[1], f[2], "top") for f in found[:4]]
+        best = None
+        for m_j, a_j, label in finalists:
+            m, a = list(mul), list(add)
+            m[j], a[j] = m_j, a_j
+            on_b = score(values, m, a, rows_b)
+            print(f"    {label:<7} MUL {m_j:#010x} ADD {a_j:#010x}: on B {on_b:.4f}", flush=True)
+            if best is None or on_b < best[0]:
+                best = (on_b, m_j, a_j)
+        mul[j], add[j] = best[1], best[2]
+        print(f"  value {j} chooses MUL {best[1]:#010x} ADD {best[2]:#010x}")
+    print(f"reproduce: .venv/bin/python benchmarks/codec.py --trellis --trellis-search "
+          f"{args.trellis_search} --group-size {gs} --seed {args.seed}")
+    return 0
 
 
 def trellis_main(args) -> int:
