@@ -234,3 +234,21 @@ def test_padding_decodes_to_zero_and_costs_no_error(code, seed, pad):
     assert not x_hat[:, valid:].any()
     err = ((x.astype(np.float64) - x_hat) ** 2).sum(axis=1)
     np.testing.assert_allclose(err, rows.sq_error, rtol=1e-4)
+
+
+@given(codes_small, seeds)
+@settings(max_examples=15, deadline=None)
+def test_states_are_the_documented_bit_windows_of_the_packed_words(code, seed):
+    """docs/FORMAT.md: S_t is the L-bit window of the block's stream (read as a circle, bit
+    p = bit p % 32 of word p // 32) that ends with step t's bits, least significant first."""
+    block = 64
+    y = gaussian(seed, 1, block)
+    path = trellis.encode_block(code, y)
+    words = trellis.pack_bits(code, trellis.path_bits(code, path))[0]
+    nbits = block * code.bits
+    stream = sum(int(w) << (32 * i) for i, w in enumerate(words))
+    circle = stream | (stream << nbits)  # the window may wrap: read it from a doubled stream
+    for t in range(block // code.values):
+        end = (t + 1) * code.step_bits + nbits
+        window = (circle >> (end - code.state_bits)) & ((1 << code.state_bits) - 1)
+        assert window == path[0, t]
