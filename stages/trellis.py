@@ -23,6 +23,9 @@ path is found as QTIP does: a free Viterbi over the block rotated by half its le
 the L - kV bits where the circle closes, then a Viterbi constrained to them codes the block.
 `exact=True` tries every closing instead (tests, tiny L).
 
+decode_words_mx is the decoder as a fused kernel will run it (per weight: the state's bit
+window from two words, then the integer steps), in MLX ops: the reference for those kernels.
+
 Packing: bit p of a block's stream is bit p % 32 of word p // 32 (little-endian), the same
 bit order as the scalar 3-bit packing; blocks are whole words and follow each other along
 the row, so a row of n weights is n * k / 32 words, as for the scalar code.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 from . import fast_trellis
@@ -256,6 +260,40 @@ def decode_words(code: TrellisCode, words: np.ndarray, block: int) -> np.ndarray
         out[:, b0 : b0 + size] = state_values(code, states).reshape(rows, size)
     del per_block
     return out
+
+
+def _windows(code: TrellisCode, n: int, block: int):
+    """Per column of a row of n weights: the two words its state's bit window lies in (the
+    second one circular within its block), the shift into the first, and its value index."""
+    i = np.arange(n)
+    b0 = (i // block) * block
+    nbits = np.minimum(block, n - b0) * code.bits
+    t = (i - b0) // code.values
+    start = ((t + 1) * code.step_bits - code.state_bits) % nbits  # bit in the block's circle
+    first = b0 * code.bits // 32
+    word0 = first + start // 32
+    word1 = first + (start // 32 + 1) % (nbits // 32)
+    return word0, word1, (start % 32).astype(np.uint32), (i - b0) % code.values
+
+
+def decode_words_mx(code: TrellisCode, words, block: int = 256):
+    """decode_words in MLX, as a fused kernel does it: each weight reads its state's L-bit
+    window from two words, then a multiply-add, a shift-xor and a byte sum (no table).
+    words (rows, n * k / 32) uint32 -> (rows, n) float32, equal to decode_words."""
+    code.check_block(block)
+    n = words.shape[1] * 32 // code.bits
+    word0, word1, shift, j = _windows(code, n, block)
+    w = mx.array(words) if not isinstance(words, mx.array) else words
+    lo = mx.take(w, mx.array(word0), axis=1) >> mx.array(shift)
+    up = mx.array(np.where(shift > 0, 32 - shift, 0).astype(np.uint32))
+    hi = mx.where(mx.array(shift > 0), mx.take(w, mx.array(word1), axis=1) << up, 0)
+    state = (lo | hi.astype(mx.uint32)) & mx.array((1 << code.state_bits) - 1, dtype=mx.uint32)
+    mul = mx.array(np.array(MUL, dtype=np.uint32)[j])
+    add = mx.array(np.array(ADD, dtype=np.uint32)[j])
+    h = state * mul + add
+    h = h ^ (h >> 16)
+    total = (h & 0xFF) + ((h >> 8) & 0xFF) + ((h >> 16) & 0xFF) + (h >> 24)
+    return (total.astype(mx.float32) - BYTESUM_MEAN) / mx.array(BYTESUM_STD, dtype=mx.float32)
 
 
 @dataclass

@@ -252,3 +252,19 @@ def test_states_are_the_documented_bit_windows_of_the_packed_words(code, seed):
         end = (t + 1) * code.step_bits + nbits
         window = (circle >> (end - code.state_bits)) & ((1 << code.state_bits) - 1)
         assert window == path[0, t]
+
+
+@given(st.sampled_from(TINY[1:] + SMALL + [TrellisCode(16, 3, 1), TrellisCode(16, 2, 2)]),
+       seeds, st.sampled_from([(96, 32), (256, 128), (320, 256)]))
+@settings(max_examples=20, deadline=None)
+def test_mlx_window_decode_equals_the_reference(code, seed, sizes):
+    """decode_words_mx (what a fused kernel does per weight) gives decode_words' values for
+    random words: every bit pattern is a valid stream, blocks of any legal length."""
+    n, block = sizes
+    if block * code.bits < code.state_bits or block % code.values:
+        block = 128
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 2**32, size=(3, n * code.bits // 32), dtype=np.uint32)
+    want = trellis.decode_words(code, words, block)
+    got = np.array(trellis.decode_words_mx(code, words, block))
+    assert got.dtype == np.float32 and np.array_equal(got, want)
