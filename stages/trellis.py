@@ -26,6 +26,15 @@ the L - kV bits where the circle closes, then a Viterbi constrained to them code
 decode_words_mx is the decoder as a fused kernel will run it (per weight: the state's bit
 window from two words, then the integer steps), in MLX ops: the reference for those kernels.
 
+Where it slots in: codec._encode_finite_rows rotates a chunk of rows and takes each group's
+energy (rotate_groups_np), then codes the normalized groups with the nearest Lloyd-Max level
+(fast_quantize.code_groups or nearest_codes_np) and refits the scales. A trellis tensor
+branches there: the same rotated rows, as (rows, padded_in), go to encode_rows, which takes
+the RMS and the refit from scale.py's in-order float32 sums, as the scalar code does, and
+returns words of the scalar code's shape (n * k / 32 a row), float16 scales and the
+per-row squared error that QuantizedTensor carries. decode_rows (or decode_words_mx) then
+replaces the level lookup before the inverse rotation.
+
 Packing: bit p of a block's stream is bit p % 32 of word p // 32 (little-endian), the same
 bit order as the scalar 3-bit packing; blocks are whole words and follow each other along
 the row, so a row of n weights is n * k / 32 words, as for the scalar code.
@@ -235,21 +244,19 @@ def unpack_bits(code: TrellisCode, words: np.ndarray) -> np.ndarray:
 def states_from_bits(code: TrellisCode, bits: np.ndarray) -> np.ndarray:
     """Each step's state (rows, steps) from the steps' fields of tail-biting blocks."""
     kv, keep = code.step_bits, code.keep_bits
-    steps = bits.shape[1]
     state = np.zeros_like(bits, dtype=np.int64)
     # step t - j contributes its bits at keep - j*kV (shifted right once that is negative)
     for j in range(-(-code.state_bits // kv)):
         shift = keep - j * kv
         prev = np.roll(bits, j, axis=1)
         state |= (prev << shift) if shift >= 0 else (prev >> -shift)
-    del steps
     return state & ((1 << code.state_bits) - 1)
 
 
 def decode_words(code: TrellisCode, words: np.ndarray, block: int) -> np.ndarray:
     """Unit-scale values (rows, n) of packed rows (rows, n * k / 32), blocks of `block`."""
     code.check_block(block)
-    rows, per_block = words.shape[0], block * code.bits // 32
+    rows = words.shape[0]
     n = words.shape[1] * 32 // code.bits
     out = np.empty((rows, n), dtype=np.float32)
     for b0 in range(0, n, block):
@@ -258,7 +265,6 @@ def decode_words(code: TrellisCode, words: np.ndarray, block: int) -> np.ndarray
         fields = unpack_bits(code, words[:, w0 : w0 + size * code.bits // 32])
         states = states_from_bits(code, fields)
         out[:, b0 : b0 + size] = state_values(code, states).reshape(rows, size)
-    del per_block
     return out
 
 
