@@ -11,7 +11,7 @@ the last column is its relative difference from the decoded error.
 
     .venv/bin/python benchmarks/codec.py            # ~1 minute on a 2-core CPU
     TURBOQUANT_NO_NUMBA=1 .venv/bin/python benchmarks/codec.py   # encode without numba
-    .venv/bin/python benchmarks/codec.py --trellis  # trellis candidates vs Lloyd-Max (~15 min)
+    .venv/bin/python benchmarks/codec.py --trellis  # trellis candidates vs Lloyd-Max (~6 min)
 
 --trellis measures the trellis code of stages/trellis.py instead (see trellis_main).
 """
