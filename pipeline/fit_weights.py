@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from turboquant.manifests.schema import CODES_SUFFIX, QUANT_METHOD, SCALES_SUFFIX
 
 from .errors import ConversionError, SourceError
-from .plan import choose_recipe, coded_shapes, expert_of, layer_of, num_layers_of
+from .plan import bind_to_tensors, choose_recipe, coded_shapes, expert_of, layer_of, num_layers_of
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, SafetensorsHeader
 from .sources import Source
 
@@ -167,7 +167,7 @@ def _repo_weights(where: str, config: dict, headers) -> Inventory:
 def _projected(where: str, config: dict, headers, recipe: str | None, overrides: dict
                ) -> Inventory:
     """The conversion plan's per-tensor decisions (pipeline/plan.py), sizes only."""
-    rec = choose_recipe(config, recipe, overrides)
+    rec = bind_to_tensors(choose_recipe(config, recipe, overrides), config, headers)
     num_layers = num_layers_of(config)
     problems: list[str] = []
     out: list[Weight] = []

@@ -17,7 +17,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-from turboquant.manifests.recipe import Recipe, RecipeError, recipe_for_model_type, load_recipe
+from turboquant.manifests.recipe import (Recipe, RecipeError, bind_architecture, load_recipe,
+                                         recipe_for_model_type)
 from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
 from turboquant.stages import rotation_key, tensor_seed, words_per_row
 
@@ -242,6 +243,18 @@ def choose_recipe(config: dict, recipe: str | None, overrides: dict) -> Recipe:
         raise ConversionError(str(e)) from None
 
 
+def bind_to_tensors(rec: Recipe, config: dict, headers: dict) -> Recipe:
+    """A generic recipe bound to what mlx-lm's model makes of these tensors (no-op else)."""
+    tensors = {}
+    for h in headers.values():
+        for info in h.tensors.values():
+            tensors.setdefault(info.name, (tuple(info.shape), info.dtype))
+    try:
+        return bind_architecture(rec, config, tensors)
+    except RecipeError as e:
+        raise ConversionError(str(e)) from None
+
+
 def coded_shapes(out: int, padded_in: int, bits, group_size: int) -> tuple[tuple, tuple]:
     """Shapes of (codes, scales) for a coded (out, in) weight: FORMAT.md, steps 3 and 5."""
     return (out, words_per_row(padded_in, bits)), (out, padded_in // group_size)
@@ -271,6 +284,7 @@ def build_plan(
     problems += _check_index(source.index(), headers)
     if problems:
         raise PlanError(problems)
+    rec = bind_to_tensors(rec, config, headers)
 
     num_layers = num_layers_of(config)
     items: list[tuple[tuple[int, int], Item]] = []
