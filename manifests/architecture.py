@@ -248,6 +248,8 @@ def _landed(out: dict, traced, modules: dict, params: set) -> dict[str, str]:
         if key == "\0alive" or not isinstance(v, mx.array):
             continue
         if id(v) in stand_ins:
+            if not _holds_tag(v, use.index(stand_ins[id(v)])):
+                continue  # sanitize changed its values in place (folded a multiplier)
             rows = [stand_ins[id(v)]]
         elif v.dtype == mx.int32 and v.size <= 1 << 20 and v.ndim in (2, 3) \
                 and tuple(v.shape[-2:]) == (1, 1):
@@ -283,6 +285,12 @@ def _landed(out: dict, traced, modules: dict, params: set) -> dict[str, str]:
                     landed[members[e]] = path
                 break
     return landed
+
+
+def _holds_tag(v, index: int) -> bool:
+    import mlx.core as mx
+
+    return v.dtype == mx.int32 and v.size == 1 and v.item() == _TAG + index
 
 
 def _is_switch(m) -> bool:

@@ -123,7 +123,7 @@ class Recipe:
     def hash(self) -> str:
         """sha256 of the resolved recipe and the format version (hex)."""
         what = {"format_version": FORMAT_VERSION, "recipe": self.data}
-        if self.architecture is not None:
+        if self.architecture is not None and self.generic:
             what["architecture"] = self.architecture.digest()
         blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -152,8 +152,14 @@ class Recipe:
                 return Resolution("keep", rule=rx.pattern)
         for rx, rule in self._rules:
             if rx.search(name):
-                return self._quantize(rule, layer, num_layers)
-        if self.architecture is not None:
+                res = self._quantize(rule, layer, num_layers)
+                d = self.architecture.decisions.get(name) if self.architecture else None
+                if res.action == "quantize" and d is not None and d.action == "keep":
+                    # mlx-lm's model has no quantizable layer for it (sanitize reshapes
+                    # it, or it is a router): coded, it could not be loaded
+                    return Resolution("keep", role=res.role, rule=f"mlx-lm:keep ({d.why})")
+                return res
+        if self.architecture is not None and self.generic:
             d = self.architecture.decisions.get(name)
             if d is None:
                 return None
@@ -273,18 +279,23 @@ def recipe_for_model_type(model_type: str | None, config_file: str = "config.jso
 
 def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = "config.json"
                       ) -> Recipe:
-    """A generic recipe bound to mlx-lm's reading of these tensors; others as they are.
+    """A recipe bound to mlx-lm's reading of these tensors.
+
+    A generic recipe takes every decision from it; a family recipe's rules decide, except
+    that a tensor mlx-lm's model could not load coded is kept raw.
 
     `tensors`: source name -> (shape, safetensors dtype). Raises RecipeError when mlx-lm
     has no model for the config or its sanitize cannot read the names.
     """
-    if not recipe.generic or recipe.architecture is not None:
+    if recipe.architecture is not None:
         return recipe
     from .architecture import ArchitectureError, derive
 
     try:
         return recipe.bind(derive(config, tensors, where))
     except ArchitectureError as e:
+        if not recipe.generic:
+            return recipe  # a family recipe's rules stand alone
         raise RecipeError(str(e)) from None
 
 
