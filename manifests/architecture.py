@@ -42,6 +42,7 @@ _MX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "fl
               "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
               "U16": "uint16", "U32": "uint32", "BOOL": "bool_"}
 _CODABLE = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
 
 class ArchitectureError(ValueError):
@@ -147,6 +148,10 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     predicate = getattr(model, "quant_predicate", None)
     num_layers = _num_layers(config)
 
+    # FP8 scales belong to their weight: it is dequantized in the stream, then coded
+    scales = {n for n in tensors if n.endswith(_SCALE_SUFFIXES)
+              and f"{n.rsplit('.', 1)[0]}.weight" in tensors}
+    tensors = {n: v for n, v in tensors.items() if n not in scales}
     candidates = [n for n, (shape, dtype) in tensors.items()
                   if len(shape) == 2 and dtype in _CODABLE and 0 not in shape]
     demoted: set[str] = set()
@@ -156,10 +161,19 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         landed = _landed(out, traced, modules, params)
         again = set()
         coded = [n for n in coded if n not in demoted]  # sanitize may have demoted groups
+        stacked: dict[str, int] = {}
+        for p in landed.values():
+            stacked[p] = stacked.get(p, 0) + 1
+        verdicts: dict[tuple, bool] = {}
         for name in coded:
             target = landed.get(name)
-            if target is None or not _codable(target, modules, predicate, tensors[name][0],
-                                              landed, name):
+            if target is None:
+                again.add(name)
+                continue
+            key = (target, tensors[name][0])
+            if key not in verdicts:
+                verdicts[key] = _codable(target, modules, predicate, key[1], stacked[target])
+            if not verdicts[key]:
                 again.add(name)
         if not again:
             break
@@ -185,6 +199,10 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
             decisions[name] = Decision("drop", why="removed by mlx-lm's sanitize")
         else:
             decisions[name] = Decision("keep", why=_why_raw(name, tensors[name]))
+    for n in scales:
+        owner = f"{n.rsplit('.', 1)[0]}.weight"
+        decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
+                                            "dequantized")
     _placeholders.clear()
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
 
@@ -242,13 +260,14 @@ def _landed(out: dict, traced, modules: dict, params: set) -> dict[str, str]:
     import mlx.core as mx
 
     use, stand_ins = traced
+    position = {n: i for i, n in enumerate(use)}
     landed: dict[str, str] = {}
     leftovers: dict[str, list[str]] = {}
     for key, v in out.items():
         if key == "\0alive" or not isinstance(v, mx.array):
             continue
         if id(v) in stand_ins:
-            if not _holds_tag(v, use.index(stand_ins[id(v)])):
+            if not _holds_tag(v, position[stand_ins[id(v)]]):
                 continue  # sanitize changed its values in place (folded a multiplier)
             rows = [stand_ins[id(v)]]
         elif v.dtype == mx.int32 and v.size <= 1 << 20 and v.ndim in (2, 3) \
@@ -299,7 +318,7 @@ def _is_switch(m) -> bool:
     return type(m) is SwitchLinear
 
 
-def _codable(path: str, modules: dict, predicate, shape, landed: dict, name: str) -> bool:
+def _codable(path: str, modules: dict, predicate, shape, stacked: int) -> bool:
     """mlx-lm would quantize this layer, and the runtime has a TurboQuant layer for it."""
     import mlx.nn as nn
 
@@ -308,7 +327,6 @@ def _codable(path: str, modules: dict, predicate, shape, landed: dict, name: str
     if w is None:
         return False
     if _is_switch(module):
-        stacked = sum(1 for p in landed.values() if p == path)
         if stacked != module.num_experts or tuple(w.shape) != (stacked, *shape):
             return False
     elif type(module) in (nn.Linear, nn.Embedding):  # exact: custom forwards stay raw

@@ -15,6 +15,7 @@ one mlx-lm reads as published.
 from __future__ import annotations
 
 import copy
+import math
 import json
 import re
 from pathlib import Path
@@ -241,3 +242,153 @@ def write_arch_checkpoint(path, model_type: str, seed: int = 0, layout: str = "h
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, config.get("vocab_size", 320))
     return got
+
+
+# ---------------------------------------------------------------------------- flagships
+
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}
+_DSV3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+             num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+             routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+             qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+             topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+             moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+             scoring_func="sigmoid", rope_theta=10000.0, max_position_embeddings=163840,
+             rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=1,
+             rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                           "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096},
+             quantization_config=_FP8)
+
+# name -> (config, source dtype of the linear weights, shards). Shapes follow each
+# release's config.json as published (Qwen3.5: the shape its model card gives).
+FLAGSHIPS: dict[str, tuple[dict, str, int]] = {
+    "DeepSeek-V3.1": ({**_DSV3, "model_type": "deepseek_v3"}, "F8_E4M3", 163),
+    "Kimi-K2": ({**_DSV3, "model_type": "kimi_k2", "n_routed_experts": 384,
+                 "num_attention_heads": 64, "num_key_value_heads": 64,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 2.827, "vocab_size": 163840,
+                 "num_nextn_predict_layers": 0, "max_position_embeddings": 131072},
+                "F8_E4M3", 61),
+    "GLM-4.6": (dict(model_type="glm4_moe", vocab_size=151552, hidden_size=5120,
+                     intermediate_size=12288, moe_intermediate_size=1536,
+                     num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8,
+                     head_dim=128, n_routed_experts=160, n_shared_experts=1,
+                     num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                     partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                     rope_theta=1000000.0, max_position_embeddings=202752,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False, rope_scaling=None,
+                     num_nextn_predict_layers=1), "BF16", 93),
+    "Qwen3.5-397B-A17B": (dict(model_type="qwen3_next", vocab_size=248320, hidden_size=4096,
+                               intermediate_size=10240, moe_intermediate_size=1024,
+                               shared_expert_intermediate_size=1024, num_hidden_layers=60,
+                               num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+                               num_experts=512, num_experts_per_tok=10,
+                               linear_num_value_heads=64, linear_num_key_heads=16,
+                               linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_conv_kernel_dim=4, full_attention_interval=4,
+                               decoder_sparse_step=1, mlp_only_layers=[],
+                               partial_rotary_factor=0.25, rope_theta=10000000.0,
+                               max_position_embeddings=262144, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False, norm_topk_prob=True),
+                          "BF16", 94),
+    "MiniMax-M2": (dict(model_type="minimax", vocab_size=200064, hidden_size=3072,
+                        intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,
+                        num_key_value_heads=8, head_dim=128, num_local_experts=256,
+                        num_experts_per_tok=8, rotary_dim=64, shared_intermediate_size=0,
+                        use_qk_norm=True, rope_theta=5000000.0,
+                        max_position_embeddings=196608, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, quantization_config=_FP8),
+                   "F8_E4M3", 130),
+    "gpt-oss-120b": (dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                          intermediate_size=2880, num_hidden_layers=36,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                          num_local_experts=128, num_experts_per_tok=4, experts_per_token=4,
+                          sliding_window=128, rope_theta=150000.0,
+                          max_position_embeddings=131072, rms_norm_eps=1e-5,
+                          tie_word_embeddings=False,
+                          layer_types=["sliding_attention", "full_attention"] * 18,
+                          quantization_config={"quant_method": "mxfp4"}),
+                     "MXFP4", 15),
+}
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
+
+
+def flagship_tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor of the release, in file order (nothing built
+    but mlx-lm's lazy skeleton: its arrays are never evaluated)."""
+    config, dtype, _ = FLAGSHIPS[name]
+    model, params = _skeleton(config)
+    names = hf_layout(model, config["model_type"], params)
+    mtp = config.get("num_nextn_predict_layers", 0)
+    if mtp:  # the multi-token-prediction layer(s) past the last: a decoder layer and more
+        last = config["num_hidden_layers"] - 1
+        for k in [k for k in names if k.startswith(f"model.layers.{last}.")]:
+            for i in range(mtp):
+                names[k.replace(f".{last}.", f".{last + 1 + i}.", 1)] = names[k]
+        for i in range(mtp):
+            n, h = last + 1 + i, config["hidden_size"]
+            names[f"model.layers.{n}.eh_proj.weight"] = mx.zeros((h, 2 * h))
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                names[f"model.layers.{n}.{norm}.weight"] = mx.zeros((h,))
+    out = []
+    for k, v in names.items():
+        shape = tuple(v.shape)
+        if dtype == "MXFP4" and re.search(r"\.experts\.(gate_up_proj|down_proj)$", k):
+            e, a, b = shape  # (E, in, out) as BF16: published as (E, out, in/32, 16) blocks
+            out.append((f"{k}_blocks", (e, b, a // 32, 16), "U8"))
+            out.append((f"{k}_scales", (e, b, a // 32), "U8"))
+            continue
+        fp8 = dtype == "F8_E4M3" and len(shape) == 2 and _fp8_weight(k)
+        out.append((k, shape, "F8_E4M3" if fp8 else ("F32" if "e_score" in k else "BF16")))
+        if fp8:
+            out.append((f"{k}_scale_inv", (-(-shape[0] // 128), -(-shape[1] // 128)), "F32"))
+    return out
+
+
+def _fp8_weight(name: str) -> bool:
+    """Linear weights the FP8 releases store in FP8 (not embeddings, head, norms, routers)."""
+    return name.endswith("proj.weight") or re.search(r"\.(w[123]|eh_proj)\.weight$", name) \
+        is not None
+
+
+def _skeleton(config: dict):
+    from turboquant.manifests.architecture import build_skeleton
+
+    model = build_skeleton(config)
+    return model, dict(tree_flatten(model.parameters()))
+
+
+def write_sparse_checkpoint(path, name: str) -> int:
+    """The release's config.json, index and shards, every tensor's bytes a hole: the files
+    have their full size but take no disk. Returns the total size in bytes."""
+    import struct
+
+    config, _, shards = FLAGSHIPS[name]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = flagship_tensors(name)
+    per = -(-len(tensors) // shards)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        part = tensors[s * per:(s + 1) * per]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for t, shape, dt in part:
+            n = math.prod(shape) * _ITEMSIZE[dt]
+            header[t] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+            weight_map[t] = file
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path / file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + off)
+        total += off
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return total

@@ -57,6 +57,42 @@ def test_architecture_converts_loads_and_matches_mlx_lm(tmp_path, model_type):
 
     text = generate(model, tokenizer, "hello", max_tokens=4, verbose=False)
     assert isinstance(text, str)
+    _check_compressed_kv_cache(model, tokenizer, model_type)
+
+
+# attention that cannot read a compressed cache: MLA's latent cache, learned sinks, and
+# attention computing on the cached arrays itself; make_turboquant_cache refuses them
+KV_REFUSED = {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "gpt_oss", "gemma2", "phi",
+              "stablelm"}
+
+
+def _check_compressed_kv_cache(model, tokenizer, model_type):
+    """The compressed cache replaces exactly the KV caches; recurrent state stays mlx-lm's."""
+    from mlx_lm import generate
+    from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
+
+    from turboquant.runtime.kvcache import (TurboQuantKVCache, TurboQuantRotatingKVCache,
+                                            make_turboquant_cache)
+
+    if model_type in KV_REFUSED:
+        with pytest.raises(ValueError, match="keep the fp16 cache"):
+            make_turboquant_cache(model)
+        return
+    cache = make_turboquant_cache(model, window=4, sink=2, block=8, protect_layers=0)
+    swapped = {KVCache: TurboQuantKVCache, RotatingKVCache: TurboQuantRotatingKVCache}
+
+    def same_slots(base, new):
+        for b, c in zip(base, new):
+            if isinstance(b, CacheList):
+                same_slots(b.caches, c.caches)
+            else:
+                assert type(c) is swapped.get(type(b), type(b)), (type(b), type(c))
+
+    base = make_prompt_cache(model)
+    assert len(base) == len(cache)
+    same_slots(base, cache)
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    generate(model, tokenizer, prompt, max_tokens=6, verbose=False, prompt_cache=cache)
 
 
 def reference(weights: dict, config: dict):
