@@ -167,3 +167,36 @@ def test_a_tensor_sanitize_rescales_is_kept_raw_and_refused_coded(tmp_path):
                codec=lambda n, v: 4 if n == o_proj else "raw")
     with pytest.raises(RepoError, match=re.escape(o_proj) + ".*in place"):
         load(tmp_path / "tq")
+
+
+# ---------------------------------------------------------------------------- flagships
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3.1", "Kimi-K2", "GLM-4.6", "Qwen3.5-397B-A17B",
+                                  "MiniMax-M2", "gpt-oss-120b"])
+def test_flagship_release_plans_from_its_headers(tmp_path, capsys, name):
+    """The release's exact tensor names, shapes, dtypes and shards (sparse files: no disk),
+    planned for a 128 GB machine from the headers alone. FP8 and MXFP4 weights are the
+    published-dtype work (issue 36 item 2): until it lands the plan names them as its only
+    problems; after, it gives a verdict like the BF16 releases."""
+    import json
+    import re
+
+    from arch_checkpoints import FLAGSHIPS, write_sparse_checkpoint
+
+    from turboquant.plan import main
+
+    total = write_sparse_checkpoint(tmp_path / name, name)
+    assert total > 60e9
+    rc = main([str(tmp_path / name), "--memory-gb", "128", "--context", "8192", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    config, dtype, _ = FLAGSHIPS[name]
+    if d["problems"]:
+        assert rc == 2
+        assert all(re.search(r"F8_E4M3|FP8|MXFP4", p) for p in d["problems"]), d["problems"][:3]
+        assert dtype in ("F8_E4M3", "MXFP4")
+        return
+    assert rc == 0 and d["verdict"] == "STREAM", d["verdict"]
+    assert d["weights"] < total / 3  # 4-bit, experts 3-bit, from 16-bit (or 8-bit) sources
+    kinds = d["layers"]
+    assert kinds, d
