@@ -51,11 +51,12 @@ class ArchitectureError(ValueError):
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "quantize", "keep", "drop"
+    action: str  # "quantize", "keep", "drop", or "unknown" (the model has no place for it)
     role: str | None = None
     down_proj: bool = False
     target: str | None = None  # the mlx-lm module a coded tensor fills
     why: str = ""
+    split: str | None = None  # a stacked (E, out, in) tensor: each expert's name, "{e}"
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _mlx_lm_version() -> str:
 
 
 def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
-           where: str = "config.json") -> ArchitectureMap:
+           where: str = "config.json", split_stacked: bool = True) -> ArchitectureMap:
     """Decide every source tensor from mlx-lm's skeleton for `config`.
 
     `tensors` maps a source name to (shape, safetensors dtype). Nothing is read or
@@ -197,14 +198,58 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         if vanished and (name.endswith("rotary_emb.inv_freq") or
                          (layer is not None and num_layers is not None and layer >= num_layers)):
             decisions[name] = Decision("drop", why="removed by mlx-lm's sanitize")
+        elif name in out and name not in params and out[name] is _placeholders.get(name):
+            # left as it is by sanitize, and no parameter of the model: a strict load fails
+            decisions[name] = Decision("unknown", why="mlx-lm's model has no parameter for it")
         else:
             decisions[name] = Decision("keep", why=_why_raw(name, tensors[name]))
+    if split_stacked:
+        _split_stacked(config, tensors, decisions, out, modules, where)
     for n in scales:
         owner = f"{n.rsplit('.', 1)[0]}.weight"
         decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
                                             "dequantized")
     _placeholders.clear()
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
+
+
+def _split_stacked(config, tensors, decisions, out, modules, where) -> None:
+    """Experts stacked in the source (E, out, in), as mlx-lm's own layout keeps them.
+
+    A raw 3-D tensor that sanitize leaves in place as a SwitchLinear's weight is coded one
+    expert at a time, written as `<block>.experts.{e}.<proj>.weight`: the names of the
+    published layout, which sanitize (or the loader) stacks again. A second reading of
+    those names must put every expert back in the same layer, or the tensor stays raw.
+    """
+    where_is = {id(v): k for k, v in out.items() if k != "\0alive"}
+    plans = {}
+    for name, (shape, dtype) in tensors.items():
+        if decisions[name].action != "keep" or len(shape) != 3 or dtype not in _CODABLE:
+            continue
+        key = where_is.get(id(_placeholders.get(name)))
+        if key is None or not key.endswith(".weight"):
+            continue
+        path = key[: -len(".weight")]
+        m = modules.get(path)
+        if m is None or not _is_switch(m) or tuple(m["weight"].shape) != tuple(shape):
+            continue
+        block, _, proj = path.rpartition(".")
+        block = block.rpartition(".")[0]  # drop switch_mlp / experts
+        plans[name] = (path, f"{block}.experts.{{e}}.{proj}.weight", shape)
+    if not plans:
+        return
+    split = {n: v for n, v in tensors.items() if n not in plans}
+    for name, (path, template, (e_count, o, i)) in plans.items():
+        for e in range(e_count):
+            split[template.format(e=e)] = ((o, i), tensors[name][1])
+    again = derive(config, split, where, split_stacked=False).decisions
+    for name, (path, template, shape) in plans.items():
+        each = [again.get(template.format(e=e)) for e in range(shape[0])]
+        if all(d is not None and d.action == "quantize" and d.target == path for d in each):
+            decisions[name] = Decision("quantize", each[0].role, each[0].down_proj, path,
+                                       split=template)
+            for e, d in enumerate(each):
+                decisions[template.format(e=e)] = d
 
 
 # lazy placeholders of the last sanitize call, by source name (identity tracing of raws)

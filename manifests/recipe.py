@@ -64,6 +64,7 @@ class Split:
     into: tuple[str, ...]
     interleaved: bool
     transpose: bool
+    names: str | None = None  # each expert's output name ("{e}"), instead of `into`
 
 
 class Recipe:
@@ -139,6 +140,10 @@ class Recipe:
         for rx, split in self.splits:
             if rx.search(name):
                 return split
+        if self.architecture is not None:
+            d = self.architecture.decisions.get(name)
+            if d is not None and d.split:
+                return Split(name, (d.split,), False, False, names=d.split)
         return None
 
     def resolve(self, name: str, layer: int | None = None, num_layers: int | None = None
@@ -159,9 +164,9 @@ class Recipe:
                     # it, or it is a router): coded, it could not be loaded
                     return Resolution("keep", role=res.role, rule=f"mlx-lm:keep ({d.why})")
                 return res
-        if self.architecture is not None and self.generic:
+        if self.architecture is not None:  # generic, or a name no family rule knows
             d = self.architecture.decisions.get(name)
-            if d is None:
+            if d is None or d.action == "unknown":
                 return None
             rule = f"mlx-lm:{d.target or d.action}"
             if d.action != "quantize":

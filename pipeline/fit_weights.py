@@ -210,6 +210,8 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
 
 def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:
     """Per-expert (name, shape) of a stacked tensor, as the plan's [[split]] cuts it."""
+    if split.names:  # (E, out, in) stacked in the source (mlx-lm's layout)
+        return [(split.names.format(e=e), tuple(info.shape[1:])) for e in range(info.shape[0])]
     marker = ".experts."
     i = info.name.rfind(marker)
     k = len(split.into)

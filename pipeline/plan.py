@@ -209,6 +209,9 @@ def split_piece_of(recipe: Recipe, file: str, source_name: str, name: str, exper
     split = recipe.split_for(source_name)
     if split is None:
         return None
+    if split.names:  # experts stacked (E, out, in) in the source, named per expert
+        ok = name == split.names.format(e=expert)
+        return Piece(file, source_name, expert) if ok else None
     marker = ".experts."
     prefix = source_name[: source_name.rfind(marker) + len(marker)] + f"{expert}."
     if not name.startswith(prefix) or name[len(prefix):] not in split.into:
@@ -350,6 +353,11 @@ def _check_index(index: dict | None, headers: dict[str, SafetensorsHeader]) -> l
 
 def _split_pieces(f: str, info, split, problems: list[str]):
     """Per-expert pieces of a stacked tensor (E, in, out) or (E, out, in) or (E, n)."""
+    if split.names:  # (E, out, in) stacked, as mlx-lm keeps experts: one name per expert
+        e_count, a, b = info.shape
+        per = info.nbytes // max(e_count, 1)
+        return [(split.names.format(e=e), Piece(f, info.name, e), (a, b), per)
+                for e in range(e_count)]
     k = len(split.into)
     marker = ".experts."
     i = info.name.rfind(marker)

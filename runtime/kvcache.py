@@ -523,7 +523,8 @@ def _learned_sinks(model) -> bool:
 # scaled_dot_product_attention (soft-capped or float32-upcast scores): the compressed
 # cache's parts cannot reach it. tests/test_architectures.py keeps this list exact.
 _OWN_ATTENTION = {"gemma2": "soft-capped attention scores", "phi": "float32 attention scores",
-                  "stablelm": "float32 attention scores"}
+                  "stablelm": "float32 attention scores",
+                  "plamo2": "its own attention call"}
 
 
 def _check_attention_reads_parts(model) -> None:

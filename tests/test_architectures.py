@@ -20,22 +20,25 @@ from turboquant.pipeline.sources import LocalSource
 from turboquant.runtime import TQLinear, TQSwitchLinear, load
 
 TOKENS = mx.array([[1, 5, 70, 33, 200, 9, 12, 250, 17, 3, 101, 64]])
-# published layouts that mlx-lm's sanitize does not read back; these use mlx-lm's own
-MLX_LAYOUT: set[str] = set()
+# also converted from mlx-lm's own layout (the MLX community's bf16 repos: experts stacked
+# (E, out, in), MLA's embed_q / unembed_out, convolutions (C, K, 1))
+MLX_LAYOUT = ["deepseek_v3", "dots1", "gemma3_text", "glm4_moe", "gpt_oss", "llama", "minimax",
+              "mixtral", "nemotron_h", "qwen3_moe", "qwen3_next"]
+CASES = [(t, "hf") for t in sorted(ARCHS)] + [(t, "mlx") for t in MLX_LAYOUT]
 
 
-def _convert(tmp_path, model_type):
+def _convert(tmp_path, model_type, layout="hf"):
     src, out = tmp_path / "src", tmp_path / "tq"
-    layout = write_arch_checkpoint(src, model_type)
+    written = write_arch_checkpoint(src, model_type, layout=layout)
     convert(ConvertOptions(source=str(src), output=str(out), group_size=32, in_process=True,
                            progress=False, check_disk=False))
-    return src, out, layout
+    return src, out, written
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHS))
-def test_architecture_converts_loads_and_matches_mlx_lm(tmp_path, model_type):
-    src, out, layout = _convert(tmp_path, model_type)
-    assert layout == ("mlx" if model_type in MLX_LAYOUT else "hf")
+@pytest.mark.parametrize("model_type,layout", CASES, ids=[f"{t}-{lay}" for t, lay in CASES])
+def test_architecture_converts_loads_and_matches_mlx_lm(tmp_path, model_type, layout):
+    src, out, written = _convert(tmp_path, model_type, layout)
+    assert written == layout
     plan = build_plan(LocalSource(src), overrides={"group_size": 32})
     assert plan.recipe.name == "default" or model_type in _FAMILY_RECIPES
     coded = [it for it in plan.items if it.codec != "raw"]
@@ -57,13 +60,14 @@ def test_architecture_converts_loads_and_matches_mlx_lm(tmp_path, model_type):
 
     text = generate(model, tokenizer, "hello", max_tokens=4, verbose=False)
     assert isinstance(text, str)
-    _check_compressed_kv_cache(model, tokenizer, model_type)
+    if layout == "hf":
+        _check_compressed_kv_cache(model, tokenizer, model_type)
 
 
 # attention that cannot read a compressed cache: MLA's latent cache, learned sinks, and
 # attention computing on the cached arrays itself; make_turboquant_cache refuses them
 KV_REFUSED = {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "gpt_oss", "gemma2", "phi",
-              "stablelm"}
+              "stablelm", "plamo2"}
 
 
 def _check_compressed_kv_cache(model, tokenizer, model_type):
@@ -114,8 +118,9 @@ def reference(weights: dict, config: dict):
 
 
 def _stack_split_experts(weights: dict, params: dict) -> dict:
-    """Per-expert tensors mlx-lm's sanitize left alone (GPT-OSS's split BF16 layout) stacked
-    into its `experts.P` parameters, written out here rather than borrowed from the runtime."""
+    """Per-expert tensors mlx-lm's sanitize left alone (GPT-OSS's split BF16 layout, experts
+    split from mlx-lm's own layout) stacked into its `experts.P` / `switch_mlp.P`
+    parameters, written out here rather than borrowed from the runtime."""
     import re
 
     out = {k: v for k, v in weights.items() if k in params}
@@ -125,8 +130,9 @@ def _stack_split_experts(weights: dict, params: dict) -> dict:
             out.setdefault(k, v)
             continue
         pre, _, proj, kind = m.groups()
-        target = f"{pre}.experts.{proj}.{kind}"
-        if target in params and target not in out:
+        target = next((t for t in (f"{pre}.experts.{proj}.{kind}",
+                                   f"{pre}.switch_mlp.{proj}.{kind}") if t in params), None)
+        if target is not None and target not in out:
             n = params[target].shape[0]
             out[target] = mx.stack([weights[f"{pre}.experts.{e}.{proj}.{kind}"]
                                     for e in range(n)])
@@ -140,7 +146,7 @@ _FAMILY_RECIPES = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe
 def test_at_least_forty_model_types_and_every_kind():
     kinds = {k for k, _ in ARCHS.values()}
     assert len(ARCHS) >= 40
-    assert {"dense", "moe", "mla", "sliding", "hybrid-deltanet", "hybrid-mamba"} <= kinds
+    assert {"dense", "moe", "mla", "sliding", "hybrid-deltanet", "hybrid-mamba", "ssm"} <= kinds
     for t in ARCHS:
         assert arch_config(t)["hidden_size"] == 64
 
@@ -200,3 +206,72 @@ def test_flagship_release_plans_from_its_headers(tmp_path, capsys, name):
     assert d["weights"] < total / 3  # 4-bit, experts 3-bit, from 16-bit (or 8-bit) sources
     kinds = d["layers"]
     assert kinds, d
+
+
+def test_docs_list_every_mlx_lm_model_type_and_the_tested_ones():
+    import pkgutil
+    import re
+    from pathlib import Path
+
+    import mlx_lm.models
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architectures.md").read_text()
+    listed = set(re.findall(r"`([A-Za-z0-9_.-]+)`", doc))
+    helpers = {"base", "cache", "activations", "rope_utils", "switch_layers", "pipeline",
+               "bitlinear_layers", "gated_delta", "ssm", "mla"}
+    types = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)
+             if m.name not in helpers and not m.name.startswith("_")}
+    assert types - listed == set()
+    for t in ARCHS:
+        assert re.search(rf"^\| `{re.escape(t)}` \| tested \|", doc, re.M), t
+
+
+def test_a_policy_only_recipe_sets_bits_per_role_from_mlx_lms_reading(tmp_path):
+    """A generic recipe of one's own: no rules, only bits; mlx-lm says what is what."""
+    write_arch_checkpoint(tmp_path / "src", "olmoe")
+    (tmp_path / "mine.toml").write_text(
+        'name = "mine"\nmodel_types = ["olmoe"]\ngeneric = true\n'
+        "[quant]\nbits = 3\ngroup_size = 32\n[bits]\nexpert = 2\nembeddings = \"raw\"\n")
+    plan = build_plan(LocalSource(tmp_path / "src"), recipe=str(tmp_path / "mine.toml"))
+    by = {it.name: it for it in plan.items}
+    assert by["model.layers.0.mlp.experts.3.down_proj.weight"].bits == 2  # no [protect]
+    assert by["model.layers.1.self_attn.q_proj.weight"].bits == 3
+    assert by["model.embed_tokens.weight"].codec == "raw"
+    assert by["model.layers.0.mlp.gate.weight"].codec == "raw"  # the router
+    assert by["model.layers.0.input_layernorm.weight"].codec == "raw"
+    assert plan.recipe.generic and plan.recipe.architecture is not None
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_plan_counts_the_state_mlx_lm_keeps(model_type):
+    """`plan`'s layer kinds are mlx-lm's caches: KV (full or sliding window) where a KV cache
+    exists, a constant state for Gated DeltaNet, Mamba and convolution layers."""
+    from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, RotatingKVCache,
+                                     make_prompt_cache)
+
+    from turboquant.manifests.architecture import build_skeleton
+    from turboquant.pipeline.fit_model import model_shape
+
+    config = arch_config(model_type)
+    want = {"full": 0, "sliding": 0, "linear": 0}
+    for c in make_prompt_cache(build_skeleton(config)):
+        for one in (c.caches if isinstance(c, CacheList) else [c]):
+            kind = ("sliding" if isinstance(one, RotatingKVCache) else
+                    "full" if isinstance(one, KVCache) else
+                    "linear" if isinstance(one, ArraysCache) else type(one).__name__)
+            want[kind] += 1
+    shape = model_shape(config)
+    assert {k: shape.count(k) for k in want} == want
+
+
+def test_a_tensor_mlx_lms_model_has_no_place_for_fails_the_plan_by_name(tmp_path):
+    """Caught from the headers, before any conversion, as a strict load would."""
+    from turboquant.pipeline.errors import PlanError
+
+    src = tmp_path / "src"
+    write_arch_checkpoint(src, "glm4_moe")
+    weights = mx.load(str(src / "model.safetensors"))
+    weights["model.layers.0.mlp.mystery.weight"] = mx.zeros((64, 64), dtype=mx.bfloat16)
+    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "pt"})
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.mystery\.weight"):
+        build_plan(LocalSource(src))
