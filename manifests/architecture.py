@@ -57,6 +57,7 @@ class Decision:
     target: str | None = None  # the mlx-lm module a coded tensor fills
     why: str = ""
     split: str | None = None  # a stacked (E, out, in) tensor: each expert's name, "{e}"
+    fused: tuple | None = None  # experts fused (E, k x out, in): (part names, interleaved)
 
 
 @dataclass
@@ -204,7 +205,10 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         else:
             decisions[name] = Decision("keep", why=_why_raw(name, tensors[name]))
     if split_stacked:
-        _split_stacked(config, tensors, decisions, out, modules, where)
+        stacked = _stacked_plans(tensors, decisions, out, modules)
+        fused = _fused_plans(model, tensors, decisions, modules)
+        if stacked or fused:
+            _verify_splits(config, tensors, decisions, where, stacked, fused)
     for n in scales:
         owner = f"{n.rsplit('.', 1)[0]}.weight"
         decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
@@ -213,7 +217,7 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
 
 
-def _split_stacked(config, tensors, decisions, out, modules, where) -> None:
+def _stacked_plans(tensors, decisions, out, modules) -> dict:
     """Experts stacked in the source (E, out, in), as mlx-lm's own layout keeps them.
 
     A raw 3-D tensor that sanitize leaves in place as a SwitchLinear's weight is coded one
@@ -236,20 +240,105 @@ def _split_stacked(config, tensors, decisions, out, modules, where) -> None:
         block, _, proj = path.rpartition(".")
         block = block.rpartition(".")[0]  # drop switch_mlp / experts
         plans[name] = (path, f"{block}.experts.{{e}}.{proj}.weight", shape)
-    if not plans:
-        return
-    split = {n: v for n, v in tensors.items() if n not in plans}
-    for name, (path, template, (e_count, o, i)) in plans.items():
-        for e in range(e_count):
-            split[template.format(e=e)] = ((o, i), tensors[name][1])
-    again = derive(config, split, where, split_stacked=False).decisions
-    for name, (path, template, shape) in plans.items():
-        each = [again.get(template.format(e=e)) for e in range(shape[0])]
-        if all(d is not None and d.action == "quantize" and d.target == path for d in each):
-            decisions[name] = Decision("quantize", each[0].role, each[0].down_proj, path,
-                                       split=template)
-            for e, d in enumerate(each):
-                decisions[template.format(e=e)] = d
+    return plans
+
+
+_FUSED_TAG = 1 << 29
+_FUSED_ROWS = 4  # a fused stand-in's rows: how sanitize cuts them says contiguous/interleaved
+
+
+def _fused_plans(model, tensors, decisions, modules) -> dict:
+    """Experts fused in one stacked tensor, `X.experts.gate_up_proj` (E, 2 x I, H), which
+    sanitize cuts into SwitchLinear weights (Qwen3.5-MoE). Each such raw tensor is a
+    (1, 4, 1) integer stand-in whose rows sanitize cuts as it would the real one: where the
+    rows land says which part goes to which layer, and whether the parts are contiguous or
+    interleaved. The parts are then coded per expert as `X.experts.{e}.<proj>.weight`,
+    after a second reading of those names puts every expert back in the same layer.
+    """
+    import mlx.core as mx
+
+    fused = [n for n, (shape, dtype) in tensors.items()
+             if decisions[n].action == "keep" and len(shape) == 3 and dtype in _CODABLE
+             and ".experts." in n and not decisions[n].split and shape[1] % 2 == 0]
+    if not fused:
+        return {}
+    weights, alive = {}, []
+    for i, n in enumerate(fused):
+        v = mx.array([[[_FUSED_TAG + _FUSED_ROWS * i + r] for r in range(_FUSED_ROWS)]],
+                     dtype=mx.int32)
+        weights[n] = v
+        alive.append(v)
+    for n, (shape, dtype) in tensors.items():
+        if n not in weights:
+            weights[n] = mx.zeros(shape, getattr(mx, _MX_DTYPES.get(dtype, "uint8")))
+    try:
+        out = model.sanitize(weights)
+    except Exception:
+        return {}  # sanitize needs their real shapes: they stay raw
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for key, v in out.items():
+        if not isinstance(v, mx.array) or v.dtype != mx.int32 or v.ndim != 3 or v.size > 64:
+            continue
+        if v.shape[0] != 1 or v.shape[2] != 1 or not key.endswith(".weight"):
+            continue
+        rows = v.reshape(-1).tolist()
+        if min(rows) < _FUSED_TAG or max(rows) >= _FUSED_TAG + _FUSED_ROWS * len(fused):
+            continue
+        src = {(r - _FUSED_TAG) // _FUSED_ROWS for r in rows}
+        path = key[: -len(".weight")]
+        if len(src) != 1 or path not in modules or not _is_switch(modules[path]):
+            continue
+        parts.setdefault(fused[src.pop()], []).append(
+            (tuple((r - _FUSED_TAG) % _FUSED_ROWS for r in rows), path))
+    plans = {}
+    for name, got in parts.items():
+        got.sort()
+        k = len(got)
+        contiguous = [tuple(range(j * _FUSED_ROWS // k, (j + 1) * _FUSED_ROWS // k))
+                      for j in range(k)]
+        interleaved = [tuple(range(j, _FUSED_ROWS, k)) for j in range(k)]
+        rows = [r for r, _ in got]
+        if k < 2 or rows not in (contiguous, interleaved):
+            continue
+        into = tuple(f"{p.rsplit('.', 1)[-1]}.weight" for _, p in got)
+        plans[name] = (into, rows == interleaved and rows != contiguous, [p for _, p in got])
+    return plans
+
+
+def _verify_splits(config, tensors, decisions, where, stacked: dict, fused: dict) -> None:
+    """Read the per-expert names once more: a split is kept only if every expert lands back
+    in the same layer (as the loader will stack them); otherwise the tensor stays raw."""
+    split = {n: v for n, v in tensors.items() if n not in stacked and n not in fused}
+    expected: dict[str, dict[str, str]] = {}  # source -> {per-expert name: layer}
+    for name, (path, template, (e_count, o, i)) in stacked.items():
+        expected[name] = {template.format(e=e): path for e in range(e_count)}
+        for n in expected[name]:
+            split[n] = ((o, i), tensors[name][1])
+    for name, (into, _, paths) in fused.items():
+        prefix = name[: name.rfind(".experts.") + len(".experts.")]
+        e_count, o, i = tensors[name][0]
+        expected[name] = {f"{prefix}{e}.{part}": path for e in range(e_count)
+                          for part, path in zip(into, paths)}
+        for n in expected[name]:
+            split[n] = ((o // len(into), i), tensors[name][1])
+    try:
+        again = derive(config, split, where, split_stacked=False).decisions
+    except ArchitectureError:
+        return  # sanitize cannot read them per expert: they stay raw
+    for name, each in expected.items():
+        if not all(again.get(n) is not None and again[n].action == "quantize"
+                   and again[n].target == path for n, path in each.items()):
+            continue
+        d = again[next(iter(each))]
+        if name in stacked:
+            path, template, _ = stacked[name]
+            decisions[name] = Decision("quantize", d.role, d.down_proj, path, split=template)
+        else:
+            into, inter, paths = fused[name]
+            decisions[name] = Decision("quantize", d.role, False, paths[0],
+                                       fused=(into, inter))
+        for n in each:
+            decisions[n] = again[n]
 
 
 # lazy placeholders of the last sanitize call, by source name (identity tracing of raws)

@@ -39,6 +39,11 @@ MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_di
 YARN = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256, "mscale": 1.0,
         "mscale_all_dim": 0.0, "beta_fast": 32, "beta_slow": 1}
 
+_QWEN35 = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+               rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5})
+
 # model_type -> (kind, config overrides). kind: what the architecture exercises.
 ARCHS: dict[str, tuple[str, dict]] = {
     # dense
@@ -133,6 +138,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
                        "use_conv_bias": True, "time_step_limit": [0.0, 1e9],
                        "time_step_rank": 8, "expand": 2}),
     "plamo2": ("hybrid-mamba", {}),
+    # multimodal releases, text weights (config under text_config; HF names
+    # model.language_model.*, zero-centred norms, Qwen3.5-MoE's experts fused per layer)
+    "qwen3_5": ("hybrid-deltanet", {"text_config": dict(_QWEN35)}),
+    "qwen3_5_moe": ("hybrid-deltanet", {"text_config": {**_QWEN35, **MOE,
+                                                       "shared_expert_intermediate_size": 64}}),
     # hybrids
     "qwen3_next": ("hybrid-deltanet", {**MOE, "linear_num_value_heads": 4,
                                        "linear_num_key_heads": 2, "linear_key_head_dim": 16,
@@ -165,6 +175,11 @@ _EXPERT_NAMES = {
 
 def arch_config(model_type: str) -> dict:
     kind, over = ARCHS[model_type]
+    if "text_config" in over:
+        text = {**copy.deepcopy(BASE), **copy.deepcopy(over["text_config"]),
+                "model_type": f"{model_type}_text"}
+        return {"model_type": model_type, "text_config": text, "tie_word_embeddings": False,
+                "vocab_size": text["vocab_size"]}
     cfg = {**copy.deepcopy(BASE), **copy.deepcopy(over), "model_type": model_type}
     return cfg
 
@@ -187,6 +202,8 @@ def hf_layout(model, model_type: str, params: dict[str, mx.array]) -> dict[str, 
 
     if model_type == "gpt_oss":
         return _gpt_oss_layout(params)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen35_layout(model, params)
     names = _EXPERT_NAMES.get(model_type, {})
     switch = {p for p, m in model.named_modules() if isinstance(m, SwitchLinear)}
     out = {}
@@ -208,6 +225,32 @@ def hf_layout(model, model_type: str, params: dict[str, mx.array]) -> dict[str, 
             out[k] = v.moveaxis(2, 1)
         else:
             out[k] = v
+    return out
+
+
+def _qwen35_layout(model, params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Qwen3.5's release: model.language_model.*, norms stored zero-centred (mlx-lm adds 1),
+    convolutions (C, 1, K), and a MoE layer's experts fused: gate_up_proj (E, 2 x I, H) with
+    the gate half first, down_proj (E, H, I)."""
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+             "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+    out = {}
+    for k, v in params.items():
+        name = k.replace("language_model.model.", "model.language_model.", 1)
+        name = name.replace("language_model.lm_head.", "lm_head.", 1)
+        m = re.match(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            if m[2] == "gate_proj":
+                up = params[k.replace("gate_proj", "up_proj")]
+                out[f"{m[1]}.experts.gate_up_proj"] = mx.concatenate([v, up], axis=-2)
+            elif m[2] == "down_proj":
+                out[f"{m[1]}.experts.down_proj"] = v
+            continue
+        if "conv1d.weight" in name and v.ndim == 3:
+            v = v.moveaxis(2, 1)
+        elif v.ndim == 1 and name.endswith(norms):
+            v = v - 1.0
+        out[name] = v
     return out
 
 
@@ -304,18 +347,22 @@ FLAGSHIPS: dict[str, tuple[dict, str, int]] = {
                      rope_theta=1000000.0, max_position_embeddings=202752,
                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_scaling=None,
                      num_nextn_predict_layers=1), "BF16", 93),
-    "Qwen3.5-397B-A17B": (dict(model_type="qwen3_next", vocab_size=248320, hidden_size=4096,
-                               intermediate_size=10240, moe_intermediate_size=1024,
-                               shared_expert_intermediate_size=1024, num_hidden_layers=60,
-                               num_attention_heads=32, num_key_value_heads=2, head_dim=256,
-                               num_experts=512, num_experts_per_tok=10,
-                               linear_num_value_heads=64, linear_num_key_heads=16,
-                               linear_key_head_dim=128, linear_value_head_dim=128,
-                               linear_conv_kernel_dim=4, full_attention_interval=4,
-                               decoder_sparse_step=1, mlp_only_layers=[],
-                               partial_rotary_factor=0.25, rope_theta=10000000.0,
-                               max_position_embeddings=262144, rms_norm_eps=1e-6,
-                               tie_word_embeddings=False, norm_topk_prob=True),
+    "Qwen3.5-397B-A17B": (dict(model_type="qwen3_5_moe", tie_word_embeddings=False,
+                               text_config=dict(
+                                   model_type="qwen3_5_moe_text", vocab_size=248320,
+                                   hidden_size=4096, num_hidden_layers=60,
+                                   num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+                                   num_experts=512, num_experts_per_tok=10,
+                                   moe_intermediate_size=1024,
+                                   shared_expert_intermediate_size=1024,
+                                   linear_num_value_heads=64, linear_num_key_heads=16,
+                                   linear_key_head_dim=128, linear_value_head_dim=128,
+                                   linear_conv_kernel_dim=4, full_attention_interval=4,
+                                   max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False,
+                                   rope_parameters={"type": "default", "rope_theta": 1e7,
+                                                    "partial_rotary_factor": 0.25,
+                                                    "mrope_section": [11, 11, 10]})),
                           "BF16", 94),
     "MiniMax-M2": (dict(model_type="minimax", vocab_size=200064, hidden_size=3072,
                         intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,

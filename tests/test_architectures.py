@@ -151,7 +151,8 @@ def test_at_least_forty_model_types_and_every_kind():
     assert len(ARCHS) >= 40
     assert {"dense", "moe", "mla", "sliding", "hybrid-deltanet", "hybrid-mamba", "ssm"} <= kinds
     for t in ARCHS:
-        assert arch_config(t)["hidden_size"] == 64
+        config = arch_config(t)
+        assert config.get("text_config", config)["hidden_size"] == 64
 
 
 def test_a_tensor_sanitize_rescales_is_kept_raw_and_refused_coded(tmp_path):
