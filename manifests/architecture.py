@@ -45,6 +45,9 @@ _CODABLE = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
 
+VANISHED = "not among the tensors mlx-lm's sanitize returns"
+
+
 class ArchitectureError(ValueError):
     """mlx-lm has no class for the config, or its sanitize cannot read these tensors."""
 
@@ -157,9 +160,11 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     candidates = [n for n, (shape, dtype) in tensors.items()
                   if len(shape) == 2 and dtype in _CODABLE and 0 not in shape]
     demoted: set[str] = set()
+    unreadable: set[str] = set()  # sanitize cannot take their stand-ins (reshapes them)
     for _ in range(4):  # demote what lands nowhere codable, until sanitize agrees
         coded = [n for n in candidates if n not in demoted]
-        out, traced = _sanitized(model, tensors, coded, where, demoted)
+        out, traced, placeholders = _sanitized(model, tensors, coded, where, demoted,
+                                               unreadable)
         landed = _landed(out, traced, modules, params)
         again = set()
         coded = [n for n in coded if n not in demoted]  # sanitize may have demoted groups
@@ -195,17 +200,21 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
             decisions[name] = Decision("quantize", role, down, path)
             continue
         layer = _layer(name)
-        vanished = name not in out and id(_placeholders.get(name)) not in present
+        vanished = name not in out and id(placeholders.get(name)) not in present
         if vanished and (name.endswith("rotary_emb.inv_freq") or
                          (layer is not None and num_layers is not None and layer >= num_layers)):
             decisions[name] = Decision("drop", why="removed by mlx-lm's sanitize")
-        elif name in out and name not in params and out[name] is _placeholders.get(name):
+        elif name in out and name not in params and out[name] is placeholders.get(name):
             # left as it is by sanitize, and no parameter of the model: a strict load fails
             decisions[name] = Decision("unknown", why="mlx-lm's model has no parameter for it")
+        elif name in unreadable:
+            decisions[name] = Decision("keep", why="mlx-lm's sanitize reshapes or combines it")
+        elif vanished:  # removed, or consumed into another tensor: kept, sanitize decides
+            decisions[name] = Decision("keep", why=VANISHED)
         else:
             decisions[name] = Decision("keep", why=_why_raw(name, tensors[name]))
     if split_stacked:
-        stacked = _stacked_plans(tensors, decisions, out, modules)
+        stacked = _stacked_plans(tensors, decisions, out, modules, placeholders)
         fused = _fused_plans(model, tensors, decisions, modules)
         if stacked or fused:
             _verify_splits(config, tensors, decisions, where, stacked, fused)
@@ -213,11 +222,10 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         owner = f"{n.rsplit('.', 1)[0]}.weight"
         decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
                                             "dequantized")
-    _placeholders.clear()
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
 
 
-def _stacked_plans(tensors, decisions, out, modules) -> dict:
+def _stacked_plans(tensors, decisions, out, modules, placeholders) -> dict:
     """Experts stacked in the source (E, out, in), as mlx-lm's own layout keeps them.
 
     A raw 3-D tensor that sanitize leaves in place as a SwitchLinear's weight is coded one
@@ -230,7 +238,7 @@ def _stacked_plans(tensors, decisions, out, modules) -> dict:
     for name, (shape, dtype) in tensors.items():
         if decisions[name].action != "keep" or len(shape) != 3 or dtype not in _CODABLE:
             continue
-        key = where_is.get(id(_placeholders.get(name)))
+        key = where_is.get(id(placeholders.get(name)))
         if key is None or not key.endswith(".weight"):
             continue
         path = key[: -len(".weight")]
@@ -341,11 +349,7 @@ def _verify_splits(config, tensors, decisions, where, stacked: dict, fused: dict
             decisions[n] = again[n]
 
 
-# lazy placeholders of the last sanitize call, by source name (identity tracing of raws)
-_placeholders: dict = {}
-
-
-def _sanitized(model, tensors, coded, where, demoted):
+def _sanitized(model, tensors, coded, where, demoted, unreadable):
     """Run sanitize on stand-ins for `coded` and lazy zeros for the rest.
 
     If sanitize cannot read the stand-ins, whole groups of similar tensors are demoted to
@@ -361,7 +365,7 @@ def _sanitized(model, tensors, coded, where, demoted):
     for drop in tried:
         use = [n for n in coded if n not in drop]
         weights, stand_ins = {}, {}
-        _placeholders.clear()
+        placeholders = {}  # source name -> its lazy zeros (identity tracing of raws)
         for i, n in enumerate(use):
             weights[n] = mx.array([[_TAG + i]], dtype=mx.int32)
             stand_ins[id(weights[n])] = n
@@ -369,16 +373,17 @@ def _sanitized(model, tensors, coded, where, demoted):
         for n, (shape, dtype) in tensors.items():
             if n not in weights:
                 weights[n] = mx.zeros(shape, getattr(mx, _MX_DTYPES.get(dtype, "uint8")))
-                _placeholders[n] = weights[n]
+                placeholders[n] = weights[n]
         try:
             out = model.sanitize(weights) if hasattr(model, "sanitize") else weights
         except Exception as e:  # mlx-lm's sanitize functions raise anything
             first_error = first_error or e
             continue
         demoted |= drop
+        unreadable |= drop
         out = dict(out)
         out["\0alive"] = keep_alive  # the stand-ins' ids stay unique while they live
-        return out, (use, stand_ins)
+        return out, (use, stand_ins), placeholders
     raise ArchitectureError(
         f"{where}: mlx-lm's sanitize for this model cannot read the checkpoint's tensor names "
         f"({type(first_error).__name__}: {first_error}); is it a checkpoint of this model_type?"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .architecture import VANISHED
 from .schema import FORMAT_VERSION
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -161,7 +162,8 @@ class Recipe:
             if rx.search(name):
                 res = self._quantize(rule, layer, num_layers)
                 d = self.architecture.decisions.get(name) if self.architecture else None
-                if res.action == "quantize" and d is not None and d.action == "keep":
+                if res.action == "quantize" and d is not None and d.action == "keep" \
+                        and d.why != VANISHED:  # (an unused tied head: the rules decide)
                     # mlx-lm's model has no quantizable layer for it (sanitize reshapes
                     # it, or it is a router): coded, it could not be loaded
                     return Resolution("keep", role=res.role, rule=f"mlx-lm:keep ({d.why})")

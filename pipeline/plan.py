@@ -247,7 +247,7 @@ def choose_recipe(config: dict, recipe: str | None, overrides: dict) -> Recipe:
 
 
 def bind_to_tensors(rec: Recipe, config: dict, headers: dict) -> Recipe:
-    """A generic recipe bound to what mlx-lm's model makes of these tensors (no-op else)."""
+    """The recipe bound to what mlx-lm's model makes of these tensors (recipe.bind_architecture)."""
     tensors = {}
     for h in headers.values():
         for info in h.tensors.values():

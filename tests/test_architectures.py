@@ -279,3 +279,29 @@ def test_a_tensor_mlx_lms_model_has_no_place_for_fails_the_plan_by_name(tmp_path
     mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "pt"})
     with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.mystery\.weight"):
         build_plan(LocalSource(src))
+
+
+def test_family_recipes_keep_their_decisions_where_mlx_lm_can_load_them():
+    """The veto only keeps raw what mlx-lm could not load coded (DeepSeek-V3's kv_b_proj,
+    reshaped by sanitize); an unused tied head the rules code stays coded."""
+    from arch_checkpoints import hf_layout, mlx_weights
+
+    from turboquant.manifests.architecture import derive
+    from turboquant.manifests.recipe import load_recipe
+
+    config = {**arch_config("llama"), "tie_word_embeddings": True}
+    _, params = mlx_weights(config)
+    tensors = {k: (tuple(v.shape), "BF16") for k, v in params.items()}
+    tensors["lm_head.weight"] = ((320, 64), "BF16")
+    llama = load_recipe("llama").bind(derive(config, tensors))
+    assert llama.resolve("lm_head.weight").action == "quantize"
+
+    config = arch_config("deepseek_v3")
+    model, params = mlx_weights(config)
+    tensors = {k: (tuple(v.shape), "BF16")
+               for k, v in hf_layout(model, "deepseek_v3", params).items()}
+    v3 = load_recipe("deepseek_v2").bind(derive(config, tensors))
+    kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert v3.resolve(kv_b, 1, 2).action == "keep"
+    assert v3.resolve("model.layers.1.self_attn.q_b_proj.weight", 1, 2).action == "quantize"
+    assert load_recipe("deepseek_v2").resolve(kv_b, 1, 2).action == "quantize"  # unbound
