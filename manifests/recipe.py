@@ -5,6 +5,11 @@ many bits), kept in its source dtype, dropped, or split first (fused expert layo
 `load_recipe` validates a file and names the bad key; `Recipe.resolve` answers for one
 tensor; `Recipe.with_overrides` applies command-line options; `Recipe.hash` identifies the
 resolved recipe (with the format version) for resume and caching. See docs/recipes.md.
+
+A generic recipe (`generic = true`, recipes/default.toml) has no rules of its own: bound
+to a checkpoint with `Recipe.bind` (manifests/architecture.py derives what each tensor is
+from mlx-lm's model for the config), it supplies only the policy: bits per role,
+protected layers, group size.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .architecture import VANISHED
 from .schema import FORMAT_VERSION
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
+GENERIC = "default"  # the generic recipe's name
 ROLES = ("attention", "mlp", "expert", "shared_expert", "embeddings", "lm_head")
 LAYER_ROLES = ("attention", "mlp", "expert", "shared_expert")
 BITS = (2, 3, 4, "ternary")
@@ -58,14 +65,16 @@ class Split:
     into: tuple[str, ...]
     interleaved: bool
     transpose: bool
+    names: str | None = None  # each expert's output name ("{e}"), instead of `into`
 
 
 class Recipe:
     """A validated recipe. `data` is the plain dict (what gets hashed and recorded)."""
 
-    def __init__(self, data: dict, source: str):
+    def __init__(self, data: dict, source: str, architecture=None):
         self.data = data
         self.source = source
+        self.architecture = architecture  # an ArchitectureMap once bound (generic recipes)
         self._keep = [re.compile(p) for p in data["keep"]]
         self._drop = [re.compile(p) for p in data["drop"]]
         self._rules = [(re.compile(r["match"]), r) for r in data["rules"]]
@@ -105,10 +114,20 @@ class Recipe:
     def drop_extra_layers(self) -> bool:
         return self.data["drop_extra_layers"]
 
+    @property
+    def generic(self) -> bool:
+        return self.data.get("generic", False)
+
+    def bind(self, architecture) -> "Recipe":
+        """This recipe, deciding tensors its rules do not match from `architecture`."""
+        return Recipe(self.data, self.source, architecture)
+
     def hash(self) -> str:
         """sha256 of the resolved recipe and the format version (hex)."""
-        blob = json.dumps({"format_version": FORMAT_VERSION, "recipe": self.data},
-                          sort_keys=True, separators=(",", ":"))
+        what = {"format_version": FORMAT_VERSION, "recipe": self.data}
+        if self.architecture is not None and self.generic:
+            what["architecture"] = self.architecture.digest()
+        blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
     # --- decisions ------------------------------------------------------------------
@@ -122,6 +141,12 @@ class Recipe:
         for rx, split in self.splits:
             if rx.search(name):
                 return split
+        if self.architecture is not None:
+            d = self.architecture.decisions.get(name)
+            if d is not None and d.split:
+                return Split(name, (d.split,), False, False, names=d.split)
+            if d is not None and d.fused:
+                return Split(name, tuple(d.fused[0]), d.fused[1], False)
         return None
 
     def resolve(self, name: str, layer: int | None = None, num_layers: int | None = None
@@ -135,7 +160,23 @@ class Recipe:
                 return Resolution("keep", rule=rx.pattern)
         for rx, rule in self._rules:
             if rx.search(name):
-                return self._quantize(rule, layer, num_layers)
+                res = self._quantize(rule, layer, num_layers)
+                d = self.architecture.decisions.get(name) if self.architecture else None
+                if res.action == "quantize" and d is not None and d.action == "keep" \
+                        and d.why != VANISHED:  # (an unused tied head: the rules decide)
+                    # mlx-lm's model has no quantizable layer for it (sanitize reshapes
+                    # it, or it is a router): coded, it could not be loaded
+                    return Resolution("keep", role=res.role, rule=f"mlx-lm:keep ({d.why})")
+                return res
+        if self.architecture is not None:  # generic, or a name no family rule knows
+            d = self.architecture.decisions.get(name)
+            if d is None or d.action == "unknown":
+                return None
+            rule = f"mlx-lm:{d.target or d.action}"
+            if d.action != "quantize":
+                return Resolution(d.action, rule=rule)
+            return self._quantize({"match": rule, "role": d.role, "down_proj": d.down_proj},
+                                  layer, num_layers)
         return None
 
     def _quantize(self, rule: dict, layer: int | None, num_layers: int | None) -> Resolution:
@@ -196,7 +237,7 @@ class Recipe:
             data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
         if "protect_bits" in ov:
             data["protect"]["bits"] = _check_bits(ov["protect_bits"], "--protect-bits", where)
-        return Recipe(validate(data, where), self.source)
+        return Recipe(validate(data, where), self.source, self.architecture)
 
 
 # ------------------------------------------------------------------------ loading
@@ -227,22 +268,50 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
 
 
 def recipe_for_model_type(model_type: str | None, config_file: str = "config.json") -> Recipe:
-    """The bundled recipe whose `model_types` lists `model_type`."""
+    """The bundled recipe whose `model_types` lists `model_type`, else the generic
+    `default` recipe when mlx-lm has a model for it."""
     for name in list_recipes():
         r = load_recipe(name)
         if model_type in r.model_types:
             return r
-    known = sorted(t for n in list_recipes() for t in load_recipe(n).model_types)
+    from .architecture import supports
+
+    if supports(model_type):
+        return load_recipe(GENERIC)
+    known = sorted(t for n in list_recipes() for t in load_recipe(n).model_types if t != "*")
     raise RecipeError(
-        f"{config_file}: unknown architecture model_type={model_type!r}: no bundled recipe "
-        f"covers it (known: {', '.join(known)}); pass --recipe NAME or --recipe path/to.toml"
+        f"{config_file}: unknown architecture model_type={model_type!r}: mlx-lm has no model "
+        f"for it and no bundled recipe covers it (recipes: {', '.join(known)}); pass "
+        "--recipe NAME or --recipe path/to.toml"
     )
+
+
+def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = "config.json"
+                      ) -> Recipe:
+    """A recipe bound to mlx-lm's reading of these tensors.
+
+    A generic recipe takes every decision from it; a family recipe's rules decide, except
+    that a tensor mlx-lm's model could not load coded is kept raw.
+
+    `tensors`: source name -> (shape, safetensors dtype). Raises RecipeError when mlx-lm
+    has no model for the config or its sanitize cannot read the names.
+    """
+    if recipe.architecture is not None:
+        return recipe
+    from .architecture import ArchitectureError, derive
+
+    try:
+        return recipe.bind(derive(config, tensors, where))
+    except ArchitectureError as e:
+        if not recipe.generic:
+            return recipe  # a family recipe's rules stand alone
+        raise RecipeError(str(e)) from None
 
 
 # ------------------------------------------------------------------------ validation
 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
-        "rules", "split", "unsupported", "drop_extra_layers"}
+        "rules", "split", "unsupported", "drop_extra_layers", "generic"}
 _QUANT = {"bits", "group_size", "model_seed", "refit"}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
 _RULE = {"match", "role", "bits", "group_size", "down_proj"}
@@ -264,6 +333,8 @@ def validate(raw: Any, where: str) -> dict:
     if not isinstance(mt, list) or not mt or not all(isinstance(x, str) and x for x in mt):
         raise RecipeError(f"{where}: key 'model_types' must be a non-empty list of strings")
     data["model_types"] = list(mt)
+    if _check_bool(raw.get("generic", False), "generic", where):
+        data["generic"] = True  # absent otherwise: family recipes hash as they always did
     data["drop_extra_layers"] = raw.get("drop_extra_layers", False)
     if not isinstance(data["drop_extra_layers"], bool):
         raise RecipeError(f"{where}: key 'drop_extra_layers' must be true or false")
@@ -326,8 +397,9 @@ def validate(raw: Any, where: str) -> dict:
             r["group_size"] = _check_group(rule["group_size"], key + ".group_size", where)
         r["down_proj"] = _check_bool(rule.get("down_proj", False), key + ".down_proj", where)
         data["rules"].append(r)
-    if not data["rules"]:
-        raise RecipeError(f"{where}: key 'rules' must list at least one [[rules]] table")
+    if not data["rules"] and not data.get("generic"):
+        raise RecipeError(f"{where}: key 'rules' must list at least one [[rules]] table "
+                          "(or set generic = true to classify tensors from mlx-lm's model)")
 
     data["split"] = []
     for i, s in enumerate(_check_list(raw.get("split", []), "split", where)):

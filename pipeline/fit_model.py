@@ -7,7 +7,9 @@ merged over the top level) and says, per decoder layer, what it keeps per token:
 - "sliding": sliding-window attention, a KV cache capped at `sliding_window` tokens;
 - "linear": linear attention (Qwen3-Next's gated delta net) or Mamba, a constant state.
 
-Layer kinds come from `layer_types` (gpt-oss, Gemma, Llama 4 style), else
+Layer kinds come from mlx-lm's own cache list for the model (its `make_cache`, built
+from the weightless skeleton), or where mlx-lm cannot build it, from the config:
+`layer_types` (gpt-oss, Gemma, Llama 4 style), else
 `sliding_window_pattern` (Gemma 3), else `full_attention_interval` (Qwen3-Next), else
 `hybrid_override_pattern` (Nemotron-H), else every layer is full attention (a bare
 `sliding_window` is ignored, as mlx-lm's Llama/Qwen/Mixtral ignore it).
@@ -99,6 +101,34 @@ def _int(cfg: dict, *keys, default=None, required: str | None = None) -> int:
     return default if default is not None else 0
 
 
+def _kinds_from_mlx_lm(config: dict) -> tuple[list[str], int | None] | None:
+    """Layer kinds as mlx-lm's own model caches them, from its weightless skeleton: one
+    entry per cache (a layer holding both, like Falcon-H1's, counts both), and the
+    sliding window its RotatingKVCache keeps. None when mlx-lm cannot build the model."""
+    try:
+        from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, RotatingKVCache,
+                                         make_prompt_cache)
+
+        from turboquant.manifests.architecture import build_skeleton
+
+        caches = make_prompt_cache(build_skeleton(config))
+    except Exception:  # no mlx-lm model for it, or a config it cannot build: read the config
+        return None
+    kinds, window = [], None
+    for c in caches:
+        for one in (c.caches if isinstance(c, CacheList) else [c]):
+            if isinstance(one, RotatingKVCache):
+                kinds.append("sliding")
+                window = window or one.max_size
+            elif isinstance(one, KVCache):
+                kinds.append("full")
+            elif isinstance(one, ArraysCache):
+                kinds.append("linear")
+            else:
+                return None  # a cache kind this projection does not know
+    return kinds, window
+
+
 def _kinds(cfg: dict, layers: int, notes: list[str]) -> list[str]:
     types = cfg.get("layer_types")
     if isinstance(types, list) and len(types) >= layers:
@@ -172,8 +202,13 @@ def model_shape(config: dict) -> ModelShape:
     shared = _int(cfg, "shared_expert_intermediate_size", default=0)
     if not shared and cfg.get("n_shared_experts"):
         shared = cfg["n_shared_experts"] * moe_inter
-    kinds = _kinds(cfg, layers, notes)
     window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
+    from_mlx_lm = _kinds_from_mlx_lm(config)
+    if from_mlx_lm is not None:
+        kinds, cache_window = from_mlx_lm
+        window = window or cache_window
+    else:
+        kinds = _kinds(cfg, layers, notes)
     if "sliding" in kinds and not window:
         notes.append("sliding-window layers without a sliding_window: projected as full")
         kinds = ["full" if k == "sliding" else k for k in kinds]

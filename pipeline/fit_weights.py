@@ -20,7 +20,7 @@ from turboquant.manifests.schema import CODES_SUFFIX, QUANT_METHOD, SCALES_SUFFI
 
 from . import published
 from .errors import ConversionError, SourceError
-from .plan import choose_recipe, coded_shapes, expert_of, layer_of, num_layers_of
+from .plan import bind_to_tensors, choose_recipe, coded_shapes, expert_of, layer_of, num_layers_of
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, SafetensorsHeader
 from .sources import Source
 
@@ -175,7 +175,7 @@ def _repo_weights(where: str, config: dict, headers) -> Inventory:
 def _projected(where: str, config: dict, headers, recipe: str | None, overrides: dict
                ) -> Inventory:
     """The conversion plan's per-tensor decisions (pipeline/plan.py), sizes only."""
-    rec = choose_recipe(config, recipe, overrides)
+    rec = bind_to_tensors(choose_recipe(config, recipe, overrides), config, headers)
     num_layers = num_layers_of(config)
     problems: list[str] = []
     out: list[Weight] = []
@@ -220,6 +220,8 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
 
 def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:
     """Per-expert (name, shape) of a stacked tensor, as the plan's [[split]] cuts it."""
+    if split.names:  # (E, out, in) stacked in the source (mlx-lm's layout)
+        return [(split.names.format(e=e), tuple(info.shape[1:])) for e in range(info.shape[0])]
     marker = ".experts."
     i = info.name.rfind(marker)
     k = len(split.into)

@@ -17,7 +17,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-from turboquant.manifests.recipe import Recipe, RecipeError, recipe_for_model_type, load_recipe
+from turboquant.manifests.recipe import (Recipe, RecipeError, bind_architecture, load_recipe,
+                                         recipe_for_model_type)
 from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
 from turboquant.stages import rotation_key, tensor_seed, words_per_row
 
@@ -212,6 +213,9 @@ def split_piece_of(recipe: Recipe, file: str, source_name: str, name: str, exper
     split = recipe.split_for(source_name)
     if split is None:
         return None
+    if split.names:  # experts stacked (E, out, in) in the source, named per expert
+        ok = name == split.names.format(e=expert)
+        return Piece(file, source_name, expert) if ok else None
     marker = ".experts."
     prefix = source_name[: source_name.rfind(marker) + len(marker)] + f"{expert}."
     if not name.startswith(prefix) or name[len(prefix):] not in split.into:
@@ -246,6 +250,18 @@ def choose_recipe(config: dict, recipe: str | None, overrides: dict) -> Recipe:
         raise ConversionError(str(e)) from None
 
 
+def bind_to_tensors(rec: Recipe, config: dict, headers: dict) -> Recipe:
+    """The recipe bound to what mlx-lm's model makes of these tensors (recipe.bind_architecture)."""
+    tensors = {}
+    for h in headers.values():
+        for info in h.tensors.values():
+            tensors.setdefault(info.name, (tuple(info.shape), info.dtype))
+    try:
+        return bind_architecture(rec, config, tensors)
+    except RecipeError as e:
+        raise ConversionError(str(e)) from None
+
+
 def coded_shapes(out: int, padded_in: int, bits, group_size: int) -> tuple[tuple, tuple]:
     """Shapes of (codes, scales) for a coded (out, in) weight: FORMAT.md, steps 3 and 5."""
     return (out, words_per_row(padded_in, bits)), (out, padded_in // group_size)
@@ -275,6 +291,7 @@ def build_plan(
     problems += _check_index(source.index(), headers)
     if problems:
         raise PlanError(problems)
+    rec = bind_to_tensors(rec, config, headers)
 
     num_layers = num_layers_of(config)
     items: list[tuple[tuple[int, int], Item]] = []
@@ -345,6 +362,11 @@ def _check_index(index: dict | None, headers: dict[str, SafetensorsHeader]) -> l
 
 def _split_pieces(f: str, info, split, problems: list[str]):
     """Per-expert pieces of a stacked tensor (E, in, out) or (E, out, in) or (E, n)."""
+    if split.names:  # (E, out, in) stacked, as mlx-lm keeps experts: one name per expert
+        e_count, a, b = info.shape
+        per = info.nbytes // max(e_count, 1)
+        return [(split.names.format(e=e), Piece(f, info.name, e), (a, b), per)
+                for e in range(e_count)]
     k = len(split.into)
     marker = ".experts."
     i = info.name.rfind(marker)

@@ -519,6 +519,33 @@ def _learned_sinks(model) -> bool:
     )
 
 
+# mlx-lm attention that computes on the cached arrays itself instead of handing them to
+# scaled_dot_product_attention (soft-capped or float32-upcast scores): the compressed
+# cache's parts cannot reach it. tests/test_architectures.py keeps this list exact.
+_OWN_ATTENTION = {"gemma2": "soft-capped attention scores", "phi": "float32 attention scores",
+                  "stablelm": "float32 attention scores",
+                  "plamo2": "its own attention call"}
+
+
+def _check_attention_reads_parts(model) -> None:
+    """Refuse, naming the reason, a model whose attention cannot read a compressed cache."""
+    from mlx_lm.models.mla import MultiLinear
+
+    for _, m in model.named_modules():
+        if isinstance(m, MultiLinear):
+            raise ValueError(
+                "this model uses multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-4.7 "
+                "Flash): mlx-lm caches the compressed latent and computes on it directly, so "
+                "keep the fp16 cache for it"
+            )
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if family in _OWN_ATTENTION:
+        raise ValueError(
+            f"mlx-lm's {family} attention computes on the cached keys itself "
+            f"({_OWN_ATTENTION[family]}): keep the fp16 cache for it"
+        )
+
+
 def _flat_params(tree, prefix=""):
     if isinstance(tree, dict):
         for k, v in tree.items():
@@ -559,6 +586,7 @@ def make_turboquant_cache(
             "this model has learned attention sinks (e.g. gpt-oss); mlx-lm's quantized "
             "attention route does not pass them on, so keep the fp16 cache for it"
         )
+    _check_attention_reads_parts(model)
     kv_attention.install(TurboQuantKVCache, TurboQuantRotatingKVCache)
     caches = make_prompt_cache(model, max_kv_size=max_kv_size)
     slots = _kv_slots(caches)

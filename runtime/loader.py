@@ -275,7 +275,14 @@ def config_type(repo: Repo) -> str:
 def _traced_rows(key, v, stand_ins, quantized) -> list[Row] | None:
     """The quantized rows a sanitized tensor stands for, in order, or None if it is raw."""
     if id(v) in stand_ins:
-        return [quantized[stand_ins[id(v)]]]
+        i = stand_ins[id(v)]
+        if v.dtype != mx.int32 or v.size != 1 or v.item() != _TAG + i:
+            raise RepoError(
+                f"sanitize changed the values of quantized {quantized[i].name} in place "
+                f"(it folds a multiplier into {key}): convert that tensor raw (the generic "
+                "recipe does)"
+            )
+        return [quantized[i]]
     if v.dtype != mx.int32 or v.size > 1 << 20:
         return None
     flat = v.reshape(-1).tolist()

@@ -16,6 +16,7 @@ FAMILIES = {
     "qwen_moe": ["qwen2_moe", "qwen3_moe"],
     "deepseek_v2": ["deepseek_v2", "deepseek_v3"],
     "gpt_oss": ["gpt_oss"],
+    "default": ["*"],  # the generic recipe: any other model_type mlx-lm has
 }
 
 
