@@ -164,11 +164,14 @@ def _attended(model, cache, batch: int) -> list:
 def _settle(cache) -> None:
     """Before anything but the whole step touches the buffers: wait for the whole step's
     last launches (their stores are invisible to MLX's graph edges: `_build`)."""
-    done = [getattr(c, ATTENDED, None) for c in cache]
-    if any(d is not None for d in done):
-        mx.eval([d for d in done if d is not None])
-        for c in cache:
+    pending = []
+    for c in cache:  # a loop, not a comprehension: this runs every token of the per-layer step
+        last = getattr(c, ATTENDED, None)
+        if last is not None:
+            pending.append(last)
             setattr(c, ATTENDED, None)
+    if pending:
+        mx.eval(pending)
 
 
 def grown_size(size: int, rows: int) -> int:

@@ -218,8 +218,8 @@ def test_pin_errors_name_the_problem(repos):
 def test_a_budget_below_one_tokens_experts_says_the_minimum(repos):
     path = repos["synthetic"]
     m = minimum(path)
-    with pytest.raises(ExpertBudgetError, match=rf"too small.*needs 2 experts per layer.*"
-                                                rf"minimum is .*\({m} bytes"):
+    with pytest.raises(ExpertBudgetError, match=rf"too small.*needs the experts it routes "
+                                                rf"to in one layer.*\(2 x .*minimum is .*\({m} bytes"):
         load(path, expert_budget=m - 1)
     model, _ = load(path, expert_budget=m)
     assert expert_cache(model).slots == 2
