@@ -127,8 +127,8 @@ def tokenizer_from(reader) -> tuple[dict, dict]:
         raise SystemExit(f"tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported")
     f = reader.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-    f = reader.fields["tokenizer.ggml.merges"]
-    merges = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    f = reader.fields.get("tokenizer.ggml.merges")
+    merges = [] if f is None else [bytes(f.parts[i]).decode("utf-8") for i in f.data]
     f = reader.fields.get("tokenizer.ggml.token_type")
     types = [int(f.parts[i][0]) for i in f.data] if f is not None else [1] * len(tokens)
     special = [i for i, t in enumerate(types) if t in (3, 4)]  # control, user-defined
