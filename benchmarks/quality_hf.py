@@ -126,11 +126,16 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
     return back, q.nbytes + 2 * s.size + 2 * b.size
 
 
-def turboquant(w: mx.array, bits: int, name: str, equalise: bool) -> tuple[mx.array, int, float]:
-    """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages."""
+def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
+               ) -> tuple[mx.array, int, float]:
+    """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
+    equalise: False, True (every weight) or "small" (only weights with a small column)."""
     from turboquant.stages import column_scales, decode, encode, tensor_seed
+    from turboquant.stages.scale import SMALL_COLUMN_RATIO
 
-    t = column_scales(w) if equalise else None
+    t = None
+    if equalise:
+        t = column_scales(w, min_ratio=SMALL_COLUMN_RATIO if equalise == "small" else None)
     qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t)
     return decode(qt), qt.nbytes, qt.rel_mse
 
@@ -143,8 +148,8 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
         if method == "affine":
             out[n], b = affine(w, bits)
         else:
-            eq = method == "tq eq" and tensor_class(n) != "embed"
-            out[n], b, _ = turboquant(w, bits, n, eq)
+            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method]
+            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False)
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
@@ -171,7 +176,11 @@ def head(first="method"):
             f"{'top-1':>7}")
 
 
-def main_table(ev, rows, bits_list, lines):
+def label(method: str, b: int) -> str:
+    return f"{method}-{b}" if " " not in method else method.replace(" ", f"-{b} ", 1)
+
+
+def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     t0 = time.perf_counter()
     src = ev.run(rows)
     lines.append(head())
@@ -180,27 +189,28 @@ def main_table(ev, rows, bits_list, lines):
     names = ev.matrices
     results = {}
     for b in bits_list:
-        for method in ("affine", "tq", "tq eq"):
+        for method in methods:
             ws, nbytes = quantized(ev, method, b, names)
             ev.set(ws)
             del ws
             r = ev.run(rows)
             r["bpw"] = bits_per_weight(ev, names, nbytes)
             results[(method, b)] = r
-            label = f"{method}-{b}" if method != "tq eq" else f"tq-{b} eq"
-            lines.append(fmt_row(label, r, src["ppl"], results.get(("affine", b)), r["bpw"]))
+            lines.append(fmt_row(label(method, b), r, src["ppl"], results.get(("affine", b)),
+                                 r["bpw"]))
             print(lines[-1], file=sys.stderr, flush=True)
         ev.restore(names)
     checks = []
-    for b, aim in ((3, 0.7), (4, 0.8)):
-        if ("tq eq", b) not in results:
+    for (method, b), tq in results.items():
+        aim = {3: 0.7, 4: 0.8}.get(b)
+        if not method.startswith("tq eq") or aim is None or ("affine", b) not in results:
             continue
-        tq, af = results[("tq eq", b)], results[("affine", b)]
+        af = results[("affine", b)]
         ratio = (tq["ppl"] - src["ppl"]) / (af["ppl"] - src["ppl"])
         d = tq["row_nll"] - af["row_nll"]
         se = math.exp(af["row_nll"].mean()) * d.std(ddof=1) / math.sqrt(len(d))
         ok = ratio <= aim and tq["bpw"] <= af["bpw"]
-        checks.append(f"  tq-{b} eq: dppl {ratio:.2f} x affine-{b}'s (aim <= {aim}), "
+        checks.append(f"  {label(method, b)}: dppl {ratio:.2f} x affine-{b}'s (aim <= {aim}), "
                       f"ppl {tq['ppl'] - af['ppl']:+.3f} +- {se:.3f} (paired se over rows), "
                       f"bits/w {tq['bpw']:.3f} vs {af['bpw']:.3f}: {'PASS' if ok else 'FAIL'}")
     lines += ["", "aim (same rows, same run):", *checks]
@@ -259,11 +269,13 @@ def capture_inputs(ev, rows) -> dict[str, np.ndarray]:
 def mechanism_table(ev, rows, bits, lines):
     energy = capture_inputs(ev, rows)
     lines.append(f"  {'class':<10} {'top-2 ch':>8} {'small10%':>8} {'corr':>6} "
-                 f"{'affine':>8} {'tq':>8} {'tq eq':>8} {'rel_mse tq':>10} {'affine':>8}")
+                 f"{'affine':>8} {'tq':>8} {'tq eq':>8} {'rel_mse tq':>10} {'affine':>8} "
+                 f"{'small-col tq':>12} {'affine':>8} {'tq eq':>8}")
     for c in CLASSES[1:]:
         top2 = small = cor = 0.0
         aw = {"affine": [0.0, 0.0], "tq": [0.0, 0.0], "tq eq": [0.0, 0.0]}
         plain = [0.0, 0.0, 0.0]
+        smallcol = {m: 0.0 for m in aw}  # data-free: error / size of the 10% smallest columns
         names = [n for n in ev.matrices if tensor_class(n) == c]
         for n in names:
             w = np.asarray(ev.source[n].astype(mx.float32), dtype=np.float64)
@@ -277,8 +289,10 @@ def mechanism_table(ev, rows, bits, lines):
                 wm = ev.source[n]
                 back = (affine(wm, bits)[0] if m == "affine"
                         else turboquant(wm, bits, n, m == "tq eq")[0])
-                err = np.asarray(back, dtype=np.float64) - w
+                err = np.asarray(back.astype(mx.float32), dtype=np.float64) - w
                 aw[m][0] += ((err * err).sum(axis=0) * e).sum()
+                sel = col2 <= np.quantile(col2, 0.1)
+                smallcol[m] += float(((err * err).mean(axis=0)[sel] / col2[sel]).mean())
                 aw[m][1] += den
                 if m != "tq eq":
                     plain[0 if m == "tq" else 1] += (err * err).sum()
@@ -286,7 +300,9 @@ def mechanism_table(ev, rows, bits, lines):
         k = len(names)
         lines.append(f"  {c:<10} {100 * top2 / k:7.1f}% {100 * small / k:7.1f}% {cor / k:6.2f} "
                      + " ".join(f"{aw[m][0] / aw[m][1]:8.4f}" for m in aw)
-                     + f" {plain[0] / plain[2]:10.4f} {plain[1] / plain[2]:8.4f}")
+                     + f" {plain[0] / plain[2]:10.4f} {plain[1] / plain[2]:8.4f} "
+                     + f"{smallcol['tq'] / k:12.4f} {smallcol['affine'] / k:8.4f} "
+                     + f"{smallcol['tq eq'] / k:8.4f}")
         print(lines[-1], file=sys.stderr, flush=True)
 
 
@@ -296,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", default="3,4", help="comma list of 2, 3, 4")
     ap.add_argument("--windows", type=int, default=16, help="rows of 512 tokens (16 = 8,176 "
                     "predicted tokens)")
+    ap.add_argument("--methods", default="affine,tq,tq eq,tq eq-s",
+                    help="main table rows: affine, tq, tq eq (every linear layer equalised), "
+                    "tq eq-s (only weights with a small column: the codec's rule)")
     ap.add_argument("--tables", default="main,classes,mechanism",
                     help="which tables: main, classes, mechanism (comma list)")
     ap.add_argument("--ablation-windows", type=int, default=4,
@@ -319,19 +338,24 @@ def main(argv=None) -> int:
              ""]
     tables = args.tables.split(",")
     if "main" in tables:
-        main_table(ev, rows, bits_list, lines)
+        main_table(ev, rows, bits_list, lines, args.methods.split(","))
     small, _ = heldout(ev.tokenizer, args.ablation_windows)
-    if "classes" in tables:
-        lines += ["", f"per tensor class, {small.shape[0]} rows ({small.shape[0] * (SEQ - 1):,} "
-                  f"tokens), {args.ablation_bits} bits:"]
-        class_table(ev, small, args.ablation_bits, lines)
-    if "mechanism" in tables:
-        lines += ["", f"mechanism, {args.ablation_bits} bits: top-2 ch = share of the input's "
-                  "activation energy in its 2 largest channels; small10% = share entering "
-                  "through the 10% of columns with the smallest weight RMS; corr = "
-                  "corr(log E[x_j^2], -log colRMS_j^2); then the activation-weighted relative "
-                  "error of each codec, and the plain relative weight error (rel_mse):"]
-        mechanism_table(ev, small, args.ablation_bits, lines)
+    for table in tables:  # in the order asked
+        if table == "classes":
+            lines += ["", f"per tensor class, {small.shape[0]} rows "
+                      f"({small.shape[0] * (SEQ - 1):,} tokens), {args.ablation_bits} bits; "
+                      "tq eq = every weight of the class equalised:"]
+            class_table(ev, small, args.ablation_bits, lines)
+        elif table == "mechanism":
+            lines += ["", f"mechanism, {args.ablation_bits} bits, {small.shape[0]} rows: top-2 ch "
+                      "= share of the input's activation energy in its 2 largest channels; "
+                      "small10% = share entering through the 10% of columns with the smallest "
+                      "weight RMS; corr = corr(log E[x_j^2], -log colRMS_j^2); then each "
+                      "codec's activation-weighted relative error (tq eq: every weight "
+                      "equalised), the plain relative weight error (rel_mse), and the "
+                      "data-free small-column error: mean over the 10% smallest-RMS columns "
+                      "of ||E_:,j||^2 / ||W_:,j||^2:"]
+            mechanism_table(ev, small, args.ablation_bits, lines)
     given = list(sys.argv[1:] if argv is None else argv)
     lines += ["", f"total {time.perf_counter() - t0:.0f} s",
               "reproduce: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 "

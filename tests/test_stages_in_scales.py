@@ -97,6 +97,18 @@ def test_column_scales_shape_range_and_edge_cases():
         column_scales(np.ones(5))
 
 
+def test_min_ratio_leaves_even_columns_alone():
+    rng = np.random.default_rng(8)
+    even = rng.standard_normal((64, 256)).astype(np.float32)  # smallest column ~0.8 x median
+    assert column_scales(even, min_ratio=0.5) is None
+    assert column_scales(even) is not None  # without the test: always scales
+    uneven = even.copy()
+    uneven[:, 3] *= 0.1
+    t = column_scales(uneven, min_ratio=0.5)
+    assert t is not None and t[3] < 0.2 * np.median(t)
+    assert column_scales(np.zeros((2, 8), np.float32), min_ratio=0.5) is None
+
+
 def test_bad_in_scales_are_refused():
     w = trained_like(4, 64)
     with pytest.raises(ValueError, match=r"shape \(64,\)"):
