@@ -156,7 +156,8 @@ def column_scales_from_sums(col_sq_sums: np.ndarray, rows: int, power: float = C
 def column_scales(w, power: float = COLUMN_POWER,
                   min_ratio: float | None = None) -> np.ndarray | None:
     """column_scales_from_sums of a whole 2-D weight (mx or numpy), float16 (in,)."""
-    a = np.asarray(w.astype(mx.float32) if isinstance(w, mx.array) else w, dtype=np.float64)
+    a = np.asarray(w.astype(mx.float32) if isinstance(w, mx.array) else w, dtype=np.float32)
     if a.ndim != 2:
         raise ValueError(f"expected a 2-D weight (out, in), got shape {a.shape}")
-    return column_scales_from_sums((a * a).sum(axis=0), a.shape[0], power, min_ratio)
+    sums = np.einsum("ij,ij->j", a, a)  # float32 sums: a scale needs no more
+    return column_scales_from_sums(sums, a.shape[0], power, min_ratio)
