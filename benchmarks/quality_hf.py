@@ -43,6 +43,7 @@ import numpy as np
 
 SEQ = 512
 GROUP = 64
+MIN_RATIO = [0.0]  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
 CLASSES = ["embed", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -135,7 +136,8 @@ def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
 
     t = None
     if equalise:
-        t = column_scales(w, min_ratio=SMALL_COLUMN_RATIO if equalise == "small" else None)
+        t = column_scales(w, min_ratio=MIN_RATIO[0] or SMALL_COLUMN_RATIO
+                          if equalise == "small" else None)
     qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t)
     return decode(qt), qt.nbytes, qt.rel_mse
 
@@ -315,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="affine,tq,tq eq,tq eq-s",
                     help="main table rows: affine, tq, tq eq (every linear layer equalised), "
                     "tq eq-s (only weights with a small column: the codec's rule)")
+    ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
+                    "whose smallest column RMS is under this x the median (default: the "
+                    "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
     ap.add_argument("--tables", default="main,classes,mechanism",
                     help="which tables: main, classes, mechanism (comma list)")
     ap.add_argument("--ablation-windows", type=int, default=4,
@@ -324,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     bits_list = [int(b) for b in args.bits.split(",")]
+    MIN_RATIO[0] = args.min_ratio
 
     import mlx_lm
 
