@@ -33,6 +33,9 @@ rule for both; affine is counted as mlx-lm stores it (uint32 codes, bf16 scales 
 biases, as the source dtype), TurboQuant from its safetensors files. See docs/quality.md.
 
     .venv/bin/python benchmarks/quality.py | tee benchmarks/results/quality.txt
+
+On any other HF folder (SmolLM2-135M from tools/smollm2_folder.py), with the pydoc held-out
+text, per-class and mechanism tables: `benchmarks/quality.py --model PATH` (quality_hf.py).
 """
 
 from __future__ import annotations
@@ -423,6 +426,13 @@ def bar_checks(results: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--model" or a.startswith("--model=") for a in given):
+        # any HF folder (e.g. SmolLM2 from tools/smollm2_folder.py): benchmarks/quality_hf.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from quality_hf import main as hf_main
+
+        return hf_main(given)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
     ap.add_argument("--bits", default="2,3,4", help="comma list of 2, 3, 4")

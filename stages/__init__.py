@@ -7,6 +7,7 @@ Data flow of one 2-D weight W (out, in), row by row along the input dimension:
   quantize  nearest Lloyd-Max level for N(0, 1) (2, 3, 4 bits) or a ternary trit
   pack      uint32 words exactly as docs/FORMAT.md: 2/4 dense, 3 bits in 3-word blocks, 20 trits
   decode    w = s * T^T(unpad(levels[codes] * scale))
+  in_scales optional per-input-column scales t (float16): W / t is coded, decode multiplies t back
 
 encode also returns its coding error (QuantizedTensor.rel_mse, per-row sums) without decoding:
 the rotation is orthogonal, so the error is measured in the rotated domain from the refit's
@@ -18,7 +19,7 @@ from .codec import SUPPORTED_BITS, QuantizedTensor, QuantSpec, decode, encode
 from .pack import pack_codes, unpack_codes, words_per_row
 from .quantize import code_values, nearest_codes
 from .rotate import rotate, rotation_key, tensor_seed, unrotate
-from .scale import SUPPORTED_GROUP_SIZES, group_rms, refit_scales
+from .scale import SUPPORTED_GROUP_SIZES, column_scales, column_scales_from_sums, group_rms, refit_scales
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -26,6 +27,8 @@ __all__ = [
     "QuantSpec",
     "QuantizedTensor",
     "code_values",
+    "column_scales",
+    "column_scales_from_sums",
     "codebook_values",
     "decode",
     "encode",

@@ -113,6 +113,7 @@ class QuantizedTensor:
     spec: QuantSpec
     row_sq_error: np.ndarray | None = None
     row_sq_norm: np.ndarray | None = None
+    in_scales: mx.array | None = None  # float16 (in,): W = decode(codes, scales) * in_scales
 
     def __post_init__(self):
         self.shape = tuple(int(d) for d in self.shape)
@@ -130,10 +131,15 @@ class QuantizedTensor:
                     f"at bits={self.spec.bits!r}, group_size={self.spec.group_size}; "
                     f"got {arr.dtype} {tuple(arr.shape)}"
                 )
+        t = self.in_scales
+        if t is not None and (tuple(t.shape) != (n,) or t.dtype != mx.float16):
+            raise ValueError(f"in_scales must be float16 of shape ({n},) for a {self.shape} "
+                             f"weight; got {t.dtype} {tuple(t.shape)}")
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        extra = 0 if self.in_scales is None else self.in_scales.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
 
     @property
     def bits_per_weight(self) -> float:
@@ -142,7 +148,10 @@ class QuantizedTensor:
 
     @property
     def rel_mse(self) -> float | None:
-        """||W - decode(qt)||^2 / ||W||^2 from encode's by-products (None if not encoded here)."""
+        """||W - decode(qt)||^2 / ||W||^2 from encode's by-products (None if not encoded here).
+
+        With in_scales the sums are those of the equalised weight W / in_scales (what the
+        codebook saw): each column's error relative to that column's size."""
         if self.row_sq_error is None or self.row_sq_norm is None:
             return None
         err, norm = math.fsum(self.row_sq_error), math.fsum(self.row_sq_norm)
@@ -267,17 +276,29 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
 
 
 def encode(
-    weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True
+    weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True,
+    in_scales=None,
 ) -> QuantizedTensor:
     """Code a 2-D weight (out, in) (mx or numpy, any float dtype) with TurboQuant.
 
     `seed` is the rotation seed (see rotate.tensor_seed). Computed in float32; the same
     inputs give the same bytes in any process. The result carries the coding error
     (`rel_mse`, `row_sq_error`), measured without decoding.
+
+    `in_scales` (float16-representable, shape (in,), positive; see scale.column_scales)
+    codes W / in_scales instead of W and keeps the vector: decode multiplies it back, and
+    a layer computes W x as decode'(in_scales * x). Given for the whole tensor, so chunks
+    of rows coded separately decode as one. None (the default) gives format-1 bytes.
     """
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
     (out, n), rows = _host_rows(weight)
+    t16 = None
+    if in_scales is not None:
+        t16 = check_in_scales(in_scales, n)
+        inv = np.float32(1.0) / t16.astype(np.float32)
+        plain = rows
+        rows = lambda r0, r1: plain(r0, r1) * inv  # noqa: E731
     spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit))
     parts = []
     step = _rows_per_chunk(n)
@@ -304,6 +325,7 @@ def encode(
         spec,
         row_sq_error=joined("sq_error"),
         row_sq_norm=joined("sq_norm"),
+        in_scales=None if t16 is None else mx.array(t16),
     )
 
 
@@ -319,11 +341,29 @@ def decode(qt: QuantizedTensor, dtype=mx.float32) -> mx.array:
     """The weight (out, in) in the original (unrotated) basis, as `dtype`."""
     out, n = qt.shape
     step = _rows_per_chunk(n)
-    if out <= step:
-        return _decode_rows(qt.codes, qt.scales, qt.spec, dtype)
+    t = qt.in_scales
+    rows_dtype = dtype if t is None else mx.float32
     parts = []
     for r in range(0, out, step):
-        part = _decode_rows(qt.codes[r : r + step], qt.scales[r : r + step], qt.spec, dtype)
-        mx.eval(part)
+        part = _decode_rows(qt.codes[r : r + step], qt.scales[r : r + step], qt.spec,
+                            rows_dtype)
+        if t is not None:
+            part = (part * t.astype(mx.float32)).astype(dtype)
+        if out > step:
+            mx.eval(part)
         parts.append(part)
-    return mx.concatenate(parts)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def check_in_scales(in_scales, n: int) -> np.ndarray:
+    """`in_scales` as a float16 numpy vector of n positive finite values; ValueError if not."""
+    t = np.asarray(in_scales.astype(mx.float32) if isinstance(in_scales, mx.array)
+                   else in_scales, dtype=np.float32)
+    if t.shape != (n,):
+        raise ValueError(f"in_scales must have shape ({n},) (the input features), got {t.shape}")
+    with np.errstate(over="ignore"):  # beyond float16: inf, refused below
+        t16 = t.astype(np.float16)
+    if not (np.isfinite(t16).all() and (t16 > 0).all()):
+        raise ValueError("in_scales must be positive and finite in float16; "
+                         "build them with turboquant.stages.column_scales")
+    return t16

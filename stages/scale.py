@@ -8,6 +8,8 @@ the same scales bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
@@ -115,3 +117,47 @@ def scales_from_sums_np(wq: np.ndarray, qq: np.ndarray) -> np.ndarray:
     """scales_from_sums on numpy: float16 <w, q> / <q, q> (0 where <q, q> = 0), clipped."""
     s = np.where(qq > 0, wq / np.maximum(qq, np.float32(1e-30)), np.float32(0.0))
     return np.clip(s, np.float32(0.0), np.float32(_FP16_MAX)).astype(np.float16)
+
+
+# ---------------------------------------------------------------------- per input channel
+
+COLUMN_POWER = 1.0  # in_scales = column RMS ** power; 1.0 measured best on SmolLM2 (quality.md)
+_COLUMN_FLOOR = 1e-2  # a column's RMS counts as at least this fraction of the median's
+SMALL_COLUMN_RATIO = 0.5  # equalise only a weight whose smallest column RMS is below this
+# fraction of the median: trained LLMs' attention/MLP inputs (SmolLM2: 0.15-0.6), not the
+# near-Gaussian reference models (0.67-0.85), where equalising only adds noise
+
+
+def column_scales_from_sums(col_sq_sums: np.ndarray, rows: int, power: float = COLUMN_POWER,
+                            min_ratio: float | None = None) -> np.ndarray | None:
+    """float16 in_scales from each input column's sum of squares over `rows` rows.
+
+    t_j = max(rms_j, floor) ** power, normalised to RMS 1: coding W / t gives every column
+    the same size before the rotation, so each column's error lands in proportion to its
+    own size (the error of a plain rotation is the same in every column). A trained
+    model's small columns are where its large activations enter (see docs/quality.md).
+    The sums can be accumulated over chunks of rows: the pipeline's pre-pass.
+    With `min_ratio` (e.g. SMALL_COLUMN_RATIO), None when no column is that small against
+    the median: the weight is coded plainly.
+    """
+    if not 0.0 < power <= 2.0:
+        raise ValueError(f"column power must be in (0, 2], got {power}")
+    rms = np.sqrt(np.asarray(col_sq_sums, dtype=np.float64) / max(int(rows), 1))
+    med = float(np.median(rms))
+    if not np.isfinite(rms).all() or med == 0.0:  # mostly-zero or broken weight: no scaling
+        return None if min_ratio is not None else np.ones(rms.shape, dtype=np.float16)
+    if min_ratio is not None and float(rms.min()) >= min_ratio * med:
+        return None
+    t = np.maximum(rms, _COLUMN_FLOOR * med) ** power
+    t = t / math.sqrt(float(np.mean(t * t)))
+    return t.astype(np.float16)
+
+
+def column_scales(w, power: float = COLUMN_POWER,
+                  min_ratio: float | None = None) -> np.ndarray | None:
+    """column_scales_from_sums of a whole 2-D weight (mx or numpy), float16 (in,)."""
+    a = np.asarray(w.astype(mx.float32) if isinstance(w, mx.array) else w, dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"expected a 2-D weight (out, in), got shape {a.shape}")
+    sums = np.einsum("ij,ij->j", a, a)  # float32 sums: a scale needs no more
+    return column_scales_from_sums(sums, a.shape[0], power, min_ratio)

@@ -1,0 +1,377 @@
+"""Quality on any HF llama-style folder: TurboQuant vs MLX affine, same tokens, same run.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \\
+      .venv/bin/python benchmarks/quality.py --model out/smollm2-135m
+
+(`benchmarks/quality.py --model PATH` runs this; tools/smollm2_folder.py makes the SmolLM2
+folder.) Held-out text: Python's own pydoc topics (`pydoc_data.topics`, English technical
+prose, offline), all topics in sorted order, tokenized with the folder's tokenizer.json, cut
+in rows of 512; --windows rows spread evenly over it (16 rows = 8,176 predicted tokens).
+Float32 math on the CPU. Every matrix is quantized on both sides (the tied embedding and
+head too): affine by `mx.quantize` (group 64, what mlx_lm.convert -q writes), TurboQuant by
+`turboquant.stages.encode` (group 64, the pipeline's seeds), and both are decoded back into
+the same mlx-lm model (the runtime computes the same product; this isolates the codecs).
+Rows:
+
+- source: the folder's weights; the reference of KL and top-1.
+- affine-b: mx.quantize / mx.dequantize, bits b, group 64.
+- tq-b: the format-1 codec (plain rotation).
+- tq-b eq: the column-equalised codec (in_scales = column RMS, docs/quality.md) on every
+  linear layer; the embedding / tied head stays plain.
+
+bits/w = every stored byte (codes, scales, affine biases, in_scales, 16-bit tensors) * 8 /
+parameters, tied embeddings counted once; affine's scales and biases as mlx-lm stores them
+(16 bits each). Then per tensor class (one class quantized, the rest at source) and the
+mechanism: how much of each layer input's activation energy sits in its smallest columns,
+and each codec's activation-weighted error sum_j ||E_:,j||^2 E[x_j^2] / sum_j ||W_:,j||^2 E[x_j^2]
+(a diagnostic with data; the codec itself uses none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+SEQ = 512
+GROUP = 64
+MIN_RATIO = [0.0]  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
+CLASSES = ["embed", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tensor_class(name: str) -> str:
+    return name.split(".")[-2] if ".layers." in name else "embed"
+
+
+def heldout(tokenizer, count: int) -> tuple[mx.array, int]:
+    """`count` rows of SEQ tokens spread evenly over pydoc_data.topics; (rows, rows there)."""
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = np.array(tokenizer.encode(text), dtype=np.int32)
+    rows = ids[: len(ids) // SEQ * SEQ].reshape(-1, SEQ)
+    count = min(count, len(rows))
+    return mx.array(rows[[i * len(rows) // count for i in range(count)]]), len(rows)
+
+
+class Evaluator:
+    """One float32 mlx-lm model; variants swap matrices in and out of it."""
+
+    def __init__(self, path: Path, batch: int = 2):
+        from mlx.utils import tree_flatten
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(path))
+        self.source = dict(tree_flatten(self.model.parameters()))  # as stored (bf16)
+        self.model.set_dtype(mx.float32)
+        mx.eval(self.model.parameters())
+        self.matrices = [n for n, v in self.source.items() if v.ndim == 2]
+        self.batch = batch
+        self.ref: dict[int, list] = {}
+
+    def n_params(self) -> int:
+        return sum(v.size for v in self.source.values())
+
+    def set(self, weights: dict[str, mx.array]) -> None:
+        self.model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()],
+                                strict=False)
+        mx.eval(self.model.parameters())
+
+    def restore(self, names) -> None:
+        self.set({n: self.source[n] for n in names})
+
+    def run(self, rows: mx.array) -> dict:
+        """ppl, KL(source || this) and top-1 agreement on `rows`; the first call per row
+        count is the source and keeps its log-probs (float16) as the reference."""
+        ref = self.ref.get(rows.shape[0])
+        nll, kl, agree, keep = [], [], 0, []
+        for j, i in enumerate(range(0, rows.shape[0], self.batch)):
+            x = rows[i : i + self.batch]
+            logits = self.model(x[:, :-1]).astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            n = -mx.take_along_axis(lp, x[:, 1:, None], axis=-1)[..., 0]
+            if ref is None:
+                keep.append(lp.astype(mx.float16))
+                mx.eval(n, keep[-1])
+            else:
+                p = ref[j].astype(mx.float32)
+                k = (mx.exp(p) * (p - lp)).sum(axis=-1)
+                a = (mx.argmax(p, -1) == mx.argmax(lp, -1)).sum()
+                mx.eval(n, k, a)
+                kl.append(float(k.mean()))
+                agree += a.item()
+            nll.append(np.asarray(n, dtype=np.float64).mean(axis=-1))
+        if ref is None:
+            self.ref[rows.shape[0]] = keep
+        row_nll = np.concatenate(nll)
+        return {"ppl": math.exp(row_nll.mean()), "row_nll": row_nll,
+                "kl": float(np.mean(kl)) if kl else 0.0,
+                "top1": agree / (rows.shape[0] * (SEQ - 1)) if ref is not None else 1.0}
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
+    """(decoded weight, stored bytes as mlx-lm writes it: uint32 codes, 16-bit scales+biases)."""
+    q, s, b = mx.quantize(w, group_size=GROUP, bits=bits)
+    back = mx.dequantize(q, s, b, group_size=GROUP, bits=bits)
+    return back, q.nbytes + 2 * s.size + 2 * b.size
+
+
+def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
+               ) -> tuple[mx.array, int, float]:
+    """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
+    equalise: False, True (every weight) or "small" (only weights with a small column)."""
+    from turboquant.stages import column_scales, decode, encode, tensor_seed
+    from turboquant.stages.scale import SMALL_COLUMN_RATIO
+
+    t = None
+    if equalise:
+        t = column_scales(w, min_ratio=MIN_RATIO[0] or SMALL_COLUMN_RATIO
+                          if equalise == "small" else None)
+    qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t)
+    return decode(qt), qt.nbytes, qt.rel_mse
+
+
+def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
+    """{name: decoded weight} for `names` under `method`, and their stored bytes."""
+    out, nbytes = {}, 0
+    for n in names:
+        w = ev.source[n]
+        if method == "affine":
+            out[n], b = affine(w, bits)
+        else:
+            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method]
+            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False)
+        mx.eval(out[n])
+        nbytes += b
+    return out, nbytes
+
+
+def bits_per_weight(ev: Evaluator, names, nbytes: int) -> float:
+    rest = sum(v.nbytes for n, v in ev.source.items() if n not in names)
+    return 8 * (nbytes + rest) / ev.n_params()
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def fmt_row(label, r, base, peer=None, bpw=None):
+    d = r["ppl"] - base
+    ratio = f"{d / (peer['ppl'] - base):.2f}" if peer and peer["ppl"] > base else "-"
+    b = "" if bpw is None else f"{bpw:6.3f}"
+    return (f"  {label:<14} {b:>6} {r['ppl']:9.3f} {d:+9.3f} {ratio:>9} {r['kl']:7.4f} "
+            f"{100 * r['top1']:6.1f}%")
+
+
+def head(first="method"):
+    return (f"  {first:<14} {'bits/w':>6} {'ppl':>9} {'dppl':>9} {'/affine':>9} {'KL':>7} "
+            f"{'top-1':>7}")
+
+
+def label(method: str, b: int) -> str:
+    return f"{method}-{b}" if " " not in method else method.replace(" ", f"-{b} ", 1)
+
+
+def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
+    t0 = time.perf_counter()
+    src = ev.run(rows)
+    lines.append(head())
+    bpw16 = 8 * sum(v.nbytes for v in ev.source.values()) / ev.n_params()
+    lines.append(fmt_row("source", src, src["ppl"], bpw=bpw16))
+    names = ev.matrices
+    results = {}
+    for b in bits_list:
+        for method in methods:
+            ws, nbytes = quantized(ev, method, b, names)
+            ev.set(ws)
+            del ws
+            r = ev.run(rows)
+            r["bpw"] = bits_per_weight(ev, names, nbytes)
+            results[(method, b)] = r
+            lines.append(fmt_row(label(method, b), r, src["ppl"], results.get(("affine", b)),
+                                 r["bpw"]))
+            print(lines[-1], file=sys.stderr, flush=True)
+        ev.restore(names)
+    checks = []
+    for (method, b), tq in results.items():
+        aim = {3: 0.7, 4: 0.8}.get(b)
+        if not method.startswith("tq eq") or aim is None or ("affine", b) not in results:
+            continue
+        af = results[("affine", b)]
+        ratio = (tq["ppl"] - src["ppl"]) / (af["ppl"] - src["ppl"])
+        d = tq["row_nll"] - af["row_nll"]
+        se = math.exp(af["row_nll"].mean()) * d.std(ddof=1) / math.sqrt(len(d))
+        ok = ratio <= aim and tq["bpw"] <= af["bpw"]
+        checks.append(f"  {label(method, b)}: dppl {ratio:.2f} x affine-{b}'s (aim <= {aim}), "
+                      f"ppl {tq['ppl'] - af['ppl']:+.3f} +- {se:.3f} (paired se over rows), "
+                      f"bits/w {tq['bpw']:.3f} vs {af['bpw']:.3f}: {'PASS' if ok else 'FAIL'}")
+    lines += ["", "aim (same rows, same run):", *checks]
+    lines.append(f"  ({time.perf_counter() - t0:.0f} s)")
+    return src
+
+
+def class_table(ev, rows, bits, lines):
+    src = ev.run(rows)
+    lines.append(f"  {'class':<10} {'affine':>9} {'tq':>9} {'tq eq':>9}   dppl with only this "
+                 f"class at {bits} bits")
+    for c in CLASSES:
+        names = [n for n in ev.matrices if tensor_class(n) == c]
+        cells = []
+        for method in ("affine", "tq", "tq eq"):
+            ws, _ = quantized(ev, method, bits, names)
+            ev.set(ws)
+            cells.append(ev.run(rows)["ppl"] - src["ppl"])
+            ev.restore(names)
+        lines.append(f"  {c:<10} " + " ".join(f"{x:+9.3f}" for x in cells))
+        print(lines[-1], file=sys.stderr, flush=True)
+
+
+def capture_inputs(ev, rows) -> dict[str, np.ndarray]:
+    """E[x_j^2] of every linear layer's input over `rows` (a diagnostic with data)."""
+    stats: dict[str, np.ndarray] = {}
+    count = [0]
+
+    class Probe(nn.Module):
+        def __init__(self, inner, name):
+            super().__init__()
+            self.inner, self.probe_name = inner, name
+
+        def __call__(self, x):
+            e = (x.astype(mx.float32) ** 2).reshape(-1, x.shape[-1]).sum(axis=0)
+            mx.eval(e)
+            stats[self.probe_name] = stats.get(self.probe_name, 0) + np.asarray(e, np.float64)
+            return self.inner(x)
+
+    swapped = []
+    for path, mod in ev.model.named_modules():
+        if isinstance(mod, nn.Linear) and f"{path}.weight" in ev.source:
+            parent_path, _, attr = path.rpartition(".")
+            parent = dict(ev.model.named_modules())[parent_path]
+            setattr(parent, attr, Probe(mod, f"{path}.weight"))
+            swapped.append((parent, attr, mod))
+    for i in range(0, rows.shape[0], ev.batch):
+        x = rows[i : i + ev.batch, :-1]
+        mx.eval(ev.model(x))
+        count[0] += x.size
+    for parent, attr, mod in swapped:
+        setattr(parent, attr, mod)
+    return {k: v / count[0] for k, v in stats.items()}
+
+
+def mechanism_table(ev, rows, bits, lines):
+    energy = capture_inputs(ev, rows)
+    lines.append(f"  {'class':<10} {'top-2 ch':>8} {'small10%':>8} {'corr':>6} "
+                 f"{'affine':>8} {'tq':>8} {'tq eq':>8} {'rel_mse tq':>10} {'affine':>8} "
+                 f"{'small-col tq':>12} {'affine':>8} {'tq eq':>8}")
+    for c in CLASSES[1:]:
+        top2 = small = cor = 0.0
+        aw = {"affine": [0.0, 0.0], "tq": [0.0, 0.0], "tq eq": [0.0, 0.0]}
+        plain = [0.0, 0.0, 0.0]
+        smallcol = {m: 0.0 for m in aw}  # data-free: error / size of the 10% smallest columns
+        names = [n for n in ev.matrices if tensor_class(n) == c]
+        for n in names:
+            w = np.asarray(ev.source[n].astype(mx.float32), dtype=np.float64)
+            e = energy[n]
+            col2 = (w * w).mean(axis=0)
+            top2 += np.sort(e)[-2:].sum() / e.sum()
+            small += e[col2 <= np.quantile(col2, 0.1)].sum() / e.sum()
+            cor += np.corrcoef(np.log(e + 1e-20), -np.log(col2 + 1e-20))[0, 1]
+            den = (col2 * e).sum() * w.shape[0]
+            for m in aw:
+                wm = ev.source[n]
+                back = (affine(wm, bits)[0] if m == "affine"
+                        else turboquant(wm, bits, n, m == "tq eq")[0])
+                err = np.asarray(back.astype(mx.float32), dtype=np.float64) - w
+                aw[m][0] += ((err * err).sum(axis=0) * e).sum()
+                sel = col2 <= np.quantile(col2, 0.1)
+                smallcol[m] += float(((err * err).mean(axis=0)[sel] / col2[sel]).mean())
+                aw[m][1] += den
+                if m != "tq eq":
+                    plain[0 if m == "tq" else 1] += (err * err).sum()
+            plain[2] += (w * w).sum()
+        k = len(names)
+        lines.append(f"  {c:<10} {100 * top2 / k:7.1f}% {100 * small / k:7.1f}% {cor / k:6.2f} "
+                     + " ".join(f"{aw[m][0] / aw[m][1]:8.4f}" for m in aw)
+                     + f" {plain[0] / plain[2]:10.4f} {plain[1] / plain[2]:8.4f} "
+                     + f"{smallcol['tq'] / k:12.4f} {smallcol['affine'] / k:8.4f} "
+                     + f"{smallcol['tq eq'] / k:8.4f}")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="an HF folder (llama-style)")
+    ap.add_argument("--bits", default="3,4", help="comma list of 2, 3, 4")
+    ap.add_argument("--windows", type=int, default=16, help="rows of 512 tokens (16 = 8,176 "
+                    "predicted tokens)")
+    ap.add_argument("--methods", default="affine,tq,tq eq,tq eq-s",
+                    help="main table rows: affine, tq, tq eq (every linear layer equalised), "
+                    "tq eq-s (only weights with a small column: the codec's rule)")
+    ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
+                    "whose smallest column RMS is under this x the median (default: the "
+                    "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
+    ap.add_argument("--tables", default="main,classes,mechanism",
+                    help="which tables: main, classes, mechanism (comma list)")
+    ap.add_argument("--ablation-windows", type=int, default=4,
+                    help="rows for the per-class and mechanism tables")
+    ap.add_argument("--ablation-bits", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2, help="rows per forward pass")
+    ap.add_argument("--out", type=Path, help="also write the report here")
+    args = ap.parse_args(argv)
+    bits_list = [int(b) for b in args.bits.split(",")]
+    MIN_RATIO[0] = args.min_ratio
+
+    import mlx_lm
+
+    t0 = time.perf_counter()
+    ev = Evaluator(args.model, args.batch)
+    rows, total = heldout(ev.tokenizer, args.windows)
+    lines = [f"TurboQuant vs MLX affine on {args.model} ({ev.n_params():,} parameters), mlx "
+             f"{mx.__version__}, mlx-lm {mlx_lm.__version__}, {mx.default_device()}, float32",
+             f"held-out: pydoc_data.topics, {rows.shape[0]} rows of {SEQ} (of {total}) = "
+             f"{rows.shape[0] * (SEQ - 1):,} predicted tokens; every matrix quantized, group "
+             f"{GROUP}; /affine = dppl over affine-b's",
+             ""]
+    tables = args.tables.split(",")
+    if "main" in tables:
+        main_table(ev, rows, bits_list, lines, args.methods.split(","))
+    small, _ = heldout(ev.tokenizer, args.ablation_windows)
+    for table in tables:  # in the order asked
+        if table == "classes":
+            lines += ["", f"per tensor class, {small.shape[0]} rows "
+                      f"({small.shape[0] * (SEQ - 1):,} tokens), {args.ablation_bits} bits; "
+                      "tq eq = every weight of the class equalised:"]
+            class_table(ev, small, args.ablation_bits, lines)
+        elif table == "mechanism":
+            lines += ["", f"mechanism, {args.ablation_bits} bits, {small.shape[0]} rows: top-2 ch "
+                      "= share of the input's activation energy in its 2 largest channels; "
+                      "small10% = share entering through the 10% of columns with the smallest "
+                      "weight RMS; corr = corr(log E[x_j^2], -log colRMS_j^2); then each "
+                      "codec's activation-weighted relative error (tq eq: every weight "
+                      "equalised), the plain relative weight error (rel_mse), and the "
+                      "data-free small-column error: mean over the 10% smallest-RMS columns "
+                      "of ||E_:,j||^2 / ||W_:,j||^2:"]
+            mechanism_table(ev, small, args.ablation_bits, lines)
+    given = list(sys.argv[1:] if argv is None else argv)
+    lines += ["", f"total {time.perf_counter() - t0:.0f} s",
+              "reproduce: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 "
+              ".venv/bin/python benchmarks/quality.py " + " ".join(map(shlex.quote, given))]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/quality.py --model PATH (benchmarks/quality_hf.py) on the dense reference model:
+one row of held-out pydoc text, the main and mechanism tables."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import quality_hf  # noqa: E402
+
+MODEL = ROOT / "reference" / "models" / "pystd-dense"
+
+
+@pytest.mark.slow
+def test_main_and_mechanism_tables(tmp_path, capsys):
+    out = tmp_path / "report.txt"
+    argv = ["--model", str(MODEL), "--bits", "3", "--windows", "1", "--ablation-windows", "1",
+            "--tables", "main,mechanism", "--methods", "affine,tq,tq eq-s", "--out", str(out)]
+    assert quality_hf.main(argv) == 0
+    report = out.read_text()
+    rows = {line.split()[0] + (" " + line.split()[1] if line.split()[1] == "eq-s" else ""):
+            line.split() for line in report.splitlines()
+            if line.startswith("  ") and line.split()[0] in ("source", "affine-3", "tq-3")
+            and ": dppl" not in line}
+    assert set(rows) == {"source", "affine-3", "tq-3", "tq-3 eq-s"}
+    # no weight of the near-Gaussian reference model has a small column: eq-s is format 1
+    assert rows["tq-3 eq-s"][2:] == rows["tq-3"][1:]
+    assert float(rows["tq-3"][1]) < float(rows["affine-3"][1])  # bits/w: 3.25 vs 3.5
+    assert "tq-3 eq-s: dppl" in report and "v_proj" in report and "small-col" in report
+    assert "reproduce: " in capsys.readouterr().out
+
+
+def test_tensor_classes_and_codec_bytes():
+    import mlx.core as mx
+    import numpy as np
+
+    assert quality_hf.tensor_class("model.layers.3.self_attn.v_proj.weight") == "v_proj"
+    assert quality_hf.tensor_class("model.embed_tokens.weight") == "embed"
+    rng = np.random.default_rng(0)
+    w = mx.array((rng.standard_normal((64, 256)) * np.exp(rng.normal(0, 1, 256))).astype(
+        np.float32))
+    _, plain, _ = quality_hf.turboquant(w, 3, "x", False)
+    _, eq, _ = quality_hf.turboquant(w, 3, "x", True)
+    assert plain == 64 * 256 * 3 // 8 + 64 * 4 * 2 and eq == plain + 2 * 256
+    _, nbytes = quality_hf.affine(w, 3)
+    assert nbytes == 64 * 256 * 3 // 8 + 2 * 2 * 64 * 4

@@ -1,0 +1,151 @@
+"""Per-input-column scales (in_scales): W / t is coded, decode multiplies t back.
+
+The column equalisation that makes each column's error proportional to its own size
+(docs/quality.md: on SmolLM2-135M it is what brings TurboQuant below affine)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turboquant.stages import (
+    QuantizedTensor,
+    codec,
+    column_scales,
+    column_scales_from_sums,
+    decode,
+    encode,
+    lloyd_max_mse,
+)
+
+
+def trained_like(rows, cols, seed=0):
+    """Columns of very different sizes, as in a trained model's v_proj / down_proj."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    return w * np.exp(rng.normal(0.0, 1.0, cols)).astype(np.float32)
+
+
+def test_ones_give_the_plain_bytes():
+    w = trained_like(32, 640)
+    plain = encode(w, 3, seed=4)
+    scaled = encode(w, 3, seed=4, in_scales=np.ones(640, np.float16))
+    assert mx.array_equal(plain.codes, scaled.codes)
+    assert mx.array_equal(plain.scales, scaled.scales)
+    assert plain.in_scales is None and scaled.in_scales.dtype == mx.float16
+    assert scaled.nbytes == plain.nbytes + 2 * 640
+
+
+def test_column_error_follows_the_column_size():
+    w = trained_like(256, 512, seed=1)
+    t = column_scales(w)
+    plain = np.asarray(decode(encode(w, 3, seed=9))) - w
+    eq = np.asarray(decode(encode(w, 3, seed=9, in_scales=t))) - w
+    col = np.sqrt((w**2).mean(0))
+    small = col < np.quantile(col, 0.1)  # the smallest tenth of the columns
+    # plain rotation: every column gets about the same error, so the small columns get
+    # a large one relative to their size; equalised: about the same relative error
+    rel_plain = np.sqrt((plain[:, small] ** 2).mean(0)) / col[small]
+    rel_eq = np.sqrt((eq[:, small] ** 2).mean(0)) / col[small]
+    assert np.median(rel_eq) < 0.25 * np.median(rel_plain)
+    assert np.median(rel_eq) < 2.0 * np.sqrt(lloyd_max_mse(3))
+
+
+def test_error_by_product_is_the_equalised_basis_error():
+    w = trained_like(48, 1000, seed=2)
+    t = column_scales(w)
+    qt = encode(w, 4, group_size=32, seed=3, in_scales=t)
+    t32 = t.astype(np.float32)
+    err = ((np.asarray(decode(qt)) - w) / t32) ** 2
+    np.testing.assert_allclose(qt.row_sq_error, err.sum(1), rtol=2e-3, atol=1e-7)
+    np.testing.assert_allclose(qt.row_sq_norm, ((w / t32) ** 2).sum(1), rtol=1e-5)
+    assert qt.rel_mse <= 1.05 * lloyd_max_mse(4)
+
+
+def test_chunking_does_not_change_bytes(monkeypatch):
+    w = trained_like(64, 1000, seed=5)
+    t = column_scales(w)
+    whole = encode(w, 3, seed=5, in_scales=t)
+    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS", 3000)  # 3 rows per chunk
+    chunked = encode(w, 3, seed=5, in_scales=t)
+    assert mx.array_equal(whole.codes, chunked.codes)
+    assert mx.array_equal(whole.scales, chunked.scales)
+    assert mx.array_equal(decode(whole), decode(chunked))
+
+
+def test_sums_accumulate_over_chunks_of_rows():
+    w = trained_like(30, 200, seed=6)
+    sums = (w[:10] ** 2).sum(0).astype(np.float64) + (w[10:] ** 2).sum(0)
+    np.testing.assert_allclose(column_scales_from_sums(sums, 30).astype(np.float32),
+                               column_scales(w).astype(np.float32), rtol=1e-3)
+
+
+def test_column_scales_shape_range_and_edge_cases():
+    t = column_scales(trained_like(16, 300, seed=7))
+    assert t.dtype == np.float16 and t.shape == (300,)
+    assert np.sqrt(np.mean(t.astype(np.float64) ** 2)) == pytest.approx(1.0, rel=2e-3)
+    w = np.zeros((4, 64), np.float32)
+    np.testing.assert_array_equal(column_scales(w), np.ones(64, np.float16))
+    w[:, 0] = 1.0  # one live column, the rest zero: the floor keeps every scale positive
+    assert (column_scales(w) > 0).all()
+    w = trained_like(8, 64)
+    w[:, 5] = 0.0
+    assert column_scales(w)[5] > 0  # a dead column is floored, not zero
+    with pytest.raises(ValueError, match="column power"):
+        column_scales(w, power=0.0)
+    with pytest.raises(ValueError, match="2-D"):
+        column_scales(np.ones(5))
+
+
+def test_min_ratio_leaves_even_columns_alone():
+    rng = np.random.default_rng(8)
+    even = rng.standard_normal((64, 256)).astype(np.float32)  # smallest column ~0.8 x median
+    assert column_scales(even, min_ratio=0.5) is None
+    assert column_scales(even) is not None  # without the test: always scales
+    uneven = even.copy()
+    uneven[:, 3] *= 0.1
+    t = column_scales(uneven, min_ratio=0.5)
+    assert t is not None and t[3] < 0.2 * np.median(t)
+    assert column_scales(np.zeros((2, 8), np.float32), min_ratio=0.5) is None
+
+
+def test_bad_in_scales_are_refused():
+    w = trained_like(4, 64)
+    with pytest.raises(ValueError, match=r"shape \(64,\)"):
+        encode(w, 3, in_scales=np.ones(63, np.float16))
+    with pytest.raises(ValueError, match="positive"):
+        encode(w, 3, in_scales=np.zeros(64, np.float16))
+    with pytest.raises(ValueError, match="positive"):
+        encode(w, 3, in_scales=np.full(64, 1e6))  # beyond float16
+    qt = encode(w, 3)
+    with pytest.raises(ValueError, match="in_scales must be float16"):
+        QuantizedTensor(qt.codes, qt.scales, qt.shape, qt.spec,
+                        in_scales=mx.ones((64,), dtype=mx.float32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 300),
+    bits=st.sampled_from([2, 3, 4, "ternary"]),
+    group_size=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**64 - 1),
+    spread=st.floats(0.0, 3.0),
+)
+def test_any_shape_round_trips_near_the_codebook(rows, cols, bits, group_size, seed, spread):
+    rng = np.random.default_rng(seed % 2**32)
+    w = (rng.standard_normal((rows, cols)) * np.exp(rng.normal(0, spread, cols))).astype(
+        np.float32)
+    t = column_scales(w)
+    qt = encode(w, bits, group_size=group_size, seed=seed, in_scales=t)
+    back = np.asarray(decode(qt))
+    assert back.shape == w.shape and np.isfinite(back).all()
+    # the decoded weight is the equalised decode times t, column by column
+    assert mx.array_equal(qt.in_scales, mx.array(t))
+    eq = QuantizedTensor(qt.codes, qt.scales, qt.shape, qt.spec)
+    np.testing.assert_allclose(back, np.asarray(decode(eq)) * t.astype(np.float32),
+                               rtol=1e-6, atol=1e-30)
+    # and it codes better than nothing, in the basis the codebook saw
+    wt = w / t.astype(np.float32)
+    assert ((back / t.astype(np.float32) - wt) ** 2).sum() <= (wt**2).sum() * (1 + 1e-5)
