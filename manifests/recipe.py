@@ -163,7 +163,9 @@ class Recipe:
                 res = self._quantize(rule, layer, num_layers)
                 d = self.architecture.decisions.get(name) if self.architecture else None
                 if res.action == "quantize" and d is not None and d.action == "keep" \
-                        and d.why != VANISHED:  # (an unused tied head: the rules decide)
+                        and d.why != VANISHED and not d.why.startswith("dtype "):
+                    # (an unused tied head, or a dtype the plan refuses by name: the rules
+                    # decide)
                     # mlx-lm's model has no quantizable layer for it (sanitize reshapes
                     # it, or it is a router): coded, it could not be loaded
                     return Resolution("keep", role=res.role, rule=f"mlx-lm:keep ({d.why})")
