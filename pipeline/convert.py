@@ -9,7 +9,6 @@ after the other in this process.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import time
@@ -23,6 +22,7 @@ from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FIL
 from .errors import ConversionError, OutputError
 from .job import JobContext, JobResult, SourceSpec, run_job
 from .ledger import FileLock, WorkDir
+from .machine import worker_context
 from .plan import GB, Job, Plan, build_plan
 from .repo import RepoSummary, write_repo_files
 from .sources import HubSource, LocalSource, Source, is_aux_file, open_source
@@ -302,8 +302,9 @@ class JobRunner:
         self.p = p
         self.pool = None
         self.started: dict[str, Future] = {}
+        self.parent = os.getpid()  # what a worker checks is alive (job.py)
         if not p.options.in_process:
-            ctx = multiprocessing.get_context("spawn")
+            ctx, self.parent = worker_context()  # a fork server where there is one (machine.py)
             self.pool = ProcessPoolExecutor(max_workers=max(1, p.options.workers), mp_context=ctx,
                                             initializer=_worker_init)
 
@@ -314,7 +315,7 @@ class JobRunner:
         for job in jobs:
             if job.name not in self.started:
                 self.started[job.name] = self.pool.submit(
-                    run_job, job_context(self.p, job, os.getpid()))
+                    run_job, job_context(self.p, job, self.parent))
 
     def started_ahead(self, job: Job) -> bool:
         return job.name in self.started
@@ -325,7 +326,7 @@ class JobRunner:
         try:
             future = self.started.get(job.name)
             if future is None:
-                future = self.pool.submit(run_job, job_context(self.p, job, os.getpid()))
+                future = self.pool.submit(run_job, job_context(self.p, job, self.parent))
             return future.result()
         except BrokenProcessPool:
             raise ConversionError(
