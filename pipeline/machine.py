@@ -11,7 +11,9 @@ do not depend on it; a run never starts more processes than it has jobs to run.
 once (pipeline/worker_start.py, about 1.2 s of one core, most of it numba), then forks each
 worker from that state in milliseconds; spawned workers would each pay it again. The
 server is a single-threaded process that only imports, so forking it is safe. Where the
-fork server is not available (macOS, Windows), workers are spawned.
+fork server is not available (macOS, Windows), workers are spawned. The CLI starts the
+server first thing (`start_worker_server`), so its loading overlaps the command's own imports
+and validation instead of following them. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def default_workers(cores: int | None = None, memory: int | None = None) -> int:
     if memory is not None:
         workers = min(workers, (memory - RESERVE_BYTES) // WORKER_BYTES)
     return max(1, int(workers))
+
+
+def start_worker_server() -> None:
+    """Start the workers' fork server now (where there is one), so that it loads while this
+    process imports the pipeline and validates the run; JobRunner then finds it running."""
+    worker_context()
 
 
 def worker_context():

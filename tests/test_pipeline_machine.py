@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -75,3 +76,18 @@ def test_the_bytes_do_not_depend_on_the_workers(tmp_path):
         outs[str(opts)] = _digests(out)
     first, *rest = outs.values()
     assert len(first) == 3 and all(d == first for d in rest)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork server: Linux")
+def test_the_fork_server_starts_before_the_pipeline_is_imported():
+    # the CLI starts it first thing: machine.py must not pull in the pipeline or numpy
+    code = ("import sys, os; from turboquant.pipeline import machine; "
+            "machine.start_worker_server(); "
+            "from multiprocessing import forkserver; "
+            "pid = forkserver._forkserver._forkserver_pid; os.kill(pid, 0); "
+            "print(sorted(m for m in ('numpy', 'mlx.core', 'turboquant.pipeline.convert') "
+            "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

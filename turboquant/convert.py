@@ -165,6 +165,10 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         print("turboquant convert: error: give --dask-workers N (a local cluster) or "
               "--dask-address ADDR (an existing scheduler), not both", file=sys.stderr)
         return 2
+    if not (args.in_process or args.dry_run or args.dask_workers or args.dask_address):
+        from turboquant.pipeline.machine import start_worker_server
+
+        start_worker_server()  # workers' modules load while this process validates
     if uses_prefect(args):
         _quiet_prefect(args.verbose)
 
