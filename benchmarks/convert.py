@@ -9,7 +9,8 @@ alternating the two (the order swaps every round), on the same files with the pa
 
 For each pair it prints both wall times, the throughput ratio (source bytes per second,
 turboquant / mlx_lm), the CPU seconds of each process tree (sampled every 50 ms, so
-comparable on a loaded machine where wall times are not) and the peak RSS of each tree; then
+comparable on a loaded machine where wall times are not), the peak RSS of each tree and the
+bytes the machine read from disk meanwhile (a source not in the page cache); then
 per shape the median ratio and its spread over the rounds, and the load average seen.
 
     python benchmarks/convert.py                              # 1.1b, 4b, 4.6b-wide, 3 rounds
@@ -118,7 +119,15 @@ class TreeMonitor:
         return sum(self.cpu.values())
 
 
+def disk_read_bytes() -> int:
+    """Bytes read from the machine's disks so far (all processes: a source that is not in
+    the page cache shows up here)."""
+    io = psutil.disk_io_counters()
+    return io.read_bytes if io else 0
+
+
 def measure(cmd: list[str], env: dict | None = None) -> dict:
+    read0 = disk_read_bytes()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     mon = TreeMonitor(proc.pid)
@@ -129,7 +138,8 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
     return {"seconds": seconds, "peak_rss": mon.peak_sum, "peak_rss_one": mon.peak_one,
-            "cpu": mon.cpu_seconds, "output": out.decode(errors="replace")}
+            "cpu": mon.cpu_seconds, "disk_read": disk_read_bytes() - read0,
+            "output": out.decode(errors="replace")}
 
 
 def folder_size(p: Path) -> int:
@@ -205,7 +215,9 @@ def run_shape(name: str, work: Path, rounds: int, tq_args: list[str], env: dict,
         print(f"{name} round {r + 1} ({' then '.join(order)}): turboquant {tq['seconds']:.1f} s "
               f"({tq['cpu']:.1f} CPU s, {tq['peak_rss'] / 2**20:.0f} MiB), mlx_lm "
               f"{ml['seconds']:.1f} s ({ml['cpu']:.1f} CPU s, {ml['peak_rss'] / 2**20:.0f} MiB): "
-              f"{pair['ratio']:.2f}x; {pair['load_before']} -> {pair['load_after']}", flush=True)
+              f"{pair['ratio']:.2f}x; read from disk {tq['disk_read'] / 1e9:.2f} / "
+              f"{ml['disk_read'] / 1e9:.2f} GB; {pair['load_before']} -> {pair['load_after']}",
+              flush=True)
     if not keep:
         shutil.rmtree(src, ignore_errors=True)
     return {"name": name, "params": n, "bytes": size, "pairs": pairs, "cmds": cmds}
