@@ -2,7 +2,8 @@
 
 Writes synthetic bf16 checkpoints (random Gaussian weights, one tensor at a time) of the
 shapes asked for, and converts each with the plain command a user types and with its peer,
-alternating the two (the order swaps every round), on the same files with the page cache warm:
+alternating the two (the order swaps every round), on the same files, read once just before
+each run so that both start with the page cache as warm as the machine's memory allows:
 
     turboquant convert SRC OUT --bits 4 --group-size 64          (no tuned flags)
     mlx_lm.convert --hf-path SRC -q --q-bits 4 --q-group-size 64 --mlx-path OUT
@@ -198,13 +199,13 @@ def run_shape(name: str, work: Path, rounds: int, tq_args: list[str], env: dict,
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     outs = {"turboquant": work / f"{name}-tq", "mlx_lm": work / f"{name}-mlx"}
     cmds = commands(src, outs["turboquant"], outs["mlx_lm"], tq_args)
-    warm_page_cache(src)
     pairs = []
     for r in range(rounds):
         order = ("turboquant", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "turboquant")
         pair = {"load_before": load()}
         for tool in order:
             shutil.rmtree(outs[tool], ignore_errors=True)
+            warm_page_cache(src)  # each tool starts with the source as cached as it can be
             pair[tool] = measure(cmds[tool], env)
             pair[tool]["out_bytes"] = folder_size(outs[tool])
             shutil.rmtree(outs[tool], ignore_errors=True)
