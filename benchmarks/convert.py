@@ -1,29 +1,32 @@
-"""Conversion throughput and peak memory: `turboquant convert` against `mlx_lm.convert`.
+"""Conversion as a user runs it: the default `turboquant convert` against `mlx_lm.convert`.
 
-Writes a synthetic Llama-shaped bf16 checkpoint (`--params`, default 4.0B parameters;
-random Gaussian weights, written one tensor at a time), converts it with this pipeline
-(`turboquant convert`, the default Prefect flow) and with
-`mlx_lm.convert --hf-path <ckpt> -q --q-bits 4` in the same run, and prints source bytes
-per second and peak RSS of each (the whole process tree, sampled every 50 ms). Then it
-writes a checkpoint at least 4x larger and reports this pipeline's peak RSS on it
-(`--big-params`, default 16B: 32 GB of bf16, more than the 24 GB of memory of the CI-class
-machine; it needs ~41 GB of free disk).
+Writes synthetic bf16 checkpoints (random Gaussian weights, one tensor at a time) of the
+shapes asked for, and converts each with the plain command a user types and with its peer,
+alternating the two (the order swaps every round), on the same files, read once just before
+each run so that both start with the page cache as warm as the machine's memory allows:
 
-    python benchmarks/convert.py                      # 4.0B vs mlx_lm, then 16B
-    python benchmarks/convert.py --params 1.1e9 --skip-big --repeat 3  # TinyLlama's size
-    python benchmarks/convert.py --skip-big --repeat 3  # a shared machine: median of 3 pairs
+    turboquant convert SRC OUT --bits 4 --group-size 64          (no tuned flags)
+    mlx_lm.convert --hf-path SRC -q --q-bits 4 --q-group-size 64 --mlx-path OUT
 
-At 1.1B the Prefect flow's fixed start (about 3 s of CPU in the CLI's process: Prefect's
-imports, its API server, the flow's bookkeeping) weighs on a 2-core machine as much as the
-conversion itself: docs/convert.md gives both sizes' ratios.
+For each pair it prints both wall times, the throughput ratio (source bytes per second,
+turboquant / mlx_lm), the CPU seconds of each process tree (sampled every 50 ms, so
+comparable on a loaded machine where wall times are not), the peak RSS of each tree and the
+bytes the machine read from disk meanwhile (a source not in the page cache); then
+per shape the median ratio and its spread over the rounds, and the load average seen.
 
-Targets (docs/convert.md): >= 1.5x mlx_lm.convert's source throughput, peak RSS < 1 GB.
-Times count only on the machine they were measured on; the ratio is the claim.
+    python benchmarks/convert.py                              # 1.1b, 4b, 4.6b-wide, 3 rounds
+    python benchmarks/convert.py --shapes 4b,16b --rounds 2   # 16b: 32 GB of bf16, ~45 GB disk
+    python benchmarks/convert.py --shapes 1.1b --tq-args="--workers 1"   # a tuned run
+
+Shapes: `1.1b` (TinyLlama: hidden 2048, 22 layers), `4b` (Llama-7B-like: hidden 4096,
+intermediate 11008, 21 layers), `4.6b-wide` (hidden 3072 x 44 layers, intermediate 8192),
+`16b` (hidden 4096, 89 layers). Targets (issue 40): >= 1.0x at 1.1B, >= 1.5x at 4B and
+more, peak RSS < 1 GB. Times count only on the machine they were measured on; the ratio is
+the claim.
 
 Encode runs through numba's compiled kernels where numba is installed; their machine code
-is cached on disk after the first use (a few seconds of compiling in each worker of the
-first conversion), so this script fills that cache in a separate process before timing.
-`TURBOQUANT_NO_NUMBA=1` measures the numpy/MLX path instead.
+is cached on disk after the first use, so this script fills that cache in a separate
+process before timing. `TURBOQUANT_NO_NUMBA=1` measures the numpy/MLX path instead.
 """
 
 from __future__ import annotations
@@ -48,19 +51,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 from checkpoints import checkpoint_parameters, write_llama_checkpoint  # noqa: E402
 
 
-def llama_shape(params: float) -> dict:
-    """A Llama-shaped config with about `params` parameters (TinyLlama at 1.1B)."""
-    if params <= 1.5e9:
-        return dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)
-    hidden, inter, heads, kv = 4096, 11008, 32, 8
-    per_layer = 2 * hidden * hidden + 2 * hidden * (hidden // heads * kv) + 3 * hidden * inter
-    layers = max(1, round((params - 2 * 32000 * hidden) / per_layer))
-    return dict(layers=layers, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
-                vocab=32000)
+SHAPES = {
+    "1.1b": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000),
+    "4b": dict(layers=21, hidden=4096, intermediate=11008, heads=32, kv_heads=8, vocab=32000),
+    "4.6b-wide": dict(layers=44, hidden=3072, intermediate=8192, heads=24, kv_heads=8,
+                      vocab=32000),
+    "16b": dict(layers=89, hidden=4096, intermediate=11008, heads=32, kv_heads=8, vocab=32000),
+    "tiny": dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=512),  # tests
+}
 
 
-def make_checkpoint(path: Path, params: float, shards_gb: float = 2.0) -> tuple[int, int]:
-    shape = llama_shape(params)
+def make_checkpoint(path: Path, shape: dict, shards_gb: float = 2.0) -> tuple[int, int]:
     est = _estimate(shape)
     shards = max(1, math.ceil(est * 2 / (shards_gb * 1e9)))
     write_llama_checkpoint(path, dtype="bfloat16", shards=shards, fast_random=True,
@@ -77,13 +78,15 @@ def _estimate(s: dict) -> int:
 
 
 class TreeMonitor:
-    """Peak RSS of a process and all its descendants (sum, and largest single process)."""
+    """Peak RSS of a process and all its descendants (sum, and largest single process), and
+    the CPU seconds of the tree (the last sample of each process seen)."""
 
     def __init__(self, pid: int, interval: float = 0.05):
         self.root = psutil.Process(pid)
         self.interval = interval
         self.peak_sum = 0
         self.peak_one = 0
+        self.cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -97,9 +100,12 @@ class TreeMonitor:
             total = 0
             for p in procs:
                 try:
-                    rss = p.memory_info().rss
+                    with p.oneshot():
+                        rss = p.memory_info().rss
+                        t = p.cpu_times()
                 except psutil.NoSuchProcess:
                     continue
+                self.cpu[p.pid] = t.user + t.system
                 total += rss
                 self.peak_one = max(self.peak_one, rss)
             self.peak_sum = max(self.peak_sum, total)
@@ -109,22 +115,45 @@ class TreeMonitor:
         self._stop.set()
         self.thread.join()
 
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu.values())
+
+
+def disk_read_bytes() -> int:
+    """Bytes read from the machine's disks so far (all processes: a source that is not in
+    the page cache shows up here)."""
+    io = psutil.disk_io_counters()
+    return io.read_bytes if io else 0
+
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
+    read0 = disk_read_bytes()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     mon = TreeMonitor(proc.pid)
     out, _ = proc.communicate()
-    mon.stop()
     seconds = time.monotonic() - t0
+    time.sleep(0.2)  # the worker processes that exit after the command (their last samples)
+    mon.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
     return {"seconds": seconds, "peak_rss": mon.peak_sum, "peak_rss_one": mon.peak_one,
+            "cpu": mon.cpu_seconds, "disk_read": disk_read_bytes() - read0,
             "output": out.decode(errors="replace")}
 
 
 def folder_size(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and ".turboquant" not in f.parts)
+    return sum(f.stat().st_size for f in p.rglob("*")
+               if f.is_file() and ".turboquant" not in f.parts)
+
+
+def warm_page_cache(folder: Path) -> None:
+    """Read every file once, so that the first timed run does not read from disk."""
+    for f in sorted(folder.iterdir()):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
 
 
 WARM_NUMBA = """
@@ -146,108 +175,115 @@ def warm_numba_cache(env: dict) -> str:
     return out.stdout.strip()
 
 
-def turboquant_cmd(src: Path, out: Path, workers: int, no_prefect: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q",
-           "--workers", str(workers)]
-    return cmd + (["--no-prefect"] if no_prefect else [])
+def commands(src: Path, tq_out: Path, mlx_out: Path, tq_args: list[str]) -> dict:
+    tq = [sys.executable, "-m", "turboquant", "convert", str(src), str(tq_out), "--bits", "4",
+          "--group-size", "64", *tq_args]
+    mlx = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "-q", "--q-bits",
+           "4", "--q-group-size", "64", "--mlx-path", str(mlx_out)]
+    return {"turboquant": tq, "mlx_lm": mlx}
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_shape(name: str, work: Path, rounds: int, tq_args: list[str], env: dict,
+              keep: bool) -> dict:
+    src = work / name
+    if not (src / "config.json").exists():
+        t = time.monotonic()
+        n, size = make_checkpoint(src, SHAPES[name])
+        print(f"wrote {src}: {n / 1e9:.2f}B parameters, {size / 1e9:.2f} GB bf16 "
+              f"({time.monotonic() - t:.0f} s)", flush=True)
+    n = checkpoint_parameters(src)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    outs = {"turboquant": work / f"{name}-tq", "mlx_lm": work / f"{name}-mlx"}
+    cmds = commands(src, outs["turboquant"], outs["mlx_lm"], tq_args)
+    pairs = []
+    for r in range(rounds):
+        order = ("turboquant", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "turboquant")
+        pair = {"load_before": load()}
+        for tool in order:
+            shutil.rmtree(outs[tool], ignore_errors=True)
+            warm_page_cache(src)  # each tool starts with the source as cached as it can be
+            pair[tool] = measure(cmds[tool], env)
+            pair[tool]["out_bytes"] = folder_size(outs[tool])
+            shutil.rmtree(outs[tool], ignore_errors=True)
+        pair["load_after"] = load()
+        tq, ml = pair["turboquant"], pair["mlx_lm"]
+        pair["ratio"] = ml["seconds"] / tq["seconds"]
+        pairs.append(pair)
+        print(f"{name} round {r + 1} ({' then '.join(order)}): turboquant {tq['seconds']:.1f} s "
+              f"({tq['cpu']:.1f} CPU s, {tq['peak_rss'] / 2**20:.0f} MiB), mlx_lm "
+              f"{ml['seconds']:.1f} s ({ml['cpu']:.1f} CPU s, {ml['peak_rss'] / 2**20:.0f} MiB): "
+              f"{pair['ratio']:.2f}x; read from disk {tq['disk_read'] / 1e9:.2f} / "
+              f"{ml['disk_read'] / 1e9:.2f} GB; {pair['load_before']} -> {pair['load_after']}",
+              flush=True)
+    if not keep:
+        shutil.rmtree(src, ignore_errors=True)
+    return {"name": name, "params": n, "bytes": size, "pairs": pairs, "cmds": cmds}
+
+
+def report(results: list[dict], argv: list[str]) -> None:
+    print()
+    print("| shape | params | source GB | turboquant s | mlx_lm s | ratio (median, range) | "
+          "CPU s tq / mlx | peak RSS tq / mlx | output GB tq / mlx |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for res in results:
+        pairs = res["pairs"]
+        tq = [p["turboquant"] for p in pairs]
+        ml = [p["mlx_lm"] for p in pairs]
+        ratios = [p["ratio"] for p in pairs]
+
+        def med(rows, key):
+            return statistics.median(r[key] for r in rows)
+
+        print(f"| {res['name']} | {res['params'] / 1e9:.2f}B | {res['bytes'] / 1e9:.2f} | "
+              f"{med(tq, 'seconds'):.1f} | {med(ml, 'seconds'):.1f} | "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+              f"{med(tq, 'cpu'):.1f} / {med(ml, 'cpu'):.1f} | "
+              f"{max(r['peak_rss'] for r in tq) / 2**20:.0f} / "
+              f"{max(r['peak_rss'] for r in ml) / 2**20:.0f} MiB | "
+              f"{tq[0]['out_bytes'] / 1e9:.2f} / {ml[0]['out_bytes'] / 1e9:.2f} |")
+    print("\nratio: mlx_lm.convert's wall time / turboquant's, per alternating pair (targets: "
+          ">= 1.0x at 1.1B, >= 1.5x at 4B and more; peak RSS < 1 GiB)")
+    print("\nreproduce:")
+    print("  python benchmarks/convert.py " + " ".join(argv))
+    for res in results[:1]:
+        for tool, cmd in res["cmds"].items():
+            print(f"  # {tool}: {' '.join(cmd)}")
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1.1b,4b,4.6b-wide",
+                    help=f"comma-separated, of {', '.join(SHAPES)} (default 1.1b,4b,4.6b-wide)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating pairs per shape")
+    ap.add_argument("--tq-args", default="", help="extra turboquant convert arguments (the "
+                    "default command has none)")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--params", type=float, default=4e9, help="checkpoint compared with "
-                    "mlx_lm.convert (default 4e9)")
-    ap.add_argument("--big-params", type=float, default=16e9,
-                    help="big checkpoint, this pipeline only (default 16e9: 32 GB)")
-    ap.add_argument("--workers", type=int, default=2, help="turboquant convert --workers")
-    ap.add_argument("--no-prefect", action="store_true", help="turboquant convert --no-prefect")
-    ap.add_argument("--skip-mlx", action="store_true")
-    ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
-    ap.add_argument("--repeat", type=int, default=1, metavar="N", help="convert the small "
-                    "checkpoint N times with each tool, alternating (on a shared machine: a "
-                    "ratio per pair and their median)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     args = ap.parse_args(argv)
+    shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+    unknown = [x for x in shapes if x not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}: use {', '.join(SHAPES)}")
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    print(f"encode: {warm_numba_cache(env)}", flush=True)
-    rows = []
+    print(f"encode: {warm_numba_cache(env)}; {os.cpu_count()} cores, "
+          f"{psutil.virtual_memory().total / 2**30:.1f} GiB; {load()}", flush=True)
+    results = []
     try:
-        small = work / "small"
-        if not (small / "config.json").exists():
-            t = time.monotonic()
-            n, size = make_checkpoint(small, args.params)
-            print(f"wrote {small}: {n / 1e9:.2f}B parameters, {size / 1e9:.2f} GB bf16 "
-                  f"({time.monotonic() - t:.0f} s)", flush=True)
-        n, size = checkpoint_parameters(small), sum(p.stat().st_size for p in small.glob("*.safetensors"))
-        out = work / "small-tq"
-        for _ in range(max(1, args.repeat)):
-            shutil.rmtree(out, ignore_errors=True)
-            cmd = turboquant_cmd(small, out, args.workers, args.no_prefect)
-            r = measure(cmd, env)
-            rows.append(("turboquant convert", n, size, r, folder_size(out), " ".join(cmd)))
-            print(r["output"].strip(), flush=True)
-            if not args.skip_mlx:
-                mout = work / "small-mlx"
-                shutil.rmtree(mout, ignore_errors=True)
-                mcmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(small),
-                        "-q", "--q-bits", "4", "--mlx-path", str(mout)]
-                r = measure(mcmd, env)
-                rows.append(("mlx_lm.convert -q --q-bits 4", n, size, r, folder_size(mout),
-                             " ".join(mcmd)))
-                shutil.rmtree(mout, ignore_errors=True)
-        if not args.keep:
-            shutil.rmtree(out, ignore_errors=True)
-        if not args.skip_big:
-            big = work / "big"
-            if not (big / "config.json").exists():
-                if not args.keep:
-                    shutil.rmtree(small, ignore_errors=True)
-                t = time.monotonic()
-                bn, bsize = make_checkpoint(big, args.big_params)
-                print(f"wrote {big}: {bn / 1e9:.2f}B parameters, {bsize / 1e9:.2f} GB bf16 "
-                      f"({time.monotonic() - t:.0f} s)", flush=True)
-            bn = checkpoint_parameters(big)
-            bsize = sum(p.stat().st_size for p in big.glob("*.safetensors"))
-            bout = work / "big-tq"
-            shutil.rmtree(bout, ignore_errors=True)
-            cmd = turboquant_cmd(big, bout, args.workers, args.no_prefect)
-            r = measure(cmd, env)
-            rows.append(("turboquant convert (big)", bn, bsize, r, folder_size(bout),
-                         " ".join(cmd)))
-            print(r["output"].strip(), flush=True)
+        for name in shapes:
+            results.append(run_shape(name, work, max(1, args.rounds), args.tq_args.split(),
+                                     env, args.keep))
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-
-    print()
-    print(f"| tool | params | source GB | seconds | source MB/s | peak RSS (tree) | "
-          f"largest process | output GB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, n, size, r, osize, _ in rows:
-        print(f"| {name} | {n / 1e9:.2f}B | {size / 1e9:.2f} | {r['seconds']:.1f} | "
-              f"{size / r['seconds'] / 1e6:.1f} | {r['peak_rss'] / 2**20:.0f} MiB | "
-              f"{r['peak_rss_one'] / 2**20:.0f} MiB | {osize / 1e9:.2f} |")
-    tqs = [x for x in rows if x[0] == "turboquant convert"]
-    mls = [x for x in rows if x[0].startswith("mlx_lm")]
-    if tqs and mls:
-        ratios = [(tq[2] / tq[3]["seconds"]) / (ml[2] / ml[3]["seconds"])
-                  for tq, ml in zip(tqs, mls)]
-        each = f" (pairs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
-        print(f"\nthroughput ratio turboquant / mlx_lm.convert: {statistics.median(ratios):.2f}x"
-              f"{each} (target >= 1.5x)")
-        rss = statistics.median(tq[3]["peak_rss"] / ml[3]["peak_rss"] for tq, ml in zip(tqs, mls))
-        print(f"peak RSS ratio turboquant / mlx_lm.convert: {rss:.2f}x")
-    print("\nreproduce:")
-    print(f"  python benchmarks/convert.py --params {args.params:g} --big-params "
-          f"{args.big_params:g} --workers {args.workers}"
-          + (" --no-prefect" if args.no_prefect else "")
-          + (" --skip-big" if args.skip_big else "")
-          + (f" --repeat {args.repeat}" if args.repeat > 1 else ""))
-    for name, cmd in dict.fromkeys((row[0], row[5]) for row in rows):
-        print(f"  # {name}: {cmd}")
+    report(results, argv)
     return 0
 
 

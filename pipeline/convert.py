@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import shutil
 import time
@@ -24,6 +23,7 @@ from .distributed import run_on_dask
 from .errors import ConversionError, spawned_worker_hint
 from .job import JobContext, JobResult, SourceSpec, run_job
 from .ledger import FileLock, WorkDir, atomic_write
+from .machine import worker_context
 from .plan import GB, Job, Plan, build_plan
 from .progress import Progress
 from .repo import RepoSummary, summarize, write_repo_files
@@ -225,8 +225,9 @@ class JobRunner:
         self.p = p
         self.pool = None
         self.started: dict[str, Future] = {}
+        self.parent = os.getpid()  # what a worker checks is alive (job.py)
         if not p.options.in_process:
-            ctx = multiprocessing.get_context("spawn")
+            ctx, self.parent = worker_context()  # a fork server where there is one (machine.py)
             self.pool = ProcessPoolExecutor(max_workers=max(1, p.options.workers), mp_context=ctx,
                                             initializer=_worker_init)
 
@@ -237,7 +238,7 @@ class JobRunner:
         for job in jobs:
             if job.name not in self.started:
                 self.started[job.name] = self.pool.submit(
-                    run_job, job_context(self.p, job, os.getpid()))
+                    run_job, job_context(self.p, job, self.parent))
 
     def started_ahead(self, job: Job) -> bool:
         return job.name in self.started
@@ -248,7 +249,7 @@ class JobRunner:
         try:
             future = self.started.get(job.name)
             if future is None:
-                future = self.pool.submit(run_job, job_context(self.p, job, os.getpid()))
+                future = self.pool.submit(run_job, job_context(self.p, job, self.parent))
             return future.result()
         except BrokenProcessPool:
             raise ConversionError(

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "downloaded shard once every job reading it is done (disks smaller than the "
                    "model)")
     x = p.add_argument_group("execution")
-    x.add_argument("--workers", type=int, default=1, help="jobs at once, each in its own "
-                   "process (default 1)")
+    x.add_argument("--workers", type=int, help="jobs at once, each in its own process "
+                   "(default: one per core, as many as the memory holds)")
     x.add_argument("--dask-workers", type=int, default=0, metavar="N", help="run the jobs on "
                    "a local Dask cluster of N worker processes")
     x.add_argument("--dask-address", metavar="ADDR", help="run the jobs on an existing Dask "
@@ -167,6 +167,10 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
     if max_job <= 0:
         print("turboquant convert: error: --job-size MAX must be positive", file=sys.stderr)
         return 2
+    if args.workers is None:  # sized from the cores and the memory (pipeline/machine.py)
+        from turboquant.pipeline.machine import default_workers
+
+        args.workers = default_workers()
     if args.workers < 1:
         print("turboquant convert: error: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -198,6 +202,10 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         if done is not None:
             print(done.text())
             return 0
+        if not (args.in_process or args.dask_workers or args.dask_address):
+            from turboquant.pipeline.machine import start_worker_server
+
+            start_worker_server()  # workers' modules load while this process validates
         if uses_prefect(args):
             _quiet_prefect(args.verbose)
         if args.no_prefect:

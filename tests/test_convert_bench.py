@@ -1,0 +1,34 @@
+"""benchmarks/convert.py on a tiny checkpoint: the default `turboquant convert` (no tuned
+flags) and `mlx_lm.convert` run alternately, and the table prints the ratio per shape, its
+spread, the CPU seconds and peak RSS of both, and the command to reproduce."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import convert as bench  # noqa: E402  (the benchmark script)
+
+
+def test_the_commands_are_the_plain_ones(tmp_path):
+    cmds = bench.commands(tmp_path / "src", tmp_path / "tq", tmp_path / "mlx", [])
+    assert cmds["turboquant"][3:] == ["convert", str(tmp_path / "src"), str(tmp_path / "tq"),
+                                      "--bits", "4", "--group-size", "64"]
+    assert cmds["mlx_lm"][3:] == ["convert", "--hf-path", str(tmp_path / "src"), "-q",
+                                  "--q-bits", "4", "--q-group-size", "64", "--mlx-path",
+                                  str(tmp_path / "mlx")]
+
+
+def test_a_tiny_run_alternates_and_reports(tmp_path, capsys):
+    assert bench.main(["--shapes", "tiny", "--rounds", "2", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny round 1 (turboquant then mlx_lm)" in out
+    assert "tiny round 2 (mlx_lm then turboquant)" in out
+    row = next(line for line in out.splitlines() if line.startswith("| tiny |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5].endswith(")") and "x (" in cells[5]  # median ratio (min-max)
+    assert " / " in cells[6] and "MiB" in cells[7]
+    assert "python benchmarks/convert.py --shapes tiny --rounds 2" in out
+    assert not (tmp_path / "tiny").exists()  # checkpoints go unless --keep
