@@ -186,8 +186,14 @@ def launches(monkeypatch):
     from turboquant.kernels import dispatch
     from turboquant.runtime.kvcache import kv_cache_from_args
 
+    from turboquant.runtime import kv_attention
+
     rec = _Recording()
     _forget_kernels()
+    # the KV decode kernel as a fresh process finds it (an earlier test in this process may
+    # have registered or settled another one for "cuda")
+    monkeypatch.setattr(kv_attention, "_KERNELS", {})
+    monkeypatch.setattr(kv_attention, "_SETTLED", set())
     monkeypatch.setattr(mx.fast, "cuda_kernel", rec)
     monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
     monkeypatch.setattr(decode, "LLAMA3_8B", dict(decode.LLAMA3_8B, **decode.TINY_LLAMA))
