@@ -15,7 +15,6 @@ one mlx-lm reads as published.
 from __future__ import annotations
 
 import copy
-import math
 import json
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from checkpoints import write_tokenizer
+from checkpoints import write_header_shards, write_tokenizer
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=320, rms_norm_eps=1e-5,
@@ -434,29 +433,14 @@ def _skeleton(config: dict):
 def write_sparse_checkpoint(path, name: str) -> int:
     """The release's config.json, index and shards, every tensor's bytes a hole: the files
     have their full size but take no disk. Returns the total size in bytes."""
-    import struct
-
     config, _, shards = FLAGSHIPS[name]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = flagship_tensors(name)
+    tensors = [(t, dt, shape) for t, shape, dt in flagship_tensors(name)]
     per = -(-len(tensors) // shards)
-    weight_map, total = {}, 0
-    for s in range(shards):
-        part = tensors[s * per:(s + 1) * per]
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        header, off = {"__metadata__": {"format": "pt"}}, 0
-        for t, shape, dt in part:
-            n = math.prod(shape) * _ITEMSIZE[dt]
-            header[t] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + n]}
-            off += n
-            weight_map[t] = file
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path / file, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + off)
-        total += off
+    files = [(f"model-{s + 1:05d}-of-{shards:05d}.safetensors", tensors[s * per:(s + 1) * per])
+             for s in range(shards)]
+    weight_map, total = write_header_shards(path, files, _ITEMSIZE, metadata={"format": "pt"})
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -93,6 +93,31 @@ def safetensors_header(tensors: list[TensorSpec], metadata: dict | None = None) 
     return struct.pack("<Q", len(raw)) + raw
 
 
+def write_header_shards(path: str | os.PathLike, shards: list, itemsize: dict, *,
+                        metadata: dict | None = None, write_data=None) -> tuple[dict, int]:
+    """Safetensors files with exact headers whose data is a hole (sparse: full size, no
+    disk) unless `write_data(f, name, dtype, shape)` writes it. `shards`: [(file name,
+    [(tensor, dtype tag, shape), ...])]. Returns (weight map, bytes of tensor data)."""
+    weight_map, total = {}, 0
+    for file, group in shards:
+        header, off = ({"__metadata__": metadata} if metadata else {}), 0
+        for name, dtype, shape in group:
+            n = math.prod(shape) * itemsize[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+            weight_map[name] = file
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(Path(path) / file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            if write_data is not None:
+                for name, dtype, shape in group:
+                    write_data(f, name, dtype, shape)
+            f.truncate(8 + len(raw) + off)
+        total += off
+    return weight_map, total
+
+
 def write_safetensors(
     path: str | os.PathLike,
     tensors: list[TensorSpec],

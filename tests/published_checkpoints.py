@@ -28,6 +28,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file
 
+from checkpoints import write_header_shards
+
 FORMATS = ("fp8-block", "fp8-channel", "fp8-tensor", "mxfp4", "int4")
 TAGS = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32",
         np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
@@ -380,23 +382,10 @@ def write_layout(path: Path, config: dict, *, layers: list[int] | None = None,
         size += nbytes
     shards.append(cur)
     names = [f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors" for i in range(len(shards))]
-    wm = {}
     rng = np.random.default_rng(seed)
-    for name, group in zip(names, shards):
-        header, off = {}, 0
-        for t, dtype, shape in group:
-            nbytes = math.prod(shape) * TAG_SIZE[dtype]
-            header[t] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-            off += nbytes
-            wm[t] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path / name, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            if fill:
-                for t, dtype, shape in group:
-                    _write_random(f, t, dtype, shape, rng)
-            f.truncate(8 + len(raw) + off)
+    fill_with = (lambda f, t, dtype, shape: _write_random(f, t, dtype, shape, rng)) if fill \
+        else None
+    wm, _ = write_header_shards(path, list(zip(names, shards)), TAG_SIZE, write_data=fill_with)
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": sum(math.prod(s) * TAG_SIZE[d] for _, d, s in tensors)},
          "weight_map": wm}))
