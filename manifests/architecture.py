@@ -151,7 +151,7 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     modules = dict(model.named_modules())
     params = {k for k, _ in tree_flatten(model.parameters())}
     predicate = getattr(model, "quant_predicate", None)
-    num_layers = _num_layers(config)
+    num_layers = num_layers_of(config)
 
     # FP8 scales belong to their weight: it is dequantized in the stream, then coded
     scales = {n for n in tensors if n.endswith(_SCALE_SUFFIXES)
@@ -199,7 +199,7 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
                 path.rsplit(".", 1)[-1] in _DOWN
             decisions[name] = Decision("quantize", role, down, path)
             continue
-        layer = _layer(name)
+        layer = layer_of(name)
         vanished = name not in out and id(placeholders.get(name)) not in present
         if vanished and (name.endswith("rotary_emb.inv_freq") or
                          (layer is not None and num_layers is not None and layer >= num_layers)):
@@ -508,12 +508,14 @@ def _group_key(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
-def _layer(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The decoder layer a tensor name belongs to (None: outside the layers)."""
     m = _LAYER.search(name)
     return int(m.group(1)) if m else None
 
 
-def _num_layers(config: dict) -> int | None:
+def num_layers_of(config: dict) -> int | None:
+    """num_hidden_layers of a config (or of its text_config)."""
     n = config.get("num_hidden_layers")
     if n is None and isinstance(config.get("text_config"), dict):
         n = config["text_config"].get("num_hidden_layers")

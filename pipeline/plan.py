@@ -17,6 +17,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
+from turboquant.manifests.architecture import layer_of, num_layers_of
 from turboquant.manifests.recipe import (Recipe, RecipeError, bind_architecture, load_recipe,
                                          recipe_for_model_type)
 from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
@@ -29,7 +30,6 @@ from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, SafetensorsHeader
 from .sources import INDEX_FILE, Source
 
 GB = 1000**3
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
@@ -225,21 +225,9 @@ def split_piece_of(recipe: Recipe, file: str, source_name: str, name: str, exper
                  split.transpose)
 
 
-def layer_of(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
-
-
 def expert_of(name: str) -> int | None:
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
-
-
-def num_layers_of(config: dict) -> int | None:
-    n = config.get("num_hidden_layers")
-    if n is None and isinstance(config.get("text_config"), dict):
-        n = config["text_config"].get("num_hidden_layers")
-    return n if isinstance(n, int) else None
 
 
 def choose_recipe(config: dict, recipe: str | None, overrides: dict) -> Recipe:
