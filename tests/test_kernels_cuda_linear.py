@@ -296,8 +296,9 @@ def test_a_compiled_step_matches_the_step_built_op_by_op(tmp_path, monkeypatch, 
     step built op by op, token after token with a cache."""
     from test_runtime_fixtures import make_checkpoint, write_repo
 
-    from turboquant.runtime import fuse, load
+    from turboquant.runtime import fuse, load, whole_step
 
+    monkeypatch.setattr(whole_step, "WHOLE_STEP", False)  # the per-layer halves, not the whole step
     config, weights = make_checkpoint(kind, seed=6)
     write_repo(tmp_path / kind, config, weights, bits=3)
     model, _ = load(tmp_path / kind)
