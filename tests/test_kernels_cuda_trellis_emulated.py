@@ -1,0 +1,97 @@
+"""The trellis CUDA kernels on the CPU (`tests/cuda_emulation.py`): the checks of
+`tests/test_kernels_cuda_trellis.py` at small shapes, blocks shuffled, so a change to a
+kernel's source or launch plan is tested without a GPU; and every source compiled by nvcc
+for sm_90 where it is installed (register spills fail). What the emulation leaves out
+(dp4a and the correctly rounded division: the host computes them plainly; races, speed)
+the GPU tests check.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from turboquant.kernels import cuda_rotate, cuda_trellis
+from turboquant.stages.trellis import TrellisCode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cuda_emulation  # noqa: E402
+import cuda_source  # noqa: E402
+import test_kernels_cuda_trellis as gpu  # noqa: E402
+
+
+def _forget_kernels():
+    for built in (cuda_trellis._kernel, cuda_rotate._kernel):
+        built.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return cuda_emulation.folder_or_skip(tmp_path_factory, "cuda_trellis_emulated")
+
+
+@pytest.fixture
+def emulated(monkeypatch, folder):
+    with cuda_emulation.emulating(monkeypatch, folder, _forget_kernels):
+        monkeypatch.setattr(cuda_emulation.CudaKernelOnCPU, "shuffle", 5)
+        monkeypatch.setattr(cuda_trellis, "_blocks", lambda tiles: min(tiles, 2))  # strides
+        yield
+
+
+@pytest.mark.parametrize("bits, state_bits, values, block", [
+    (2, 16, 1, 256), (3, 16, 1, 256), (4, 16, 1, 256), (3, 12, 2, 128), (4, 9, 2, 64),
+    (2, 20, 1, 32),
+])
+def test_the_gemv(emulated, bits, state_bits, values, block):
+    # 320 wide: blocks of `block` and a shorter last one; 40 rows: a partial tile
+    gpu.check_matvec(bits, state_bits, values, 40, 320, block, group_size=32, tokens=2,
+                     rows_per_warp=2)
+
+
+def test_the_gemv_in_bf16(emulated):
+    gpu.check_matvec(3, 16, 1, 16, 256, 256, dtype=mx.bfloat16, rows_per_warp=1)
+
+
+@pytest.mark.parametrize("bits, state_bits, values, block", [
+    (2, 16, 1, 256), (3, 16, 1, 256), (4, 16, 1, 256), (3, 10, 2, 96)])
+def test_the_tile_decode_is_exact(emulated, bits, state_bits, values, block):
+    gpu.check_dequantize(bits, state_bits, values, 5, 320, block)
+
+
+def test_the_prefill_tiles(emulated):
+    gpu.check_matmul(3, 24, 256, 256, tokens=10, chunk=8 * 256)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_the_rotated_linear(emulated, tokens):
+    gpu.check_linear(3, 16, 200, 256, 256, tokens=tokens)
+
+
+def _sources():
+    """Every kernel of this module at the shapes the runtime and the benchmark use."""
+    out = []
+    for bits in (2, 3, 4):
+        for values, state_bits in ((1, 16), (2, 16)):
+            code = TrellisCode(state_bits, bits, values)
+            body = cuda_trellis.gemv_source(code, 256, 64, 8192, 28672, mx.float32, mx.float32)
+            out.append(("gemv", body, ["x", "codes", "scales"],
+                        [mx.float32, mx.uint32, mx.float16], mx.float32))
+            body = cuda_trellis.decode_source(code, 256, 64, 4096, mx.bfloat16)
+            out.append(("decode", body, ["codes", "scales"], [mx.uint32, mx.float16],
+                        mx.bfloat16))
+    return out
+
+
+def test_the_sources_compile_with_nvcc(tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    text = cuda_trellis.header()
+    for i, (kind, body, inputs, dtypes, out_dtype) in enumerate(_sources()):
+        text += cuda_source.kernel_source(f"tq_trellis_{kind}{i}", inputs, ["out"], body, dtypes,
+                                          [out_dtype], ())
+    cuda_source.compile_with_nvcc(text, tmp_path, "trellis")
