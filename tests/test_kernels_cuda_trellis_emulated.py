@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from turboquant.kernels import cuda_rotate, cuda_trellis
+from turboquant.kernels import cuda_rotate, cuda_trellis, cuda_trellis_encode
 from turboquant.stages.trellis import TrellisCode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_emulation  # noqa: E402
 import cuda_source  # noqa: E402
 import test_kernels_cuda_trellis as gpu  # noqa: E402
+import test_kernels_cuda_trellis_encode as enc  # noqa: E402
 
 
 def _forget_kernels():
-    for built in (cuda_trellis._kernel, cuda_rotate._kernel):
+    for built in (cuda_trellis._kernel, cuda_trellis_encode._kernel, cuda_rotate._kernel):
         built.cache_clear()
 
 
@@ -95,3 +96,32 @@ def test_the_sources_compile_with_nvcc(tmp_path):
         text += cuda_source.kernel_source(f"tq_trellis_{kind}{i}", inputs, ["out"], body, dtypes,
                                           [out_dtype], ())
     cuda_source.compile_with_nvcc(text, tmp_path, "trellis")
+
+
+# ---------------------------------------------------------------------------- the Viterbi
+
+
+@pytest.mark.parametrize("state_bits, bits, values, block", [
+    (8, 2, 1, 64), (10, 3, 1, 96), (10, 4, 1, 64), (10, 2, 2, 64), (9, 3, 2, 64)])
+def test_the_viterbi_paths(emulated, state_bits, bits, values, block):
+    enc.check_blocks(state_bits, bits, values, 4, block, seed=state_bits + bits)
+
+
+@pytest.mark.parametrize("state_bits, bits, values", [(8, 3, 1), (10, 2, 1), (10, 4, 2)])
+def test_the_encoded_rows(emulated, state_bits, bits, values):
+    # 160 wide: a block of 128 and one of 32; padding from 150 on
+    enc.check_rows(state_bits, bits, values, 3, 160, 128, valid=150)
+
+
+def test_the_viterbi_sources_compile_with_nvcc(tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    text = cuda_trellis_encode.kernel_header()
+    for i, (bits, values) in enumerate(((2, 1), (3, 1), (4, 1), (3, 2))):
+        code = TrellisCode(16, bits, values)
+        for closed in (False, True):
+            body = cuda_trellis_encode.source(code, 256 // values, 128 // values, closed)
+            text += cuda_source.kernel_source(f"tq_viterbi{i}{int(closed)}", ["y", "closing"],
+                                              ["path", "back"], body, [mx.float32, mx.int32],
+                                              [mx.int32, mx.uint32], ())
+    cuda_source.compile_with_nvcc(text, tmp_path, "viterbi")
