@@ -8,8 +8,8 @@ on a chunk of 32 consecutive weights of a row: its k words plus the word before 
 block's last word for a block's first chunk: the stream is a circle), so every state of the
 chunk lies in two registers at a shift known when the kernel is compiled (the loop over the
 32 weights is unrolled): a funnel shift, a mask, a multiply-add, a shift-xor and one dp4a a
-weight, then the centred byte sum as a float (2^23 + s through its bits, minus 2^23 + 510:
-exact) and a multiply-add with the activation. A chunk never straddles a group (groups are
+weight (its accumulator the bits of the float 2^23, so the sum comes out as the float
+2^23 + s), a subtraction of 2^23 + 510 (exact) and a multiply-add with the activation. A chunk never straddles a group (groups are
 multiples of 32), so its sum is scaled once; 1 / BYTESUM_STD is applied to the row's total.
 
 - `matvec` (decode, a few tokens): x_rot (tokens, padded_in), already rotated and padded, as
@@ -81,10 +81,17 @@ __device__ __forceinline__ uint32_t tq_trellis_sum(uint32_t s, int j) {
   return tq_bytesum(h);
 }
 
-// sum - 510 as a float, exactly: the float whose bits are 2^23's with s in the mantissa
-// is 2^23 + s (s < 2^23).
-__device__ __forceinline__ float tq_centred(uint32_t sum) {
-  return __uint_as_float(0x4B000000u | sum) - 8389118.0f;
+// The byte sum of state s's value j minus 510, as a float, exactly: dp4a adds the bytes to
+// the bits of the float 2^23, which are then the bits of 2^23 + sum (sum < 2^23).
+__device__ __forceinline__ float tq_trellis_centred(uint32_t s, int j) {
+  uint32_t h = j ? s * TQ_MUL1 + TQ_ADD1 : s * TQ_MUL0 + TQ_ADD0;
+  h ^= h >> 16;
+#ifdef __CUDA_ARCH__
+  const uint32_t bits = __dp4a(h, 0x01010101u, 0x4B000000u);
+#else
+  const uint32_t bits = 0x4B000000u + tq_bytesum(h);
+#endif
+  return __uint_as_float(bits) - 8389118.0f;
 }
 
 // The words of chunk `chunk` (weights 32 chunk .. 32 chunk + 31 of a row of N weights cut
@@ -165,8 +172,8 @@ _GEMV = r"""
         for (int j = 0; j < 32; j += 2) {
           const uint32_t s0 = tq_trellis_state<BITS, STATE, VALUES>(c, j);
           const uint32_t s1 = tq_trellis_state<BITS, STATE, VALUES>(c, j + 1);
-          p0 += tq_centred(tq_trellis_sum(s0, j % VALUES)) * xv[j];
-          p1 += tq_centred(tq_trellis_sum(s1, (j + 1) % VALUES)) * xv[j + 1];
+          p0 += tq_trellis_centred(s0, j % VALUES) * xv[j];
+          p1 += tq_trellis_centred(s1, (j + 1) % VALUES) * xv[j + 1];
         }
         acc[r] += (p0 + p1) * __half2float(scales[(size_t)row * NSCALES + g]);
       }
