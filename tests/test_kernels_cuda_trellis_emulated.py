@@ -125,3 +125,31 @@ def test_the_viterbi_sources_compile_with_nvcc(tmp_path):
                                               ["path", "back"], body, [mx.float32, mx.int32],
                                               [mx.int32, mx.uint32], ())
     cuda_source.compile_with_nvcc(text, tmp_path, "viterbi")
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def test_the_benchmark_runs(emulated, monkeypatch, capsys, tmp_path):
+    """`benchmarks/kernels.py --trellis` end to end at tiny shapes (each method evaluated
+    once instead of timed), so the device step runs the first time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernels as bench
+
+    monkeypatch.setattr(bench, "TRELLIS_SHAPES", [(64, 256)])
+    monkeypatch.setattr(bench, "PER_EVAL", 2)
+    monkeypatch.setattr(bench, "_time", lambda fn, reps=10: (mx.eval(fn()), 1e-6)[1])
+    check = bench.trellis_check
+    monkeypatch.setattr(bench, "trellis_check", lambda: check(out_f=16, in_f=256))
+    small = bench.bench_trellis_encode
+    monkeypatch.setattr(bench, "bench_trellis_encode",
+                        lambda: small(rows=2, cols=256, cpu_rows=1, cpu_cols=256, state_bits=10))
+    bench.trellis_main(str(tmp_path / "trellis.json"), encode=True)
+    out = capsys.readouterr().out
+    assert "trellis3_linear" in out and "slice identical" in out
+    import json
+
+    results = json.loads((tmp_path / "trellis.json").read_text())
+    assert [r["slice_identical"] for r in results["encode"]] == [True] * 3
+    assert results["gemv"][0]["shape"] == "64x256"
+    assert all(c["decode_exact"] and c["gemv"] < 1e-5 for c in results["check"].values())
