@@ -481,8 +481,12 @@ def trellis_main(json_path: str | None, encode: bool = True) -> None:
                   + " ".join(f"{r[f'{n}_{mode}'] * 1e6:15.1f}" for n in names)
                   + f"  {r[f'trellis3_{mode}'] / r[f'tq3_{mode}']:10.2f}", flush=True)
     if encode:
-        print("trellis encode, L=16 V=1 block 256 group 64, 4096x4096 Gaussian: weights/s")
-        print(f"{'bits':>4} {'cpu numba':>12} {'gpu viterbi':>12} {'gpu rows':>12} "
+        from turboquant.stages import trellis
+
+        cpu = "numba" if trellis._COMPILED else "numpy (numba not installed)"
+        print(f"trellis encode, L=16 V=1 block 256 group 64, 4096x4096 Gaussian: weights/s; "
+              f"the CPU encoder ({cpu}) on a 2x512 slice")
+        print(f"{'bits':>4} {'cpu':>12} {'gpu viterbi':>12} {'gpu rows':>12} "
               f"{'estimate':>12} {'gpu/cpu':>8} slice identical")
         for r in bench_trellis_encode():
             results["encode"].append(r)

@@ -16,7 +16,7 @@ multiples of 32), so its sum is scaled once; 1 / BYTESUM_STD is applied to the r
   the reference's "matvec" takes it. A block stages its token's row in shared memory (float32,
   16-byte units swizzled so the eight lanes of a shared-memory phase read eight different
   bank quads), then each warp runs `rows_per_warp` rows at a time, the lanes over the chunks;
-  blocks stride over the row tiles so the row is staged about twice per multiprocessor.
+  a block per tile (the GPU balances them), striding over tiles beyond 16 blocks an SM.
 - `dequantize` (prefill): rows of rotated weights `scale * v` in bf16/fp16/float32, a chunk a
   thread, for `tiles.tiled_matmul` and MLX's GEMM (`matmul`). In float32 it equals
   `stages.trellis.decode_rows` bit for bit (the division is correctly rounded, as numpy's).
@@ -43,7 +43,7 @@ from .cuda_gemv import constants_source
 WARPS = 8
 THREADS = 32 * WARPS
 MAX_SHARED_BYTES = cuda_rotate.MAX_SHARED_BYTES  # the staged float32 row
-BLOCKS_PER_SM = 2  # GEMV blocks stride over row tiles: the row is staged ~twice an SM
+BLOCKS_PER_SM = 16  # beyond this many GEMV blocks an SM, blocks stride over the row tiles
 MATVEC_MAX_TOKENS = 8  # above this many tokens `linear` decodes tiles for MLX's GEMM
 
 
@@ -244,10 +244,15 @@ def _kernel(kind: str, body: str, shared: int):
                                 shared_memory=shared)
 
 
+WARPS_WANTED = 4096  # ~32 warps on each of an H200's 132 SMs
+
+
 def rows_per_warp_for(out_features: int) -> int:
-    """Rows a warp runs at once (4, 2, 1): the most that still leaves 512 warps."""
+    """Rows a warp runs at once (4, 2, 1): the most that still leaves WARPS_WANTED warps.
+    The decode is bound by its instructions (~8 a weight), not by x's shared-memory reads
+    that more rows a warp share, so warps to hide latency come first."""
     for rows in (4, 2):
-        if out_features // rows >= 512:
+        if out_features // rows >= WARPS_WANTED:
             return rows
     return 1
 
