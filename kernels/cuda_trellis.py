@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from turboquant.stages import trellis
+from turboquant.stages.rotate import rotate as rotate_rows
 from turboquant.stages.trellis import TrellisCode
 
 from . import compiled, cuda_memory, cuda_rotate, tiles
@@ -134,6 +135,7 @@ _GEMV = r"""
   constexpr int CHUNKS = PADDED / 32;
   constexpr int NSCALES = PADDED / GS;
   constexpr int TILE = WARPS * ROWS;
+  const int OUT = codes_shape[0];  // read, not compiled in: one kernel serves every height
   extern __shared__ __align__(16) float xs[];
   const int token = blockIdx.y;
   const InT* xr = x + (size_t)token * PADDED;
@@ -259,11 +261,11 @@ def rows_per_warp_for(out_features: int) -> int:
 
 def gemv_source(code: TrellisCode, block: int, group_size: int, padded_in: int,
                 out_features: int, in_dtype, out_dtype, rows: int | None = None) -> str:
-    """The GEMV's body with its constants (also what the nvcc checks compile)."""
+    """The GEMV's body with its constants (also what the nvcc checks compile); the height
+    only picks the rows a warp runs (the kernel reads it from the codes' shape)."""
     rows = rows or rows_per_warp_for(out_features)
     constants = code_constants(code, block, group_size, padded_in) + [
-        ("OUT", out_features), ("ROWS", rows), ("WARPS", WARPS), ("InT", in_dtype),
-        ("OutT", out_dtype)]
+        ("ROWS", rows), ("WARPS", WARPS), ("InT", in_dtype), ("OutT", out_dtype)]
     return constants_source(constants) + _with_floats(_GEMV)
 
 
@@ -351,15 +353,20 @@ def linear(x: mx.array, codes: mx.array, scales: mx.array, code: TrellisCode, bl
     """A trellis-coded linear layer on CUDA: x (..., in_features) -> (..., out_features) in
     x's dtype. The input is rotated with the tensor's `seed` by `cuda_rotate.rotate` (the
     scalar code's rotation: the same signs, Hadamard and plan), zero-padded to padded_in in
-    float32, then `matvec` (at most MATVEC_MAX_TOKENS tokens) or `matmul`."""
+    float32, then `matvec` (at most MATVEC_MAX_TOKENS tokens) or `matmul`. Sizes the
+    rotation kernel does not cover (`cuda_rotate.operands`) rotate with MLX's ops."""
     lead, n = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n)
-    tokens = x2.shape[0]
-    if tokens <= MATVEC_MAX_TOKENS:
-        x_rot = cuda_rotate.rotate(x2, (seed,), padded_in, out_dtype=mx.float32)[0]
+    few = x2.shape[0] <= MATVEC_MAX_TOKENS
+    dtype = mx.float32 if few else tiles.compute_dtype(x.dtype)
+    try:
+        x_rot = cuda_rotate.rotate(x2, (seed,), padded_in, out_dtype=dtype)[0]
+    except NotImplementedError:  # a rotation the kernel does not cover: MLX's ops
+        x_rot = mx.pad(rotate_rows(x2.astype(mx.float32), seed),
+                       [(0, 0), (0, padded_in - n)]).astype(dtype)
+    if few:
         y = matvec(x_rot, codes, scales, code, block, group_size, out_features, padded_in)
     else:
-        x_rot = cuda_rotate.rotate(x2, (seed,), padded_in, out_dtype=tiles.compute_dtype(x.dtype))[0]
         y = matmul(x_rot, codes, scales, code, block, group_size, out_features, padded_in)
     return y.astype(x.dtype).reshape(*lead, out_features)
 

@@ -68,9 +68,10 @@ def test_the_prefill_tiles(emulated):
     gpu.check_matmul(3, 24, 256, 256, tokens=10, chunk=8 * 256)
 
 
-@pytest.mark.parametrize("tokens", [1, 9])
-def test_the_rotated_linear(emulated, tokens):
-    gpu.check_linear(3, 16, 200, 256, 256, tokens=tokens)
+@pytest.mark.parametrize("tokens, in_f", [(1, 200), (9, 200), (2, 250)])
+def test_the_rotated_linear(emulated, tokens, in_f):
+    # 200 = 25 x 8: the rotation kernel; 250 = 125 x 2: MLX's ops rotate
+    gpu.check_linear(3, 16, in_f, 256, 256, tokens=tokens)
 
 
 def _sources():
