@@ -20,8 +20,13 @@ is the reference's float32 value; the minimum over a set's 2^kV states keeps the
 do. Back-pointers (kV <= 8 bits) go to global memory, four to a 32-bit word; one thread
 traces the path back.
 
-Work: 2 passes x (T / V) steps x 2^L states for T weights, about 11 integer/float
-instructions and two shared-memory reads a state (`estimate_rate`).
+Shared memory is what binds: a warp's 32 lookups of the distance table are random, so the
+table is kept in up to 32 copies side by side (lane l reads copy l mod copies: 16 copies
+at L = 16, k = 2, 32 otherwise), and the predecessor costs are read 16 bytes at a time from
+a swizzled layout without bank conflicts. Work: 2 passes x (T / V) steps x 2^L states for T
+weights, about 10 instructions and 2-3 shared-memory cycles a warp a state
+(`estimate_rate`: ~21 M weights/s at L = 16, k = 2, ~25 M at k = 3, 4 on an H200, if
+nothing else binds).
 """
 
 from __future__ import annotations
@@ -58,27 +63,31 @@ _SOURCE = r"""
   constexpr int LUT = 1024;
   const float TQ_INF = __uint_as_float(0x7f800000u);
   extern __shared__ __align__(16) float tq_shared[];
-  float* best_a = tq_shared;
+  float* best_a = tq_shared;  // M costs, swizzled (tq_sw)
   float* best_b = tq_shared + M;
   float* value = tq_shared + 2 * M;  // LUT: the value of a byte sum
-  float* dist = value + LUT;         // VALUES * LUT: the step's squared distances
+  float* dist = value + LUT;         // VALUES * LUT * REP: the step's squared distances
   __shared__ float red_c[32];
   __shared__ int red_s[32];
-  const int item = blockIdx.x, tid = threadIdx.x;
+  const int item = blockIdx.x, tid = threadIdx.x, slot = tid & (REP - 1);
   const float* yi = y + (size_t)item * STEPS * VALUES;
   const int close = CLOSED ? closing[item] : -1;
   for (int b = tid; b < LUT; b += THREADS) value[b] = tq_div_rn((float)(b - 510), STD);
   // before step 0: 0 where the circle may start, infinity elsewhere
-  for (int p = tid; p < M; p += THREADS) best_a[p] = (CLOSED && p != close) ? TQ_INF : 0.f;
+  for (int p = tid; p < M; p += THREADS) best_a[tq_sw(p)] = (CLOSED && p != close) ? TQ_INF : 0.f;
   __syncthreads();
   float* prev = best_a;
   float* next = best_b;
   for (int t = 1; t <= STEPS; ++t) {
-    // step t - 1's squared distance of every value (the source step rolled by SHIFT)
+    // step t - 1's squared distance of every value (the source step rolled by SHIFT),
+    // REP copies side by side: lane l reads copy l % REP, so lanes meet in fewer banks
     const float* yt = yi + ((t - 1 + SHIFT) % STEPS) * VALUES;
     for (int b = tid; b < VALUES * LUT; b += THREADS) {
       const float diff = yt[b / LUT] - value[b % LUT];
-      dist[b] = tq_mul_rn(diff, diff);
+      const float d = tq_mul_rn(diff, diff);
+      float4* o = reinterpret_cast<float4*>(dist + (size_t)b * REP);
+      #pragma unroll
+      for (int u = 0; u < REP / 4; ++u) o[u] = make_float4(d, d, d, d);
     }
     __syncthreads();
     if (t == STEPS) break;
@@ -90,11 +99,27 @@ _SOURCE = r"""
         const uint32_t s0 = (uint32_t)p * FAN;
         float b = 0.f;
         int h = 0;
-        for (int i = 0; i < FAN; ++i) {
-          const float c = tq_trellis_cost(s0 + i, dist) + prev[(s0 + i) & (M - 1)];
-          if (i == 0 || c < b) { b = c; h = i; }
+        if (M >= FAN) {  // the set's predecessors: FAN costs in a row, 4 a load
+          const float4* prev4 = reinterpret_cast<const float4*>(prev);
+          const int u0 = (int)((s0 & (M - 1)) >> 2);
+          #pragma unroll 4
+          for (int j = 0; j < FAN / 4; ++j) {
+            const float4 pv = prev4[tq_sw_unit(u0 + j)];
+            const float pc[4] = {pv.x, pv.y, pv.z, pv.w};
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = 4 * j + e;
+              const float c = tq_trellis_cost(s0 + i, dist, slot) + pc[e];
+              if (i == 0 || c < b) { b = c; h = i; }
+            }
+          }
+        } else {
+          for (int i = 0; i < FAN; ++i) {
+            const float c = tq_trellis_cost(s0 + i, dist, slot) + prev[tq_sw((s0 + i) & (M - 1))];
+            if (i == 0 || c < b) { b = c; h = i; }
+          }
         }
-        next[p] = b;
+        next[tq_sw(p)] = b;
         word |= (uint32_t)h << (8 * r);
       }
       back[((size_t)item * STEPS + t) * Q + q] = word;
@@ -109,7 +134,7 @@ _SOURCE = r"""
   int bs = 0x7fffffff;
   for (int s = tid; s < N; s += THREADS) {
     if (CLOSED && (s >> KV) != close) continue;
-    const float c = tq_trellis_cost((uint32_t)s, dist) + prev[s & (M - 1)];
+    const float c = tq_trellis_cost((uint32_t)s, dist, slot) + prev[tq_sw(s & (M - 1))];
     if (c < bc || (c == bc && s < bs)) { bc = c; bs = s; }
   }
   #pragma unroll
@@ -145,27 +170,42 @@ __device__ __forceinline__ float tq_mul_rn(float a, float b) {
 #endif
 }
 
-// A state's squared distance to the step's values: dist is indexed by byte sum, value j's
-// table after value j - 1's; summed in value order from the first, as the reference.
-template <int V>
-__device__ __forceinline__ float tq_trellis_cost_v(uint32_t s, const float* dist) {
-  float d = dist[tq_trellis_sum(s, 0)];
-  if (V == 2) d = d + dist[1024 + tq_trellis_sum(s, 1)];
+// A state's squared distance to the step's values: dist holds REP copies of each byte
+// sum's distance side by side (copy `slot`), value j's table after value j - 1's; summed
+// in value order from the first, as the reference.
+template <int V, int R>
+__device__ __forceinline__ float tq_trellis_cost_v(uint32_t s, const float* dist, int slot) {
+  float d = dist[tq_trellis_sum(s, 0) * R + slot];
+  if (V == 2) d = d + dist[(1024 + tq_trellis_sum(s, 1)) * R + slot];
   return d;
 }
-#define tq_trellis_cost(s, dist) tq_trellis_cost_v<VALUES>((s), (dist))
+#define tq_trellis_cost(s, dist, slot) tq_trellis_cost_v<VALUES, REP>((s), (dist), (slot))
+
+// Where cost x of a set lives: its 16-byte unit u at u ^ ((u >> 3) & 7), so the 8 lanes of
+// a phase reading 16-byte units 1, 2 or 4 apart meet 8 different bank quads.
+__device__ __forceinline__ int tq_sw_unit(int u) { return u ^ ((u >> 3) & 7); }
+__device__ __forceinline__ int tq_sw(int x) { return (tq_sw_unit(x >> 2) << 2) | (x & 3); }
 """
+
+
+def copies_for(code: TrellisCode) -> int:
+    """Copies of the distance table side by side (32, 16, 8, 4): the most that fit beside
+    the costs; 0 if even 4 do not. 32 copies: a warp's lookups meet no bank twice."""
+    for rep in (32, 16, 8, 4):
+        if shared_bytes(code, rep) <= MAX_SHARED_BYTES:
+            return rep
+    return 0
 
 
 def supported(code: TrellisCode) -> bool:
     """Whether a thread block holds the code's predecessor sets (2 m floats in shared
-    memory, m = 2^(L - kV) >= 4 for the packed back-pointers)."""
-    m = 1 << code.keep_bits
-    return m >= 4 and shared_bytes(code) <= MAX_SHARED_BYTES
+    memory, m = 2^(L - kV) >= 4 for the packed back-pointers) and 4 distance tables."""
+    return (1 << code.keep_bits) >= 4 and copies_for(code) > 0
 
 
-def shared_bytes(code: TrellisCode) -> int:
-    return 4 * (2 * (1 << code.keep_bits) + LUT * (1 + code.values))
+def shared_bytes(code: TrellisCode, rep: int | None = None) -> int:
+    rep = copies_for(code) if rep is None else rep
+    return 4 * (2 * (1 << code.keep_bits) + LUT + LUT * code.values * rep)
 
 
 def threads_for(code: TrellisCode) -> int:
@@ -178,7 +218,7 @@ def source(code: TrellisCode, steps: int, shift: int, closed: bool) -> str:
     half-rotated block), `closed` constrains the circle to the `closing` input."""
     constants = [("BITS", code.bits), ("STATE", code.state_bits), ("VALUES", code.values),
                  ("STEPS", steps), ("SHIFT", shift), ("CLOSED", closed),
-                 ("THREADS", threads_for(code))]
+                 ("THREADS", threads_for(code)), ("REP", copies_for(code))]
     return (constants_source(constants) + f"  constexpr float STD = {_float(trellis.BYTESUM_STD)};\n"
             + _SOURCE)
 
@@ -282,16 +322,21 @@ def encode_rows_gpu(code: TrellisCode, x: np.ndarray, group_size: int, block: in
                        (g.astype(np.float64) ** 2).sum(axis=(1, 2)))
 
 
-OPS_PER_STATE = 11  # integer and float instructions a state and step (source above)
+OPS_PER_STATE = 10  # instructions a state and step: hash (IMAD, SHF, LOP3, DP4A), table
+# index, two adds, compare and two selects (the source above)
+# shared-memory cycles a warp's lookup of the distance table costs, by copies: 32 random
+# lanes over 32 banks meet ~3.5 times in the busiest bank; with c copies, 32 / c lanes share
+CONFLICTS = {32: 1.0, 16: 2.0, 8: 2.6, 4: 3.5}
 
 
 def estimate_rate(code: TrellisCode, sms: int = 132, clock_hz: float = 1.98e9,
-                  lanes: int = 128, shared_wavefronts: float = 4.5) -> float:
+                  lanes: int = 128) -> float:
     """Weights a second the GPU Viterbi can code at best: 2 passes x 2^L states a step, V
-    weights a step; a state costs OPS_PER_STATE instructions over `lanes` lanes a clock and
-    an SM, or `shared_wavefronts` shared-memory cycles a warp (the random byte-sum lookup,
-    ~3.5-way bank conflicts, and the predecessor costs): whichever binds. H200 defaults."""
-    per_clock = min(lanes / OPS_PER_STATE, 32 / shared_wavefronts)  # states a clock an SM
+    weights a step. A state costs OPS_PER_STATE instructions over `lanes` lanes a clock
+    and an SM, and per warp the distance lookup (`CONFLICTS`) plus one cycle of cost reads
+    (16-byte loads, swizzled: no conflicts) of shared memory; whichever binds. H200."""
+    shared = CONFLICTS[copies_for(code)] * code.values + 1.0
+    per_clock = min(lanes / OPS_PER_STATE, 32 / shared)  # states a clock an SM
     states_per_weight = 2 * (1 << code.state_bits) / code.values
     return sms * clock_hz * per_clock / states_per_weight
 
