@@ -405,12 +405,12 @@ def bench_trellis_gemv(out_f: int, in_f: int, bits: int = 3) -> dict:
     mx.eval(qs, ops, tops)
     xp, xf = x.astype(mx.float16), x.astype(mx.float32)
     call = bound_gemv(out_f, in_f, bits, scales.shape[-1])
+    tcall = cuda_trellis.gemv_launch(code, 256, 64, in_f, out_f, mx.float32, 1)  # bound once
     methods = {
         f"affine{bits}": lambda i: mx.quantized_matmul(x, *qs[i % len(qs)], transpose=True,
                                                        group_size=64, bits=bits),
         f"tq{bits}": lambda i: call(xp, *ops[i % len(ops)]),
-        f"trellis{bits}": lambda i: cuda_trellis.matvec(xf, *tops[i % len(tops)], code, 256, 64,
-                                                        out_f, in_f),
+        f"trellis{bits}": lambda i: tcall(inputs=[xf, *tops[i % len(tops)]])[0],
         f"trellis{bits}_linear": lambda i: cuda_trellis.linear(x, *tops[i % len(tops)], code, 256,
                                                                64, out_f, in_f, seed=1),
     }

@@ -294,26 +294,39 @@ def _check_operands(x_rot, codes, scales, code, group_size, out_features, padded
                          f"{padded_in} (rotate, then zero-pad)")
 
 
+@functools.lru_cache(maxsize=None)
+def gemv_launch(code: TrellisCode, block: int, group_size: int, padded_in: int,
+                out_features: int, dtype, tokens: int, rows_per_warp: int | None = None):
+    """f(inputs=[x, codes, scales]) -> [y]: the GEMV for this shape with its grid and
+    outputs bound, built once (what a layer calls every token; `matvec` checks, then calls
+    it). x (tokens, padded_in) in `dtype`, y (tokens, out_features) in `dtype`."""
+    rows = rows_per_warp or rows_per_warp_for(out_features)
+    body = gemv_source(code, block, group_size, padded_in, out_features, dtype, dtype, rows)
+    kernel = _kernel("gemv", body, 4 * padded_in)
+    blocks = _blocks(-(-out_features // (WARPS * rows)))
+    return functools.partial(kernel, grid=(blocks * THREADS, tokens, 1),
+                             threadgroup=(THREADS, 1, 1),
+                             output_shapes=[(tokens, out_features)], output_dtypes=[dtype])
+
+
 def matvec(x_rot: mx.array, codes: mx.array, scales: mx.array, code: TrellisCode, block: int,
            group_size: int, out_features: int, padded_in: int,
            rows_per_warp: int | None = None) -> mx.array:
     """y = W x for a trellis-coded W: x_rot (..., padded_in) rotated and zero-padded, codes
     (out_features, padded_in * k / 32) uint32, scales (out_features, padded_in / group_size)
-    float16 -> (..., out_features) in x_rot's dtype. One launch; a GPU thread block per row
-    tile and token (`rows_per_warp`: rows a warp runs at once, `rows_per_warp_for`)."""
+    float16 -> (..., out_features) in x_rot's dtype. One launch (`gemv_launch`): a GPU
+    thread block per row tile and token (`rows_per_warp`: rows a warp runs at once,
+    `rows_per_warp_for`)."""
     _check_operands(x_rot, codes, scales, code, group_size, out_features, padded_in)
     if 4 * padded_in > MAX_SHARED_BYTES:
         raise NotImplementedError(f"a row of {padded_in} does not fit a block's shared memory")
     lead = x_rot.shape[:-1]
     x = x_rot.reshape(-1, padded_in)
-    rows = rows_per_warp or rows_per_warp_for(out_features)
-    body = gemv_source(code, block, group_size, padded_in, out_features, x.dtype, x.dtype, rows)
-    kernel = _kernel("gemv", body, 4 * padded_in)
-    blocks = _blocks(-(-out_features // (WARPS * rows)))
-    y = kernel(inputs=[x, codes, scales.astype(mx.float16)], grid=(blocks * THREADS, x.shape[0], 1),
-               threadgroup=(THREADS, 1, 1), output_shapes=[(x.shape[0], out_features)],
-               output_dtypes=[x.dtype])[0]
-    return y.reshape(*lead, out_features)
+    if scales.dtype != mx.float16:
+        scales = scales.astype(mx.float16)
+    run = gemv_launch(code, block, group_size, padded_in, out_features, x.dtype, x.shape[0],
+                      rows_per_warp)
+    return run(inputs=[x, codes, scales])[0].reshape(*lead, out_features)
 
 
 OUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -381,5 +394,5 @@ def reference_matvec(x_rot, codes, scales, code: TrellisCode, block: int, group_
     return (x_rot.astype(mx.float32) @ w.T).astype(x_rot.dtype)
 
 
-__all__ = ["dequantize", "gemv_source", "decode_source", "linear", "matmul", "matvec",
+__all__ = ["dequantize", "gemv_launch", "gemv_source", "decode_source", "linear", "matmul", "matvec",
            "reference_matvec"]

@@ -27,7 +27,8 @@ import test_kernels_cuda_trellis_encode as enc  # noqa: E402
 
 
 def _forget_kernels():
-    for built in (cuda_trellis._kernel, cuda_trellis_encode._kernel, cuda_rotate._kernel):
+    for built in (cuda_trellis._kernel, cuda_trellis.gemv_launch, cuda_trellis_encode._kernel,
+                  cuda_rotate._kernel):
         built.cache_clear()
 
 
