@@ -394,5 +394,33 @@ def reference_matvec(x_rot, codes, scales, code: TrellisCode, block: int, group_
     return (x_rot.astype(mx.float32) @ w.T).astype(x_rot.dtype)
 
 
-__all__ = ["dequantize", "gemv_launch", "gemv_source", "decode_source", "linear", "matmul", "matvec",
+# ---------------------------------------------------------------------------- emulation
+
+
+def emulate_chunk_sums(code: TrellisCode, block: int, row: np.ndarray, chunk: int) -> list[int]:
+    """`tq_trellis_words` + `tq_trellis_state` + the byte sum in Python, step for step: the
+    32 byte sums of chunk `chunk` of one row's words (the kernels' index arithmetic,
+    checked against the reference on machines without a GPU)."""
+    k, n = code.bits, len(row) * 32 // code.bits
+    w = [int(v) for v in row]
+    col = chunk * 32
+    b0 = col // block * block
+    size = min(n - b0, block)
+    c = [w[b0 * k // 32 + size * k // 32 - 1] if col == b0 else w[chunk * k - 1]]
+    c += w[chunk * k:chunk * k + k]
+    out = []
+    for j in range(32):
+        start = 32 + (j // code.values + 1) * code.step_bits - code.state_bits
+        wi, sh = start >> 5, start & 31
+        s = c[wi] >> sh
+        if sh + code.state_bits > 32:
+            s |= (c[wi + 1] << (32 - sh)) & 0xFFFFFFFF
+        s &= (1 << code.state_bits) - 1
+        h = (s * trellis.MUL[j % code.values] + trellis.ADD[j % code.values]) & 0xFFFFFFFF
+        h ^= h >> 16
+        out.append(sum((h >> (8 * i)) & 0xFF for i in range(4)))
+    return out
+
+
+__all__ = ["dequantize", "emulate_chunk_sums", "gemv_launch", "gemv_source", "decode_source", "linear", "matmul", "matvec",
            "reference_matvec"]

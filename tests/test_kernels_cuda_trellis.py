@@ -14,6 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turboquant.kernels import cuda_trellis
 from turboquant.stages import trellis
@@ -102,6 +104,33 @@ def check_linear(bits: int, out_f: int, in_f: int, padded: int, block: int, toke
 
 
 # ---------------------------------------------------------------------------- everywhere
+
+
+@st.composite
+def layouts(draw):
+    """A code, a block and a row length the kernels take (blocks of whole chunks, a
+    shorter last block, single-chunk blocks included)."""
+    bits = draw(st.sampled_from([2, 3, 4]))
+    values = draw(st.sampled_from([1, 2]))
+    state_bits = draw(st.integers(bits * values + 1, 20))
+    block = 32 * draw(st.integers(1, 9))
+    n = 32 * draw(st.integers(1, 24))
+    return TrellisCode(state_bits, bits, values), block, n
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=layouts(), data=st.data())
+def test_the_kernels_windows_give_the_reference_values(layout, data):
+    """The kernels' chunk arithmetic (a chunk's words and the word before it in the block's
+    circle, a state's window at a fixed offset), in Python, against `decode_words`."""
+    code, block, n = layout
+    words = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n * code.bits // 32,
+                                        max_size=n * code.bits // 32)), dtype=np.uint32)
+    want = trellis.decode_words(code, words[None], block)[0]
+    sums = [s for chunk in range(n // 32)
+            for s in cuda_trellis.emulate_chunk_sums(code, block, words, chunk)]
+    got = (np.array(sums, np.float32) - np.float32(510)) / np.float32(trellis.BYTESUM_STD)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_reference_matvec_is_decode_rows_times_x():
