@@ -230,9 +230,9 @@ for s in "$@"; do
       # CPU encoder at L = 16, bit for bit), then kernels.py --trellis: the GEMV at 3 bits
       # (28672x8192, 4096x4096) against TQ3 and affine-3, single and pipelined, and the GPU
       # encode of a 4096x4096 matrix at 2/3/4 bits against the CPU encoder on a slice
-      step tests-trellis 120 python3 -P -m pytest -q -p no:cacheprovider -rfE -k gpu \
+      step tests-trellis 130 python3 -P -m pytest -q -p no:cacheprovider -rfE -k gpu \
         tests/test_kernels_cuda_trellis.py tests/test_kernels_cuda_trellis_encode.py
-      step trellis 170 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --trellis \
+      step trellis 160 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --trellis \
         --json "$OUT/trellis.json" ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): tools/cuda_lab.py
