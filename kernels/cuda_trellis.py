@@ -9,8 +9,9 @@ block's last word for a block's first chunk: the stream is a circle), so every s
 chunk lies in two registers at a shift known when the kernel is compiled (the loop over the
 32 weights is unrolled): a funnel shift, a mask, a multiply-add, a shift-xor and one dp4a a
 weight (its accumulator the bits of the float 2^23, so the sum comes out as the float
-2^23 + s), a subtraction of 2^23 + 510 (exact) and a multiply-add with the activation. A chunk never straddles a group (groups are
-multiples of 32), so its sum is scaled once; 1 / BYTESUM_STD is applied to the row's total.
+2^23 + s), a subtraction of 2^23 + 510 (exact) and a multiply-add with the activation. A
+chunk never straddles a group (groups are multiples of 32), so its sum is scaled once;
+1 / BYTESUM_STD is applied to the row's total.
 
 - `matvec` (decode, a few tokens): x_rot (tokens, padded_in), already rotated and padded, as
   the reference's "matvec" takes it. A block stages its token's row in shared memory (float32,
@@ -98,7 +99,8 @@ __device__ __forceinline__ float tq_trellis_centred(uint32_t s, int j) {
 // The words of chunk `chunk` (weights 32 chunk .. 32 chunk + 31 of a row of N weights cut
 // into blocks of B): c[0] the word before them in the block's circle, c[1..K] theirs.
 template <int K, int B, int N>
-__device__ __forceinline__ void tq_trellis_words(const uint32_t* row, int chunk, uint32_t c[K + 1]) {
+__device__ __forceinline__ void tq_trellis_words(const uint32_t* row, int chunk,
+                                                 uint32_t c[K + 1]) {
   const int col = chunk * 32;
   const int b0 = col / B * B;
   const int size = (N - b0) < B ? (N - b0) : B;
@@ -240,9 +242,9 @@ def _with_floats(body: str) -> str:
 def _kernel(kind: str, body: str, shared: int):
     head = header()
     tag = hashlib.sha256((head + body).encode()).hexdigest()[:12]
-    names = (["x", "codes", "scales"], ["out"]) if kind == "gemv" else (["codes", "scales"], ["out"])
-    return compiled.cuda_kernel(name=f"tq_trellis_{kind}_{tag}", input_names=names[0],
-                                output_names=names[1], source=body, header=head,
+    inputs = ["x", "codes", "scales"] if kind == "gemv" else ["codes", "scales"]
+    return compiled.cuda_kernel(name=f"tq_trellis_{kind}_{tag}", input_names=inputs,
+                                output_names=["out"], source=body, header=head,
                                 shared_memory=shared)
 
 
@@ -422,5 +424,5 @@ def emulate_chunk_sums(code: TrellisCode, block: int, row: np.ndarray, chunk: in
     return out
 
 
-__all__ = ["dequantize", "emulate_chunk_sums", "gemv_launch", "gemv_source", "decode_source", "linear", "matmul", "matvec",
-           "reference_matvec"]
+__all__ = ["decode_source", "dequantize", "emulate_chunk_sums", "gemv_launch", "gemv_source",
+           "linear", "matmul", "matvec", "reference_matvec"]

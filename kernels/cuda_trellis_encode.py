@@ -219,8 +219,8 @@ def source(code: TrellisCode, steps: int, shift: int, closed: bool) -> str:
     constants = [("BITS", code.bits), ("STATE", code.state_bits), ("VALUES", code.values),
                  ("STEPS", steps), ("SHIFT", shift), ("CLOSED", closed),
                  ("THREADS", threads_for(code)), ("REP", copies_for(code))]
-    return (constants_source(constants) + f"  constexpr float STD = {_float(trellis.BYTESUM_STD)};\n"
-            + _SOURCE)
+    std = f"  constexpr float STD = {_float(trellis.BYTESUM_STD)};\n"
+    return constants_source(constants) + std + _SOURCE
 
 
 def kernel_header() -> str:
