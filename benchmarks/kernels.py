@@ -424,6 +424,10 @@ def bench_trellis_gemv(out_f: int, in_f: int, bits: int = 3) -> dict:
     finally:
         PIPELINED = saved
     row["trellis_gbps_single"] = tbytes / row[f"trellis{bits}_single"] / 1e9
+    for rows in (1, 2, 4):  # tuning: rows a warp runs at once (single calls)
+        run = cuda_trellis.gemv_launch(code, 256, 64, in_f, out_f, mx.float32, 1, rows)
+        row[f"trellis{bits}_rows{rows}"] = _time(
+            lambda run=run: [run(inputs=[xf, *tops[i % len(tops)]])[0] for i in range(PER_EVAL)])
     return row
 
 
@@ -480,6 +484,8 @@ def trellis_main(json_path: str | None, encode: bool = True) -> None:
             print(f"{r['shape']:>12} {mode:>9} "
                   + " ".join(f"{r[f'{n}_{mode}'] * 1e6:15.1f}" for n in names)
                   + f"  {r[f'trellis3_{mode}'] / r[f'tq3_{mode}']:10.2f}", flush=True)
+        print(f"{'':>12} {'rows/warp':>9} " + " ".join(
+            f"{n}: {r[f'trellis3_rows{n}'] * 1e6:.1f}" for n in (1, 2, 4)), flush=True)
     if encode:
         from turboquant.stages import trellis
 
