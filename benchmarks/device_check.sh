@@ -10,7 +10,7 @@
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
 #   bound-calls  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
-#   kv-table
+#   kv-table  trellis
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -233,6 +233,14 @@ for s in "$@"; do
       step decode-tq3x3 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/decode.py \
         --variants tq3,affine4,tq3,affine4,tq3
       kill $smi 2>/dev/null ;;
+    trellis)  # issue 39: the trellis GPU tests (GEMV, tile decode, the Viterbi against the
+      # CPU encoder at L = 16, bit for bit), then kernels.py --trellis: the GEMV at 3 bits
+      # (28672x8192, 4096x4096) against TQ3 and affine-3, single and pipelined, and the GPU
+      # encode of a 4096x4096 matrix at 2/3/4 bits against the CPU encoder on a slice
+      step tests-trellis 130 python3 -P -m pytest -q -p no:cacheprovider -rfE -k gpu \
+        tests/test_kernels_cuda_trellis.py tests/test_kernels_cuda_trellis_encode.py
+      step trellis 160 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --trellis \
+        --json "$OUT/trellis.json" ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): tools/cuda_lab.py
       step lab 240 bash -c "python3 tools/cuda_lab.py --emit /tmp/tq_lab_src && bash /tmp/tq_lab_src/run.sh" ;;

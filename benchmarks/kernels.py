@@ -13,7 +13,12 @@ runs (mlx-lm's `generate_step`): the next evaluation is built and submitted
 hides behind the device's and the figure is the device's time per GEMV. `--loop` prints
 both.
 
+`--trellis`: the trellis-coded GEMV (`kernels/cuda_trellis.py`) at 3 bits against the scalar
+TQ3 kernel and affine-3, single and pipelined, and the GPU Viterbi's weights a second on a
+4096x4096 matrix against the CPU encoder on a slice (its words compared).
+
 Reproduce (GPU machine, MLX CUDA build):  python benchmarks/kernels.py [--check] [--pipelined]
+[--trellis]
 """
 
 from __future__ import annotations
@@ -346,6 +351,162 @@ def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
           f"pipelined {pipelined * 1e6:7.1f} us per GEMV", flush=True)
 
 
+TRELLIS_SHAPES = [(28672, 8192), (4096, 4096)]
+
+
+def trellis_operands(out_f: int, in_f: int, bits: int, state_bits: int = 16, seed: int = 0):
+    """Random trellis-coded rows (any words are a valid code) and float16 scales, group 64."""
+    from turboquant.stages.trellis import TrellisCode
+
+    rng = np.random.default_rng(seed)
+    words = mx.array(rng.integers(0, 2**32, size=(out_f, in_f * bits // 32), dtype=np.uint64)
+                     .astype(np.uint32))
+    scales = mx.array((rng.random((out_f, in_f // 64)) * 0.02 + 0.01).astype(np.float16))
+    return TrellisCode(state_bits, bits), words, scales
+
+
+def trellis_check(out_f: int = 512, in_f: int = 1024) -> dict:
+    """The trellis GEMV and tile decode against `stages.trellis.decode_rows` on random codes."""
+    from turboquant.kernels import cuda_trellis
+    from turboquant.stages import trellis
+
+    errs = {}
+    for bits in (2, 3, 4):
+        code, words, scales = trellis_operands(out_f, in_f, bits, seed=bits)
+        w = trellis.decode_rows(code, np.array(words), np.array(scales), 64, 256)
+        x = np.random.default_rng(bits).standard_normal((1, in_f)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        got = np.array(cuda_trellis.matvec(mx.array(x), words, scales, code, 256, 64, out_f, in_f))
+        tile = np.array(cuda_trellis.dequantize(words, scales, code, 256, 64, in_f, mx.float32))
+        errs[bits] = {"gemv": float(np.abs(got - want).max() / np.abs(want).max()),
+                      "decode_exact": bool(np.array_equal(tile, w))}
+    return errs
+
+
+def bench_trellis_gemv(out_f: int, in_f: int, bits: int = 3) -> dict:
+    """The trellis GEMV against the scalar TQ kernel and MLX affine at the same bits (all on
+    one already-rotated token, weights streamed from HBM), and the trellis linear with its
+    rotation; single calls, then pipelined, in the same process."""
+    from turboquant.kernels import cuda_trellis
+
+    global PIPELINED
+    row = {"shape": f"{out_f}x{in_f}", "bits": bits}
+    x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
+    dense = mx.random.normal((out_f, in_f)).astype(mx.bfloat16) * 0.02
+    q = mx.quantize(dense, group_size=64, bits=bits)
+    qs = [q] + [tuple(a + 0 for a in q) for _ in range(_copies(sum(a.nbytes for a in q)) - 1)]
+    _, low, high, scales = tq_operands(out_f, in_f, bits, seed=bits)
+    nbytes = low.nbytes + high.nbytes + scales.nbytes
+    ops = [(low, high, scales)] + [(low + 0, high + 0, scales + 0)
+                                   for _ in range(_copies(nbytes) - 1)]
+    code, words, tscales = trellis_operands(out_f, in_f, bits, seed=bits)
+    tbytes = words.nbytes + tscales.nbytes
+    tops = [(words, tscales)] + [(words + 0, tscales + 0) for _ in range(_copies(tbytes) - 1)]
+    mx.eval(qs, ops, tops)
+    xp, xf = x.astype(mx.float16), x.astype(mx.float32)
+    call = bound_gemv(out_f, in_f, bits, scales.shape[-1])
+    tcall = cuda_trellis.gemv_launch(code, 256, 64, in_f, out_f, mx.float32, 1)  # bound once
+    methods = {
+        f"affine{bits}": lambda i: mx.quantized_matmul(x, *qs[i % len(qs)], transpose=True,
+                                                       group_size=64, bits=bits),
+        f"tq{bits}": lambda i: call(xp, *ops[i % len(ops)]),
+        f"trellis{bits}": lambda i: tcall(inputs=[xf, *tops[i % len(tops)]])[0],
+        f"trellis{bits}_linear": lambda i: cuda_trellis.linear(x, *tops[i % len(tops)], code, 256,
+                                                               64, out_f, in_f, seed=1),
+    }
+    saved = PIPELINED
+    try:
+        for mode in ("single", "pipelined"):
+            PIPELINED = mode == "pipelined"
+            for name, fn in methods.items():
+                row[f"{name}_{mode}"] = _time(
+                    lambda fn=fn: [fn(i) for i in range(PER_EVAL)])
+    finally:
+        PIPELINED = saved
+    row["trellis_gbps_single"] = tbytes / row[f"trellis{bits}_single"] / 1e9
+    for rows in (1, 2, 4):  # tuning: rows a warp runs at once (single calls)
+        run = cuda_trellis.gemv_launch(code, 256, 64, in_f, out_f, mx.float32, 1, rows)
+        row[f"trellis{bits}_rows{rows}"] = _time(
+            lambda run=run: [run(inputs=[xf, *tops[i % len(tops)]])[0] for i in range(PER_EVAL)])
+    return row
+
+
+def bench_trellis_encode(rows: int = 4096, cols: int = 4096, cpu_rows: int = 2,
+                         cpu_cols: int = 512, state_bits: int = 16) -> list[dict]:
+    """GPU Viterbi encode of a Gaussian rows x cols matrix at 2/3/4 bits (L = 16, blocks
+    of 256, group 64) against the CPU (numba) encoder on a slice, the slice's GPU words
+    compared with the CPU's; weights a second, and the op-count estimate."""
+    from turboquant.kernels import cuda_trellis_encode as enc
+    from turboquant.stages import trellis
+
+    x = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    out = []
+    for bits in (2, 3, 4):
+        code = trellis.TrellisCode(state_bits, bits)
+        part = x[:cpu_rows, :cpu_cols]
+        trellis.encode_rows(code, part[:1, :256], 64, 256)  # numba compiles first: not timed
+        t0 = time.perf_counter()
+        cpu = trellis.encode_rows(code, part, 64, 256)
+        t_cpu = time.perf_counter() - t0
+        gpu_part = enc.encode_rows_gpu(code, part, 64, 256)  # also builds the kernels
+        same = bool(np.array_equal(gpu_part.words, cpu.words)
+                    and np.array_equal(gpu_part.scales, cpu.scales))
+        y = x / np.float32(code.gain)  # the Viterbi alone on the whole matrix's blocks
+        blocks = y.reshape(-1, 256)
+        t0 = time.perf_counter()
+        enc.encode_blocks_gpu(code, blocks)
+        t_viterbi = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        enc.encode_rows_gpu(code, x, 64, 256)
+        t_rows = time.perf_counter() - t0
+        out.append({"bits": bits, "cpu_weights_per_s": part.size / t_cpu,
+                    "gpu_viterbi_weights_per_s": x.size / t_viterbi,
+                    "gpu_encode_rows_weights_per_s": x.size / t_rows,
+                    "estimate_weights_per_s": enc.estimate_rate(code),
+                    "slice_identical": same})
+    return out
+
+
+def trellis_main(json_path: str | None, encode: bool = True) -> None:
+    """--trellis: the check, the GEMV table (single and pipelined) and the encode table."""
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}")
+    results = {"check": trellis_check(), "gemv": [], "encode": []}
+    print("trellis kernels vs decode_rows:", results["check"], flush=True)
+    print(f"microseconds per GEMV, 3 bits, one rotated token ({PER_EVAL} per eval, weights "
+          "streamed from HBM); trellis_linear includes the input's rotation")
+    names = ["affine3", "tq3", "trellis3", "trellis3_linear"]
+    print(f"{'shape':>12} {'mode':>9} " + " ".join(f"{n:>15}" for n in names)
+          + "  trellis/tq3")
+    for out_f, in_f in TRELLIS_SHAPES:
+        r = bench_trellis_gemv(out_f, in_f, 3)
+        results["gemv"].append(r)
+        for mode in ("single", "pipelined"):
+            print(f"{r['shape']:>12} {mode:>9} "
+                  + " ".join(f"{r[f'{n}_{mode}'] * 1e6:15.1f}" for n in names)
+                  + f"  {r[f'trellis3_{mode}'] / r[f'tq3_{mode}']:10.2f}", flush=True)
+        print(f"{'':>12} {'rows/warp':>9} " + " ".join(
+            f"{n}: {r[f'trellis3_rows{n}'] * 1e6:.1f}" for n in (1, 2, 4)), flush=True)
+    if encode:
+        from turboquant.stages import trellis
+
+        cpu = "numba" if trellis._COMPILED else "numpy (numba not installed)"
+        print(f"trellis encode, L=16 V=1 block 256 group 64, 4096x4096 Gaussian: weights/s; "
+              f"the CPU encoder ({cpu}) on a 2x512 slice")
+        print(f"{'bits':>4} {'cpu':>12} {'gpu viterbi':>12} {'gpu rows':>12} "
+              f"{'estimate':>12} {'gpu/cpu':>8} slice identical")
+        for r in bench_trellis_encode():
+            results["encode"].append(r)
+            print(f"{r['bits']:>4} {r['cpu_weights_per_s']:12.3g} "
+                  f"{r['gpu_viterbi_weights_per_s']:12.3g} "
+                  f"{r['gpu_encode_rows_weights_per_s']:12.3g} {r['estimate_weights_per_s']:12.3g} "
+                  f"{r['gpu_viterbi_weights_per_s'] / r['cpu_weights_per_s']:8.0f} "
+                  f"{r['slice_identical']}", flush=True)
+    print("reproduce: python benchmarks/kernels.py --trellis (GPU machine, MLX CUDA build)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check kernels against the reference")
@@ -362,7 +523,15 @@ def main() -> None:
                          "a decode loop does, for every method alike")
     ap.add_argument("--one-linear", type=int, nargs="+", metavar="N",
                     help="OUT IN [BITS]: only call one fused linear a few times (for ncu)")
+    ap.add_argument("--trellis", action="store_true",
+                    help="only the trellis kernels: GEMV at 3 bits against TQ3 and affine-3 "
+                         "(single and pipelined), and the GPU encoder against the CPU's")
+    ap.add_argument("--trellis-no-encode", action="store_true",
+                    help="with --trellis: leave out the encode table")
     args = ap.parse_args()
+    if args.trellis:
+        trellis_main(args.json, encode=not args.trellis_no_encode)
+        return
     global PIPELINED
     PIPELINED = args.pipelined
     if args.loop is not None:
