@@ -67,13 +67,16 @@ class Recorder:
     """The command's end: starts the side process, notes each step's outcome, and sends them
     all at the end (`send`)."""
 
-    def __init__(self, opts):
+    def __init__(self, opts, detached: bool = False):
+        """`detached`: the command will not wait for the side process, which then holds
+        none of its output streams (a caller reading them to their end would wait for it)."""
         self.outcome = {"options": dataclasses.asdict(opts), "failed_at": None, "error": None,
                         "validated": False, "jobs": {}, "summary": None}
         self.sent = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "turboquant.pipeline.flow_record"], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, start_new_session=True)  # a Ctrl-C is recorded, not felt
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if detached else None,
+            start_new_session=True)  # a Ctrl-C is recorded, not felt
         self.proc.stdin.write((json.dumps(self.outcome["options"]) + "\n").encode())
         self.proc.stdin.flush()
 

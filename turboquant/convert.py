@@ -240,7 +240,8 @@ def _run_flow(opts, freeze: bool, live: bool = False, wait_record: bool = True):
     from turboquant.pipeline import flow_record, head_start
 
     if flow_record.applies(opts, live):
-        recorder = flow_record.Recorder(opts)  # imports Prefect at the lowest priority
+        # imports Prefect at the lowest priority meanwhile
+        recorder = flow_record.Recorder(opts, detached=not wait_record)
         return flow_record.run(head_start.begin(opts), recorder, wait=wait_record)
     head = head_start.begin(opts) if head_start.applies(opts) else None
     try:
