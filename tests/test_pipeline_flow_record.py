@@ -141,3 +141,24 @@ def test_the_outcome_sent_is_plain_json(source, tmp_path):
     back = json.loads(text)
     assert back["jobs"]["job-00001"]["error"].startswith("interrupted")
     assert back["failed_at"] == "jobs" and back["error"] == "disk full"
+
+
+def test_a_record_that_fails_is_said_in_the_runs_events(source, tmp_path):
+    """The side process has no terminal: a record it could not write (here its API server
+    given no time to start) is a `prefect_record_failed` event of the run."""
+    out = tmp_path / "out"
+    (out / ".turboquant").mkdir(parents=True)
+    code = f"""
+        import json
+        from turboquant.pipeline.convert import ConvertOptions
+        from turboquant.pipeline.flow_record import Recorder
+        rec = Recorder(ConvertOptions({str(source)!r}, {str(out)!r}))
+        rec.outcome["validated"] = True
+        rec.send(wait=True)
+        print("side process status", rec.proc.returncode)
+    """
+    run = python(code, tmp_path / "prefect", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
+    assert "side process status 1" in run.stdout, run.stderr
+    lines = (out / ".turboquant" / "events.jsonl").read_text().splitlines()
+    failed = [json.loads(x) for x in lines if "prefect_record_failed" in x]
+    assert len(failed) == 1 and "did not start" in failed[0]["error"]
