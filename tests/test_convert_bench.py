@@ -37,9 +37,9 @@ def test_a_tiny_run_alternates_and_reports(tmp_path, capsys):
 def test_what_outlives_the_command_is_awaited_and_counted():
     """A side process that outlives the command (turboquant's Prefect record) ends before
     the next run starts, and its CPU seconds count; the command's own are reported apart."""
-    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
     spawn = ("import subprocess, sys\n"
              f"subprocess.Popen([sys.executable, '-c', {busy!r}], start_new_session=True)")
     m = bench.measure([sys.executable, "-c", spawn])
     assert m["after"] >= 0.3  # waited for the side process
-    assert m["cpu"] >= 0.5 > m["cpu_command"]
+    assert m["cpu"] >= 0.5 > m["cpu_command"]  # sampled every 50 ms: the last ones may be missed
