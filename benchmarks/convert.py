@@ -92,13 +92,17 @@ class TreeMonitor:
         self.thread.start()
 
     def _run(self):
+        seen: dict[int, psutil.Process] = {}
         while not self._stop.is_set():
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
+            except psutil.NoSuchProcess:  # the command ended: follow what outlives it
+                procs = [p for p in seen.values() if p.is_running()]
+                if not procs:
+                    break
             total = 0
             for p in procs:
+                seen.setdefault(p.pid, p)
                 try:
                     with p.oneshot():
                         rss = p.memory_info().rss
@@ -110,6 +114,12 @@ class TreeMonitor:
                 self.peak_one = max(self.peak_one, rss)
             self.peak_sum = max(self.peak_sum, total)
             self._stop.wait(self.interval)
+        self.ended = time.monotonic()
+
+    def wait(self, timeout: float) -> None:
+        """Until every process of the tree has ended (a side process that outlives the
+        command: turboquant's Prefect record), at most `timeout` seconds."""
+        self.thread.join(timeout)
 
     def stop(self):
         self._stop.set()
@@ -119,6 +129,10 @@ class TreeMonitor:
     def cpu_seconds(self) -> float:
         return sum(self.cpu.values())
 
+    @property
+    def cpu_root(self) -> float:
+        return self.cpu.get(self.root.pid, 0.0)
+
 
 def disk_read_bytes() -> int:
     """Bytes read from the machine's disks so far (all processes: a source that is not in
@@ -127,19 +141,26 @@ def disk_read_bytes() -> int:
     return io.read_bytes if io else 0
 
 
+LINGER_TIMEOUT = 300  # seconds to wait for processes that outlive the command
+
+
 def measure(cmd: list[str], env: dict | None = None) -> dict:
     read0 = disk_read_bytes()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     mon = TreeMonitor(proc.pid)
     out, _ = proc.communicate()
-    seconds = time.monotonic() - t0
-    time.sleep(0.2)  # the worker processes that exit after the command (their last samples)
+    ended = time.monotonic()
+    seconds = ended - t0
+    # what outlives the command (idle workers exiting; turboquant's Prefect record, written
+    # by a side process) finishes before the next run, and its CPU is counted
+    mon.wait(LINGER_TIMEOUT)
     mon.stop()
+    after = max(0.0, getattr(mon, "ended", ended) - ended)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out.decode()[-3000:]}")
     return {"seconds": seconds, "peak_rss": mon.peak_sum, "peak_rss_one": mon.peak_one,
-            "cpu": mon.cpu_seconds, "disk_read": disk_read_bytes() - read0,
+            "cpu": mon.cpu_seconds, "cpu_command": mon.cpu_root, "after": after, "disk_read": disk_read_bytes() - read0,
             "output": out.decode(errors="replace")}
 
 
@@ -214,7 +235,9 @@ def run_shape(name: str, work: Path, rounds: int, tq_args: list[str], env: dict,
         pair["ratio"] = ml["seconds"] / tq["seconds"]
         pairs.append(pair)
         print(f"{name} round {r + 1} ({' then '.join(order)}): turboquant {tq['seconds']:.1f} s "
-              f"({tq['cpu']:.1f} CPU s, {tq['peak_rss'] / 2**20:.0f} MiB), mlx_lm "
+              f"({tq['cpu']:.1f} CPU s, {tq['cpu_command']:.1f} in the command's process, "
+              f"{tq['peak_rss'] / 2**20:.0f} MiB; after it ended {tq['after']:.1f} s more of "
+              f"side processes), mlx_lm "
               f"{ml['seconds']:.1f} s ({ml['cpu']:.1f} CPU s, {ml['peak_rss'] / 2**20:.0f} MiB): "
               f"{pair['ratio']:.2f}x; read from disk {tq['disk_read'] / 1e9:.2f} / "
               f"{ml['disk_read'] / 1e9:.2f} GB; {pair['load_before']} -> {pair['load_after']}",
@@ -227,13 +250,14 @@ def run_shape(name: str, work: Path, rounds: int, tq_args: list[str], env: dict,
 def report(results: list[dict], argv: list[str]) -> None:
     print()
     print("| shape | params | source GB | turboquant s | mlx_lm s | ratio (median, range) | "
-          "CPU s tq / mlx | peak RSS tq / mlx | output GB tq / mlx |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "CPU s tq / mlx | peak RSS tq / mlx | output GB tq / mlx | CPU ratio | load average |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for res in results:
         pairs = res["pairs"]
         tq = [p["turboquant"] for p in pairs]
         ml = [p["mlx_lm"] for p in pairs]
         ratios = [p["ratio"] for p in pairs]
+        loads = [float(p[k].split()[2]) for p in pairs for k in ("load_before", "load_after")]
 
         def med(rows, key):
             return statistics.median(r[key] for r in rows)
@@ -244,9 +268,14 @@ def report(results: list[dict], argv: list[str]) -> None:
               f"{med(tq, 'cpu'):.1f} / {med(ml, 'cpu'):.1f} | "
               f"{max(r['peak_rss'] for r in tq) / 2**20:.0f} / "
               f"{max(r['peak_rss'] for r in ml) / 2**20:.0f} MiB | "
-              f"{tq[0]['out_bytes'] / 1e9:.2f} / {ml[0]['out_bytes'] / 1e9:.2f} |")
+              f"{tq[0]['out_bytes'] / 1e9:.2f} / {ml[0]['out_bytes'] / 1e9:.2f} | "
+              f"{med(ml, 'cpu') / med(tq, 'cpu'):.2f}x | "
+              f"{min(loads):.1f}-{max(loads):.1f} |")
     print("\nratio: mlx_lm.convert's wall time / turboquant's, per alternating pair (targets: "
-          ">= 1.0x at 1.1B, >= 1.5x at 4B and more; peak RSS < 1 GiB)")
+          ">= 1.0x at 1.1B, >= 1.5x at 4B and more; peak RSS < 1 GiB); CPU ratio: mlx_lm's "
+          "CPU seconds / turboquant's (medians; turboquant's include its Prefect record, "
+          "written by a side process after the command ends); load average: the 1-minute "
+          "figures seen before and after each run")
     print("\nreproduce:")
     print("  python benchmarks/convert.py " + " ".join(argv))
     for res in results[:1]:

@@ -13,6 +13,7 @@ Thin orchestration around `turboquant.stages` (the codec) and `turboquant.manife
     flow.py            the same as a Prefect 3 flow, one task per job
     head_start.py      the flow's first steps, begun before Prefect is imported (CLI)
     flow_api.py        Prefect's API served from this process for the run
+    flow_record.py     a local run's Prefect record, written by a side process
     verify.py          re-read a repo: checksums, decoded errors
     progress.py        tqdm bars driven by the ledgers
     distributed.py     the jobs on Dask (local cluster or a scheduler address)

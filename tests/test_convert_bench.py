@@ -32,3 +32,17 @@ def test_a_tiny_run_alternates_and_reports(tmp_path, capsys):
     assert " / " in cells[6] and "MiB" in cells[7]
     assert "python benchmarks/convert.py --shapes tiny --rounds 2" in out
     assert not (tmp_path / "tiny").exists()  # checkpoints go unless --keep
+
+
+def test_what_outlives_the_command_is_awaited_and_counted():
+    """A side process that outlives the command (turboquant's Prefect record) ends before
+    the next run starts, and its CPU seconds count; the command's own are reported apart."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    # the command lives a little after starting it (as turboquant's does): processes are
+    # found by sampling the command's tree every 50 ms
+    spawn = ("import subprocess, sys, time\n"
+             f"subprocess.Popen([sys.executable, '-c', {busy!r}], start_new_session=True)\n"
+             "time.sleep(0.5)")
+    m = bench.measure([sys.executable, "-c", spawn])
+    assert m["after"] >= 0.3  # waited for the side process
+    assert m["cpu"] >= 0.5 > m["cpu_command"]  # sampled every 50 ms: the last ones may be missed

@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "per job: small shards are grouped up to MIN, shards over MAX are split "
                    "(default 1GB:5GB; 0 = one job per shard)")
     x.add_argument("--no-prefect", action="store_true", help="run the same steps without "
-                   "Prefect (no API server)")
+                   "Prefect (no API server, no record)")
+    x.add_argument("--live-flow", action="store_true", help="run the jobs as tasks of a Prefect "
+                   "flow in this process (the default when a Prefect API is configured; "
+                   "otherwise a side process records the run once it ends)")
     x.add_argument("--in-process", action="store_true", help="run jobs in this process, one "
                    "after the other (debugging)")
     x.add_argument("--dry-run", action="store_true", help="validate and print the plan; "
@@ -211,7 +214,8 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         if args.no_prefect:
             summary = convert(opts)
         else:
-            summary = _run_flow(opts, freeze=own_process)
+            summary = _run_flow(opts, freeze=own_process, live=args.live_flow,
+                                wait_record=not own_process)
     except (ConversionError, RecipeError) as e:
         print(f"turboquant convert: error: {e}", file=sys.stderr)
         return 1
@@ -223,13 +227,22 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
     return 0
 
 
-def _run_flow(opts, freeze: bool):
-    """The Prefect flow, with a head start where it applies: the validation, the output's
-    lock and the worker processes' jobs begin before Prefect is imported, and convert while
-    it loads (about 2 s of one core; pipeline/head_start.py). The flow then takes them over
-    and records them as its task runs, or raises what failed where it belongs."""
-    from turboquant.pipeline import head_start
+def _run_flow(opts, freeze: bool, live: bool = False, wait_record: bool = True):
+    """The run and its Prefect record. With no Prefect API configured (and no --live-flow),
+    the plain steps run here and a side process records them as the flow once they end
+    (pipeline/flow_record.py): no Prefect in this process. Otherwise the Prefect flow, with
+    a head start where it applies: the validation, the output's lock and the worker
+    processes' jobs begin before Prefect is imported, and convert while it loads (about 2 s
+    of one core; pipeline/head_start.py). The flow then takes them over and records them as
+    its task runs, or raises what failed where it belongs. `wait_record`: return only once
+    a side process's record is written (a caller in Python); the command's own process
+    does not wait."""
+    from turboquant.pipeline import flow_record, head_start
 
+    if flow_record.applies(opts, live):
+        # imports Prefect at the lowest priority meanwhile
+        recorder = flow_record.Recorder(opts, detached=not wait_record)
+        return flow_record.run(head_start.begin(opts), recorder, wait=wait_record)
     head = head_start.begin(opts) if head_start.applies(opts) else None
     try:
         run_convert_flow = _import_flow(freeze)
