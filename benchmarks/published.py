@@ -1,16 +1,20 @@
-"""Published releases (FP8, MXFP4) as they are: the plan of each, and the memory of
-converting a full-size slice against the same slice published in BF16.
+"""Published releases as they are: the plan of each, and the memory of converting a
+full-size slice of each.
 
-1. Writes the header-exact layouts of DeepSeek-V3.x (FP8, 128x128 block scales), Kimi K2
-   (FP8, 384 experts) and gpt-oss-120b (MXFP4) as sparse files and runs `turboquant plan`
-   on each (a subprocess): parameters, source bytes, coded weights, verdict, seconds.
-2. Writes a DeepSeek-V3 slice with full-size tensors (layers 0, 3 and 60: the first, a MoE
-   layer and the last; the first 8 routed experts and the shared one) in FP8 with random
-   codes, and the same slice in BF16 (the peer), converts each in a subprocess with
-   `--no-prefect` and reports the peak RSS of the largest process (the job's worker).
+1. Writes the header-exact layouts (tests/arch_checkpoints.py FLAGSHIPS) of DeepSeek-V3.1
+   and Kimi K2 (FP8, 128x128 block scales), GLM-4.6 (BF16), Qwen3.5-397B-A17B (BF16,
+   experts fused per layer), MiniMax-M2 (FP8) and gpt-oss-120b (MXFP4) as sparse files and
+   runs `turboquant plan` on each (a subprocess): parameters, source bytes, coded weights,
+   verdict, seconds.
+2. Writes a slice of each with full-size tensors (the first layer, the last, and an expert
+   layer; the first 8 routed experts where they are stored one by one, all of them where
+   they are stacked) with random codes, converts it in a subprocess with `--no-prefect`
+   and reports the peak RSS of the largest process (the job's worker). DeepSeek-V3.1's
+   slice also as BF16 (the peer a BF16 release would be). Each slice is deleted after.
 
     python benchmarks/published.py                  # both parts
     python benchmarks/published.py --skip-slice     # plans only (seconds)
+    python benchmarks/published.py --slices GLM-4.6,MiniMax-M2
 
 CPU machine; RSS is what bounds the conversion of the whole release.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +35,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from published_checkpoints import LAYOUTS, write_layout  # noqa: E402
 
-RECIPES = {"kimi_k2": "deepseek_v2"}  # kimi_k2 is DeepSeek-V3's architecture
+RECIPES = {"Kimi-K2": "deepseek_v2"}  # kimi_k2 is DeepSeek-V3's architecture
+# release -> (layers: first, an expert layer, last; routed experts kept where per expert)
+SLICES = {"DeepSeek-V3.1": ([0, 3, 60], 8), "Kimi-K2": ([0, 1, 60], 8),
+          "GLM-4.6": ([0, 3, 91], 8), "MiniMax-M2": ([0, 61], 8),
+          "gpt-oss-120b": ([0, 35], None), "Qwen3.5-397B-A17B": ([0, 59], None)}
 
 
 def _turboquant(*args: str) -> subprocess.CompletedProcess:
@@ -39,10 +48,10 @@ def _turboquant(*args: str) -> subprocess.CompletedProcess:
 
 
 def plans(root: Path, memory_gb: float) -> None:
-    print(f"{'release':<14}{'parameters':>14}{'source':>12}{'coded':>11}  verdict"
+    print(f"{'release':<19}{'parameters':>12}{'source':>12}{'coded':>11}  verdict"
           f"{'plan s':>14}")
-    for name, config in LAYOUTS.items():
-        src = write_layout(root / name, config)
+    for name in LAYOUTS:
+        src = write_layout(root / name, name)
         args = ["plan", str(src), "--json", "--memory-gb", str(memory_gb)]
         if name in RECIPES:
             args += ["--recipe", RECIPES[name]]
@@ -53,7 +62,8 @@ def plans(root: Path, memory_gb: float) -> None:
             print(f"{name}: plan failed: {r.stderr.strip()}")
             continue
         d = json.loads(r.stdout)
-        print(f"{name:<14}{d['source']['parameters'] / 1e9:>13.3f}B"
+        shutil.rmtree(src)
+        print(f"{name:<19}{d['source']['parameters'] / 1e9:>11.3f}B"
               f"{d['source']['bytes'] / 1e9:>9.2f} GB{d['weights'] / 1e9:>8.2f} GB  "
               f"{d['verdict']:<10}{d['seconds']:>6.2f} ({wall:.1f} with the process start)")
 
@@ -64,36 +74,47 @@ _PEAK = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
          "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
 
 
-def slice_rss(root: Path) -> None:
-    for label, bf16 in (("FP8", False), ("BF16 peer", True)):
-        src = write_layout(root / f"slice-{label[:3]}", LAYOUTS["deepseek_v3"],
-                           layers=[0, 3, 60], experts=8, fill=True, bf16=bf16)
+def slice_rss(root: Path, names: list[str]) -> None:
+    runs = [(n, False) for n in names]
+    if "DeepSeek-V3.1" in names:
+        runs.insert(names.index("DeepSeek-V3.1") + 1, ("DeepSeek-V3.1", True))
+    for name, bf16 in runs:
+        layers, experts = SLICES[name]
+        label = name + (" BF16 peer" if bf16 else "")
+        src, out = root / "slice", root / "out"
+        write_layout(src, name, layers=layers, experts=experts, fill=True, bf16=bf16)
         cmd = [sys.executable, "-c", _PEAK, sys.executable, "-m", "turboquant", "convert",
-               str(src), str(root / f"out-{label[:3]}"), "--no-prefect", "-q"]
+               str(src), str(out), "--no-prefect", "-q"]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        shutil.rmtree(src)
+        shutil.rmtree(out, ignore_errors=True)
         if r.returncode != 0:
-            print(f"{label}: convert failed: {r.stderr.strip()}")
-            return
+            print(f"{label}: convert failed: {r.stderr.strip()[-2000:]}")
+            continue
         lines = r.stdout.strip().splitlines()
         peak_kib = int(lines[-1])
-        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         speed = next((x.strip() for x in lines if x.strip().startswith("time:")), "")
-        print(f"{label:<10} source {size / 1e9:.2f} GB: peak RSS {peak_kib / 1024:.0f} MiB; "
-              f"{speed}")
+        kept = f", first {experts} experts" if experts else ", all experts"
+        print(f"{label:<24} layers {','.join(map(str, layers))}{kept}: source "
+              f"{size / 1e9:.2f} GB, peak RSS {peak_kib / 1024:.0f} MiB; {speed}", flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--memory-gb", type=float, default=512)
     p.add_argument("--skip-slice", action="store_true")
+    p.add_argument("--skip-plan", action="store_true")
+    p.add_argument("--slices", default=",".join(SLICES),
+                   help="comma-separated releases whose slice to convert")
     a = p.parse_args(argv)
-    print("reproduce: python benchmarks/published.py" + (" --skip-slice" if a.skip_slice else "")
-          + (f" --memory-gb {a.memory_gb:g}" if a.memory_gb != 512 else ""))
+    print("reproduce: python " + " ".join(["benchmarks/published.py", *(argv or sys.argv[1:])]))
     with tempfile.TemporaryDirectory(prefix="tq-published-") as tmp:
-        plans(Path(tmp), a.memory_gb)
+        if not a.skip_plan:
+            plans(Path(tmp), a.memory_gb)
+            print(flush=True)
         if not a.skip_slice:
-            print()
-            slice_rss(Path(tmp))
+            slice_rss(Path(tmp), a.slices.split(","))
     return 0
 
 

@@ -190,11 +190,14 @@ def test_flagship_release_plans_from_its_headers(tmp_path, capsys, name):
     verdict as the BF16 ones do (their weights are read through their scales)."""
     import json
 
-    from arch_checkpoints import FLAGSHIPS, write_sparse_checkpoint
+    from arch_checkpoints import FLAGSHIPS
+    from published_checkpoints import write_layout
 
     from turboquant.plan import main
 
-    total = write_sparse_checkpoint(tmp_path / name, name)
+    write_layout(tmp_path / name, name)
+    index = json.loads((tmp_path / name / "model.safetensors.index.json").read_text())
+    total = index["metadata"]["total_size"]
     assert total > 60e9
     rc = main([str(tmp_path / name), "--memory-gb", "128", "--context", "8192", "--json"])
     d = json.loads(capsys.readouterr().out)
