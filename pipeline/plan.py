@@ -391,6 +391,11 @@ def _split_pieces(f: str, info, split, problems: list[str]):
     return out
 
 
+# What the generic recipe keeps raw without being told: floats and FP8 (a published
+# format's other tensors are read with their weight, pipeline/published.py).
+RAW_DTYPES = (*FLOAT_DTYPES, "F64", *published.FP8)
+
+
 def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, src_name,
           problems, dropped, kept_small) -> Item | None:
     res = rec.resolve(name, layer, num_layers)
@@ -406,6 +411,12 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     raw = Item(name, piece, dtype, tuple(shape), "raw", None, None, None, None, layer, expert,
                (Stored(name, dtype, tuple(shape)),), read, res.role)
     if res.action == "keep":
+        if rec.generic and (res.rule or "").startswith("mlx-lm:") and dtype not in RAW_DTYPES:
+            problems.append(f"{what}: dtype {dtype} is neither a float nor a published format "
+                            f"({published.GUIDE}), so the generic recipe cannot tell what it "
+                            "holds; give it a keep (or drop) pattern in a recipe of your own "
+                            "(docs/recipes.md) or convert a BF16 copy of the model")
+            return None
         return raw
     if dtype not in FLOAT_DTYPES:
         problems.append(f"{what}: dtype {dtype} cannot be coded (BF16, F16, F32 and the "
