@@ -267,6 +267,28 @@ def test_plan_counts_the_state_mlx_lm_keeps(model_type):
     assert {k: shape.count(k) for k in want} == want
 
 
+@pytest.mark.parametrize("model_type", sorted(t for t, (kind, _) in ARCHS.items()
+                                        if kind == "ssm" or kind.startswith("hybrid")))
+def test_plan_sizes_a_linear_layers_state_as_mlx_lm_holds_it(model_type):
+    """The conv and recurrent state of one Gated DeltaNet, Mamba-1/2 or convolution layer,
+    from the config (and mlx-lm's defaults for what it leaves out), against the arrays
+    mlx-lm's own cache holds after a forward pass of the tiny model."""
+    from arch_checkpoints import mlx_weights
+    from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
+
+    from turboquant.pipeline.fit_model import model_shape
+
+    config = arch_config(model_type)
+    model, _ = mlx_weights(config)
+    caches = make_prompt_cache(model)
+    model(TOKENS[:, :3], cache=caches)
+    linear = [one for c in caches for one in (c.caches if isinstance(c, CacheList) else [c])
+              if isinstance(one, ArraysCache)]
+    arrays = [a for a in linear[0].cache if a is not None]
+    conv, recurrent = arrays[0].size, sum(a.size for a in arrays[1:])
+    assert model_shape(config).state_dims == (conv, recurrent)
+
+
 def test_a_tensor_mlx_lms_model_has_no_place_for_fails_the_plan_by_name(tmp_path):
     """Caught from the headers, before any conversion, as a strict load would."""
     from turboquant.pipeline.errors import PlanError
@@ -278,6 +300,27 @@ def test_a_tensor_mlx_lms_model_has_no_place_for_fails_the_plan_by_name(tmp_path
     mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "pt"})
     with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.mystery\.weight"):
         build_plan(LocalSource(src))
+
+
+@pytest.mark.parametrize("tensor,dtype", [
+    ("model.layers.0.self_attn.q_proj.weight", mx.int8),  # an int8 checkpoint's weight
+    ("model.norm.weight", mx.int32),
+])
+def test_a_non_float_tensor_the_generic_recipe_would_keep_fails_the_plan_by_name(
+        tmp_path, tensor, dtype):
+    """Not kept raw in silence: one line naming the file, the tensor, and what to do."""
+    from turboquant.pipeline.errors import PlanError
+
+    src = tmp_path / "src"
+    write_arch_checkpoint(src, "olmo2")  # no family recipe: the generic one
+    weights = mx.load(str(src / "model.safetensors"))
+    weights[tensor] = weights[tensor].astype(dtype)
+    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "pt"})
+    with pytest.raises(PlanError) as e:
+        build_plan(LocalSource(src))
+    [line] = [p for p in e.value.problems if tensor in p]
+    assert line.startswith(f"model.safetensors: tensor {tensor!r}")
+    assert "keep (or drop) pattern" in line and "\n" not in line
 
 
 def test_family_recipes_keep_their_decisions_where_mlx_lm_can_load_them():
