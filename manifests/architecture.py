@@ -43,9 +43,15 @@ _MX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "fl
               "U16": "uint16", "U32": "uint32", "BOOL": "bool_"}
 _CODABLE = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+_STACKED_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # X_scale_inv of stacked FP8 experts X
+
+
+def _stacked_fp8(info) -> bool:
+    return info is not None and len(info[0]) == 3 and info[1] in ("F8_E4M3", "F8_E5M2")
 
 
 VANISHED = "not among the tensors mlx-lm's sanitize returns"
+SCALES_WHY = "the FP8 scales of "
 
 
 class ArchitectureError(ValueError):
@@ -72,8 +78,11 @@ class ArchitectureMap:
     decisions: dict[str, Decision] = field(default_factory=dict)
 
     def digest(self) -> str:
+        """Over the decisions that shape the output: a published weight's scales are read
+        with it and leave no trace, so FP8 and its float32 copy have one digest."""
         blob = json.dumps({k: [d.action, d.role, d.down_proj, d.target]
-                           for k, d in sorted(self.decisions.items())},
+                           for k, d in sorted(self.decisions.items())
+                           if not d.why.startswith(SCALES_WHY)},
                           separators=(",", ":"))
         return hashlib.sha256(f"{self.model_type}/{blob}".encode()).hexdigest()
 
@@ -154,8 +163,11 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     num_layers = num_layers_of(config)
 
     # FP8 scales belong to their weight: it is dequantized in the stream, then coded
-    scales = {n for n in tensors if n.endswith(_SCALE_SUFFIXES)
-              and f"{n.rsplit('.', 1)[0]}.weight" in tensors}
+    scales = {n: f"{n.rsplit('.', 1)[0]}.weight" for n in tensors
+              if n.endswith(_SCALE_SUFFIXES) and f"{n.rsplit('.', 1)[0]}.weight" in tensors}
+    scales.update({n: n.rsplit("_", 1 + n.endswith("_inv"))[0] for n in tensors
+                   if n.endswith(_STACKED_SCALE_SUFFIXES) and n not in scales
+                   and _stacked_fp8(tensors.get(n.rsplit("_", 1 + n.endswith("_inv"))[0]))})
     tensors = {n: v for n, v in tensors.items() if n not in scales}
     candidates = [n for n, (shape, dtype) in tensors.items()
                   if len(shape) == 2 and dtype in _CODABLE and 0 not in shape]
@@ -218,9 +230,8 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         fused = _fused_plans(model, tensors, decisions, modules)
         if stacked or fused:
             _verify_splits(config, tensors, decisions, where, stacked, fused)
-    for n in scales:
-        owner = f"{n.rsplit('.', 1)[0]}.weight"
-        decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
+    for n, owner in scales.items():
+        decisions[n] = Decision("drop", why=f"{SCALES_WHY}{owner}, applied when it is "
                                             "dequantized")
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
 

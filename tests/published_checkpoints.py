@@ -4,7 +4,8 @@ float32 copies.
 `publish(src, dst, copy, fmt)` reads a float32 checkpoint written by tests/checkpoints.py
 and writes two checkpoints with the same shards and tensor order:
 
-- `dst`: the published format: FP8 with 128x128 block scales (`fp8-block`, DeepSeek-V3),
+- `dst`: the published format: FP8 with 128x128 block scales (`fp8-block`, DeepSeek-V3;
+  stacked experts `X.experts.gate_up_proj` (E, out, in) get `X_scale_inv` (E, r, c)),
   FP8 E5M2 or E4M3 with per-channel / per-tensor scales and an `input_scale` (`fp8-channel`,
   `fp8-tensor`), MXFP4 stacked experts (`mxfp4`, gpt-oss), or compressed-tensors int4
   pack-quantized (`int4`, Kimi K2 Thinking), with the config's `quantization_config`;
@@ -36,6 +37,7 @@ TAGS = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8", np.dtype(np.int32
         np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
         np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2"}
 FP8_MAX = {"F8_E4M3": 448.0, "F8_E5M2": 57344.0}
+STACKED = (".experts.gate_up_proj", ".experts.down_proj")  # Qwen3.5's fused experts
 LINEAR = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
           ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
 
@@ -187,6 +189,12 @@ def _quantize(name, w, fmt, block, fp8_dtype, zero_point):
         blocks, scales, dq = mxfp4(np.ascontiguousarray(w.transpose(0, 2, 1)))
         return [(name + "_blocks", blocks), (name + "_scales", scales)], \
             np.ascontiguousarray(dq.transpose(0, 2, 1))
+    if fmt == "fp8-block" and w.ndim == 3 and name.endswith(STACKED):
+        # experts stacked (E, out, in), one block grid each: X and X_scale_inv (E, r, c)
+        each = [fp8_block(x, block, fp8_dtype or "F8_E4M3") for x in w]
+        return [(name, np.stack([c for c, _, _ in each])),
+                (name + "_scale_inv", np.stack([s for _, s, _ in each]))], \
+            np.stack([d for _, _, d in each])
     if not name.endswith(LINEAR):
         return None, None
     base = name[: -len("weight")]
