@@ -124,6 +124,9 @@ def _kinds_from_mlx_lm(config: dict) -> tuple[list[str], int | None] | None:
                 kinds.append("full")
             elif isinstance(one, ArraysCache):
                 kinds.append("linear")
+            elif type(one).__name__ == "ChunkedKVCache":  # Llama 4: at most a chunk
+                kinds.append("sliding")
+                window = window or one.chunk_size
             else:
                 return None  # a cache kind this projection does not know
     return kinds, window

@@ -142,6 +142,17 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3_5": ("hybrid-deltanet", {"text_config": dict(_QWEN35)}),
     "qwen3_5_moe": ("hybrid-deltanet", {"text_config": {**_QWEN35, **MOE,
                                                        "shared_expert_intermediate_size": 64}}),
+    # experts fused and turned in the release: Granite-MoE's input_linear (E, 2 x I, H),
+    # Llama 4's gate_up_proj (E, H, 2 x I) and down_proj (E, I, H)
+    "granitemoe": ("moe", {**MOE, "logits_scaling": 2.0, "attention_multiplier": 0.25,
+                           "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                           "attention_bias": False}),
+    "llama4": ("moe", {"text_config": {**MOE, "attention_bias": False, "attention_chunk_size": 8,
+                                       "interleave_moe_layer_step": 2,
+                                       "intermediate_size_mlp": 128, "rope_scaling": None,
+                                       "use_qk_norm": True, "model_type": "llama4_text",
+                                       "num_hidden_layers": 4,
+                                       "num_experts_per_tok": 1}}),
     # hybrids
     "qwen3_next": ("hybrid-deltanet", {**MOE, "linear_num_value_heads": 4,
                                        "linear_num_key_heads": 2, "linear_key_head_dim": 16,
@@ -175,8 +186,8 @@ _EXPERT_NAMES = {
 def arch_config(model_type: str) -> dict:
     kind, over = ARCHS[model_type]
     if "text_config" in over:
-        text = {**copy.deepcopy(BASE), **copy.deepcopy(over["text_config"]),
-                "model_type": f"{model_type}_text"}
+        text = {**copy.deepcopy(BASE), "model_type": f"{model_type}_text",
+                **copy.deepcopy(over["text_config"])}
         return {"model_type": model_type, "text_config": text, "tie_word_embeddings": False,
                 "vocab_size": text["vocab_size"]}
     cfg = {**copy.deepcopy(BASE), **copy.deepcopy(over), "model_type": model_type}
@@ -203,6 +214,8 @@ def hf_layout(model, model_type: str, params: dict[str, mx.array]) -> dict[str, 
         return _gpt_oss_layout(params)
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         return _qwen35_layout(model, params)
+    if model_type in _FUSED_TURNED:
+        return _fused_turned_layout(model_type, params)
     names = _EXPERT_NAMES.get(model_type, {})
     switch = {p for p, m in model.named_modules() if isinstance(m, SwitchLinear)}
     out = {}
@@ -250,6 +263,38 @@ def _qwen35_layout(model, params: dict[str, mx.array]) -> dict[str, mx.array]:
         elif v.ndim == 1 and name.endswith(norms):
             v = v - 1.0
         out[name] = v
+    return out
+
+
+_FUSED_TURNED = ("granitemoe", "llama4")
+
+
+def _fused_turned_layout(model_type: str, params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Granite-MoE: `block_sparse_moe.input_linear.weight` (E, 2 x I, H), gate first, and
+    `output_linear.weight` (E, H, I). Llama 4: `language_model.model.*`,
+    `feed_forward.experts.gate_up_proj` (E, H, 2 x I), gate first, and `down_proj`
+    (E, I, H): both turned (in, out)."""
+    out = {}
+    for k, v in params.items():
+        m = re.match(r"^(.*)\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj)\.weight$", k)
+        if not m:
+            out[k] = v
+            continue
+        pre, proj = m.groups()
+        if proj == "up_proj":
+            continue
+        if model_type == "granitemoe":
+            if proj == "gate_proj":
+                up = params[k.replace("gate_proj", "up_proj")]
+                out[f"{pre}.input_linear.weight"] = mx.concatenate([v, up], axis=1)
+            else:
+                out[f"{pre}.output_linear.weight"] = v
+            continue
+        if proj == "gate_proj":
+            up = params[k.replace("gate_proj", "up_proj")]
+            out[f"{pre}.experts.gate_up_proj"] = mx.concatenate([v, up], axis=1).swapaxes(1, 2)
+        else:
+            out[f"{pre}.experts.down_proj"] = v.swapaxes(1, 2)
     return out
 
 
