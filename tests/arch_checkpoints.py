@@ -104,6 +104,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("moe", {**MOE, "use_bias": False, "moe_num_experts": 4, "moe_k": 2,
                              "moe_layer_start_index": 1, "moe_num_shared_experts": 1}),
     "bailing_moe": ("moe", {**MOE, "num_shared_experts": 1, "first_k_dense_replace": 1}),
+    "bailing_moe_v3": ("mla", {**MOE, "n_group": 1, "topk_group": 1}),
     "gpt_oss": ("moe", {**MOE, "sliding_window": 8, "intermediate_size": 64,
                         "layer_types": ["sliding_attention", "full_attention"]}),
     # MLA

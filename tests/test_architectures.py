@@ -73,8 +73,8 @@ def test_architecture_converts_loads_and_matches_mlx_lm(tmp_path, model_type, la
 
 # attention that cannot read a compressed cache: MLA's latent cache, learned sinks, and
 # attention computing on the cached arrays itself; make_turboquant_cache refuses them
-KV_REFUSED = {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "gpt_oss", "gemma2", "phi",
-              "stablelm", "plamo2"}
+KV_REFUSED = {"deepseek_v3", "kimi_k2", "glm4_moe_lite", "bailing_moe_v3", "gpt_oss", "gemma2",
+              "phi", "stablelm", "plamo2"}
 
 
 def _check_compressed_kv_cache(model, tokenizer, model_type):
