@@ -16,6 +16,7 @@ full-size slice of each.
     python benchmarks/published.py                  # both parts
     python benchmarks/published.py --skip-slice     # plans only (seconds)
     python benchmarks/published.py --slices GLM-4.6,MiniMax-M2
+    python benchmarks/published.py --skip-plan --slices Qwen3.5-397B-A17B --sparse
 
 CPU machine; RSS is what bounds the conversion of the whole release.
 """
@@ -107,7 +108,7 @@ def run_peak(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), peak
 
 
-def slice_rss(root: Path, names: list[str]) -> None:
+def slice_rss(root: Path, names: list[str], sparse: bool = False) -> None:
     runs = [(n, False) for n in names]
     if "DeepSeek-V3.1" in names:
         runs.insert(names.index("DeepSeek-V3.1") + 1, ("DeepSeek-V3.1", True))
@@ -115,7 +116,7 @@ def slice_rss(root: Path, names: list[str]) -> None:
         layers, experts = SLICES[name]
         label = name + (" BF16 peer" if bf16 else "")
         src, out = root / "slice", root / "out"
-        write_layout(src, name, layers=layers, experts=experts, fill=True, bf16=bf16)
+        write_layout(src, name, layers=layers, experts=experts, fill=not sparse, bf16=bf16)
         cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out),
                "--no-prefect", "-q"]
         if name in RECIPES:  # a slice of 8 experts: mlx-lm's sanitize cannot read it
@@ -129,7 +130,8 @@ def slice_rss(root: Path, names: list[str]) -> None:
             continue
         lines = r.stdout.strip().splitlines()
         speed = next((x.strip() for x in lines if x.strip().startswith("time:")), "")
-        kept = f", first {experts} experts" if experts else ", all experts"
+        kept = (f", first {experts} experts" if experts else ", all experts") + \
+            (", zeros (sparse)" if sparse else "")
         print(f"{label:<24} layers {','.join(map(str, layers))}{kept}: source "
               f"{size / 1e9:.2f} GB, peak RSS {peak_kib / 1024:.0f} MiB; {speed}", flush=True)
 
@@ -141,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-plan", action="store_true")
     p.add_argument("--slices", default=",".join(SLICES),
                    help="comma-separated releases whose slice to convert")
+    p.add_argument("--sparse", action="store_true",
+                   help="slices of zeros left as holes (no disk for the source)")
     a = p.parse_args(argv)
     print("reproduce: python " + " ".join(["benchmarks/published.py", *(argv or sys.argv[1:])]))
     with tempfile.TemporaryDirectory(prefix="tq-published-") as tmp:
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
             plans(Path(tmp), a.memory_gb)
             print(flush=True)
         if not a.skip_slice:
-            slice_rss(Path(tmp), a.slices.split(","))
+            slice_rss(Path(tmp), a.slices.split(","), a.sparse)
     return 0
 
 
