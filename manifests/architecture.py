@@ -43,9 +43,15 @@ _MX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "fl
               "U16": "uint16", "U32": "uint32", "BOOL": "bool_"}
 _CODABLE = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+_STACKED_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # X_scale_inv of stacked FP8 experts X
+
+
+def _stacked_fp8(info) -> bool:
+    return info is not None and len(info[0]) == 3 and info[1] in ("F8_E4M3", "F8_E5M2")
 
 
 VANISHED = "not among the tensors mlx-lm's sanitize returns"
+SCALES_WHY = "the FP8 scales of "
 
 
 class ArchitectureError(ValueError):
@@ -60,7 +66,8 @@ class Decision:
     target: str | None = None  # the mlx-lm module a coded tensor fills
     why: str = ""
     split: str | None = None  # a stacked (E, out, in) tensor: each expert's name, "{e}"
-    fused: tuple | None = None  # experts fused (E, k x out, in): (part names, interleaved)
+    fused: tuple | None = None  # experts fused or turned: (part names "{e}", interleaved,
+    #                             transposed)
 
 
 @dataclass
@@ -72,8 +79,11 @@ class ArchitectureMap:
     decisions: dict[str, Decision] = field(default_factory=dict)
 
     def digest(self) -> str:
+        """Over the decisions that shape the output: a published weight's scales are read
+        with it and leave no trace, so FP8 and its float32 copy have one digest."""
         blob = json.dumps({k: [d.action, d.role, d.down_proj, d.target]
-                           for k, d in sorted(self.decisions.items())},
+                           for k, d in sorted(self.decisions.items())
+                           if not d.why.startswith(SCALES_WHY)},
                           separators=(",", ":"))
         return hashlib.sha256(f"{self.model_type}/{blob}".encode()).hexdigest()
 
@@ -154,8 +164,11 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
     num_layers = num_layers_of(config)
 
     # FP8 scales belong to their weight: it is dequantized in the stream, then coded
-    scales = {n for n in tensors if n.endswith(_SCALE_SUFFIXES)
-              and f"{n.rsplit('.', 1)[0]}.weight" in tensors}
+    scales = {n: f"{n.rsplit('.', 1)[0]}.weight" for n in tensors
+              if n.endswith(_SCALE_SUFFIXES) and f"{n.rsplit('.', 1)[0]}.weight" in tensors}
+    scales.update({n: n.rsplit("_", 1 + n.endswith("_inv"))[0] for n in tensors
+                   if n.endswith(_STACKED_SCALE_SUFFIXES) and n not in scales
+                   and _stacked_fp8(tensors.get(n.rsplit("_", 1 + n.endswith("_inv"))[0]))})
     tensors = {n: v for n, v in tensors.items() if n not in scales}
     candidates = [n for n, (shape, dtype) in tensors.items()
                   if len(shape) == 2 and dtype in _CODABLE and 0 not in shape]
@@ -218,9 +231,8 @@ def derive(config: dict, tensors: dict[str, tuple[tuple[int, ...], str]],
         fused = _fused_plans(model, tensors, decisions, modules)
         if stacked or fused:
             _verify_splits(config, tensors, decisions, where, stacked, fused)
-    for n in scales:
-        owner = f"{n.rsplit('.', 1)[0]}.weight"
-        decisions[n] = Decision("drop", why=f"the FP8 scales of {owner}, applied when it is "
+    for n, owner in scales.items():
+        decisions[n] = Decision("drop", why=f"{SCALES_WHY}{owner}, applied when it is "
                                             "dequantized")
     return ArchitectureMap(config.get("model_type"), _mlx_lm_version(), decisions)
 
@@ -252,28 +264,32 @@ def _stacked_plans(tensors, decisions, out, modules, placeholders) -> dict:
 
 
 _FUSED_TAG = 1 << 29
-_FUSED_ROWS = 4  # a fused stand-in's rows: how sanitize cuts them says contiguous/interleaved
+_FUSED_ROWS = 4  # a fused stand-in is 4 x 4: how sanitize cuts and turns it says the layout
 
 
 def _fused_plans(model, tensors, decisions, modules) -> dict:
-    """Experts fused in one stacked tensor, `X.experts.gate_up_proj` (E, 2 x I, H), which
-    sanitize cuts into SwitchLinear weights (Qwen3.5-MoE). Each such raw tensor is a
-    (1, 4, 1) integer stand-in whose rows sanitize cuts as it would the real one: where the
-    rows land says which part goes to which layer, and whether the parts are contiguous or
-    interleaved. The parts are then coded per expert as `X.experts.{e}.<proj>.weight`,
-    after a second reading of those names puts every expert back in the same layer.
+    """Experts fused or turned in one stacked tensor, which sanitize cuts (and transposes)
+    into SwitchLinear weights: Qwen3.5-MoE's `experts.gate_up_proj` (E, 2 x I, H), Llama 4's
+    (E, H, 2 x I) and `down_proj` (E, I, H), Granite-MoE's `input_linear` (E, 2 x I, H).
+    Each such raw tensor is a (1, 4, 4) integer stand-in (one tag per row and column) that
+    sanitize cuts as it would the real one: where the rows and columns land says which part
+    goes to which layer, contiguous or interleaved, transposed or not. The parts are then
+    coded per expert as `<block>.experts.{e}.<proj>.weight`, after a second reading of
+    those names puts every expert back in the same layer.
     """
     import mlx.core as mx
 
+    counts = {m.num_experts for m in modules.values() if _is_switch(m)}
     fused = [n for n, (shape, dtype) in tensors.items()
              if decisions[n].action == "keep" and len(shape) == 3 and dtype in _CODABLE
-             and ".experts." in n and not decisions[n].split and shape[1] % 2 == 0]
+             and not decisions[n].split and shape[0] in counts]
     if not fused:
         return {}
+    n_tags = _FUSED_ROWS * _FUSED_ROWS
     weights, alive = {}, []
     for i, n in enumerate(fused):
-        v = mx.array([[[_FUSED_TAG + _FUSED_ROWS * i + r] for r in range(_FUSED_ROWS)]],
-                     dtype=mx.int32)
+        v = mx.array([[[_FUSED_TAG + n_tags * i + _FUSED_ROWS * r + c for c in range(_FUSED_ROWS)]
+                       for r in range(_FUSED_ROWS)]], dtype=mx.int32)
         weights[n] = v
         alive.append(v)
     for n, (shape, dtype) in tensors.items():
@@ -283,21 +299,27 @@ def _fused_plans(model, tensors, decisions, modules) -> dict:
         out = model.sanitize(weights)
     except Exception:
         return {}  # sanitize needs their real shapes: they stay raw
-    parts: dict[str, list[tuple[int, str]]] = {}
+    parts: dict[str, list[tuple[tuple, str, bool]]] = {}
     for key, v in out.items():
         if not isinstance(v, mx.array) or v.dtype != mx.int32 or v.ndim != 3 or v.size > 64:
             continue
-        if v.shape[0] != 1 or v.shape[2] != 1 or not key.endswith(".weight"):
+        if v.shape[0] != 1 or v.shape[2] != _FUSED_ROWS or not key.endswith(".weight"):
             continue
-        rows = v.reshape(-1).tolist()
-        if min(rows) < _FUSED_TAG or max(rows) >= _FUSED_TAG + _FUSED_ROWS * len(fused):
+        tags = [[t - _FUSED_TAG for t in row] for row in v[0].tolist()]
+        if min(min(r) for r in tags) < 0 or max(max(r) for r in tags) >= n_tags * len(fused):
             continue
-        src = {(r - _FUSED_TAG) // _FUSED_ROWS for r in rows}
+        src = {t // n_tags for row in tags for t in row}
         path = key[: -len(".weight")]
         if len(src) != 1 or path not in modules or not _is_switch(modules[path]):
             continue
-        parts.setdefault(fused[src.pop()], []).append(
-            (tuple((r - _FUSED_TAG) % _FUSED_ROWS for r in rows), path))
+        rc = [[divmod(t % n_tags, _FUSED_ROWS) for t in row] for row in tags]
+        if all(c == k for row in rc for k, (_, c) in enumerate(row)):  # rows cut, as stored
+            got = (tuple(row[0][0] for row in rc), path, False)
+        elif all(r == k for row in rc for k, (r, _) in enumerate(row)):  # turned: (in, out)
+            got = (tuple(row[0][1] for row in rc), path, True)
+        else:
+            continue
+        parts.setdefault(fused[src.pop()], []).append(got)
     plans = {}
     for name, got in parts.items():
         got.sort()
@@ -305,12 +327,25 @@ def _fused_plans(model, tensors, decisions, modules) -> dict:
         contiguous = [tuple(range(j * _FUSED_ROWS // k, (j + 1) * _FUSED_ROWS // k))
                       for j in range(k)]
         interleaved = [tuple(range(j, _FUSED_ROWS, k)) for j in range(k)]
-        rows = [r for r, _ in got]
-        if k < 2 or rows not in (contiguous, interleaved):
+        rows = [r for r, _, _ in got]
+        turned = {t for _, _, t in got}
+        if len(turned) != 1 or rows not in (contiguous, interleaved) or (k < 2 and not any(turned)):
             continue
-        into = tuple(f"{p.rsplit('.', 1)[-1]}.weight" for _, p in got)
-        plans[name] = (into, rows == interleaved and rows != contiguous, [p for _, p in got])
+        block = _expert_block(name)
+        into = tuple(f"{block}{{e}}.{p.rsplit('.', 1)[-1]}.weight" for _, p, _ in got)
+        plans[name] = (into, rows == interleaved and rows != contiguous, [p for _, p, _ in got],
+                       turned.pop())
     return plans
+
+
+def _expert_block(name: str) -> str:
+    """`<block>.experts.` of a stacked source tensor: its own `.experts.` if it has one
+    (Qwen3.5, Llama 4), else its module's parent (Granite's `block_sparse_moe.input_linear`)."""
+    i = name.rfind(".experts.")
+    if i >= 0:
+        return name[: i + len(".experts.")]
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return base.rsplit(".", 1)[0] + ".experts."
 
 
 def _verify_splits(config, tensors, decisions, where, stacked: dict, fused: dict) -> None:
@@ -322,29 +357,39 @@ def _verify_splits(config, tensors, decisions, where, stacked: dict, fused: dict
         expected[name] = {template.format(e=e): path for e in range(e_count)}
         for n in expected[name]:
             split[n] = ((o, i), tensors[name][1])
-    for name, (into, _, paths) in fused.items():
-        prefix = name[: name.rfind(".experts.") + len(".experts.")]
+    for name, (into, _, paths, turned) in fused.items():
         e_count, o, i = tensors[name][0]
-        expected[name] = {f"{prefix}{e}.{part}": path for e in range(e_count)
+        expected[name] = {part.format(e=e): path for e in range(e_count)
                           for part, path in zip(into, paths)}
         for n in expected[name]:
-            split[n] = ((o // len(into), i), tensors[name][1])
+            split[n] = ((i // len(into), o) if turned else (o // len(into), i),
+                        tensors[name][1])
     try:
         again = derive(config, split, where, split_stacked=False).decisions
     except ArchitectureError:
         return  # sanitize cannot read them per expert: they stay raw
+    coded = {name for name, each in expected.items()
+             if all(again.get(n) is not None and again[n].action == "quantize"
+                    and again[n].target == path for n, path in each.items())}
+    blocks = {_expert_block(n) for n in coded}
     for name, each in expected.items():
-        if not all(again.get(n) is not None and again[n].action == "quantize"
-                   and again[n].target == path for n, path in each.items()):
+        if name not in coded:
+            if name in stacked and _expert_block(stacked[name][1]) in blocks:
+                # a sibling is split, so sanitize no longer sees the fused layout and would
+                # leave this one unread: raw too, but per expert (the loader stacks them)
+                why = "mlx-lm keeps it unquantized; raw, per expert beside its coded siblings"
+                decisions[name] = Decision("keep", why=why, split=stacked[name][1])
+                for n in each:
+                    decisions[n] = Decision("keep", why=why)
             continue
         d = again[next(iter(each))]
         if name in stacked:
             path, template, _ = stacked[name]
             decisions[name] = Decision("quantize", d.role, d.down_proj, path, split=template)
         else:
-            into, inter, paths = fused[name]
-            decisions[name] = Decision("quantize", d.role, False, paths[0],
-                                       fused=(into, inter))
+            into, inter, paths, turned = fused[name]
+            decisions[name] = Decision("quantize", d.role, d.down_proj, paths[0],
+                                       fused=(into, inter, turned))
         for n in each:
             decisions[n] = again[n]
 

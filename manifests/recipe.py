@@ -146,7 +146,7 @@ class Recipe:
             if d is not None and d.split:
                 return Split(name, (d.split,), False, False, names=d.split)
             if d is not None and d.fused:
-                return Split(name, tuple(d.fused[0]), d.fused[1], False)
+                return Split(name, tuple(d.fused[0]), d.fused[1], d.fused[2])
         return None
 
     def resolve(self, name: str, layer: int | None = None, num_layers: int | None = None

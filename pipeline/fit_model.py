@@ -124,6 +124,9 @@ def _kinds_from_mlx_lm(config: dict) -> tuple[list[str], int | None] | None:
                 kinds.append("full")
             elif isinstance(one, ArraysCache):
                 kinds.append("linear")
+            elif type(one).__name__ == "ChunkedKVCache":  # Llama 4: at most a chunk
+                kinds.append("sliding")
+                window = window or one.chunk_size
             else:
                 return None  # a cache kind this projection does not know
     return kinds, window
@@ -152,22 +155,56 @@ def _kinds(cfg: dict, layers: int, notes: list[str]) -> list[str]:
     return ["full"] * layers
 
 
+def _args_with_defaults(config: dict, cfg: dict) -> dict:
+    """cfg over the defaults of mlx-lm's ModelArgs for the config: a release's config.json
+    leaves out what the model class defaults (Falcon-H1's Mamba sizes, LFM2's conv)."""
+    try:
+        from turboquant.manifests.architecture import model_module
+
+        args = vars(model_module(config).ModelArgs.from_dict(config))
+    except Exception:  # no mlx-lm model for it, or a config it cannot read
+        return cfg
+    inner = args.get("text_config")
+    if isinstance(inner, dict):
+        args = {**args, **inner}
+    return {**{k: v for k, v in args.items() if v is not None}, **cfg}
+
+
 def _state_dims(cfg: dict) -> tuple[int, int]:
-    """(conv state elements, float32 recurrent state elements) of one linear layer."""
+    """(conv state elements, recurrent state elements) of one linear layer, as mlx-lm's
+    caches hold them (the recurrent state counted at float32)."""
     if cfg.get("linear_num_value_heads"):  # Qwen3-Next gated delta net
         hv, hk = cfg["linear_num_value_heads"], _int(cfg, "linear_num_key_heads")
         dk, dv = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
         kernel = _int(cfg, "linear_conv_kernel_dim", default=4)
         conv_dim = 2 * hk * dk + hv * dv
         return (kernel - 1) * conv_dim, hv * dv * dk
-    if cfg.get("mamba_num_heads") or cfg.get("mamba_n_heads"):  # Mamba-2 (Nemotron-H style)
-        heads = _int(cfg, "mamba_num_heads", "mamba_n_heads")
-        hd = _int(cfg, "mamba_head_dim", "mamba_d_head")
-        d_state = _int(cfg, "ssm_state_size", "mamba_d_state", default=128)
+    if cfg.get("mamba_num_heads") and cfg.get("hidden_size_per_head") \
+            and not cfg.get("mamba_head_dim"):  # PLaMo2: only x goes through the conv
+        heads, hd = cfg["mamba_num_heads"], cfg["hidden_size_per_head"]
+        d_state = _int(cfg, "mamba_d_state", default=64)
+        kernel = _int(cfg, "mamba_d_conv", default=4)
+        return (kernel - 1) * heads * hd, heads * hd * d_state
+    heads = _int(cfg, "mamba_num_heads", "mamba_n_heads", default=0)
+    if not heads and cfg.get("model_type") == "mamba2":
+        heads = _int(cfg, "num_heads", default=0)
+    if heads:  # Mamba-2 (Nemotron-H, Falcon-H1, Mamba2): x, B and C through the conv
+        hd = _int(cfg, "mamba_head_dim", "mamba_d_head", "head_dim", default=0)
+        if not hd:
+            hd = _int(cfg, "expand", default=2) * _int(cfg, "hidden_size") // heads
+        d_state = _int(cfg, "ssm_state_size", "mamba_d_state", "state_size", default=128)
         groups = _int(cfg, "n_groups", "mamba_n_groups", default=1)
         kernel = _int(cfg, "conv_kernel", "mamba_d_conv", default=4)
         conv_dim = heads * hd + 2 * groups * d_state
         return (kernel - 1) * conv_dim, heads * hd * d_state
+    if cfg.get("mamba_d_state") and cfg.get("mamba_expand"):  # Jamba's Mamba-1 layers
+        inner = cfg["mamba_expand"] * _int(cfg, "hidden_size")
+        return (_int(cfg, "mamba_d_conv", default=4) - 1) * inner, inner * cfg["mamba_d_state"]
+    if cfg.get("state_size") and cfg.get("intermediate_size"):  # Mamba-1
+        inner = cfg["intermediate_size"]
+        return (_int(cfg, "conv_kernel", default=4) - 1) * inner, inner * cfg["state_size"]
+    if cfg.get("conv_L_cache"):  # LFM2's short convolutions: no recurrent state
+        return (cfg["conv_L_cache"] - 1) * _int(cfg, "hidden_size"), 0
     return 0, 0
 
 
@@ -212,7 +249,7 @@ def model_shape(config: dict) -> ModelShape:
     if "sliding" in kinds and not window:
         notes.append("sliding-window layers without a sliding_window: projected as full")
         kinds = ["full" if k == "sliding" else k for k in kinds]
-    dims = _state_dims(cfg) if "linear" in kinds else (0, 0)
+    dims = _state_dims(_args_with_defaults(config, cfg)) if "linear" in kinds else (0, 0)
     if "linear" in kinds and dims == (0, 0):
         notes.append("linear-attention layers whose state size the config does not give: "
                      "projected with no state")

@@ -226,7 +226,9 @@ def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:
     i = info.name.rfind(marker)
     k = len(split.into)
     shape = info.shape
-    if i < 0 or len(shape) not in (2, 3) or (len(shape) == 2 and split.transpose):
+    templates = all("{e}" in into for into in split.into)  # the generic recipe's full names
+    if (i < 0 and not templates) or len(shape) not in (2, 3) or \
+            (len(shape) == 2 and split.transpose):
         problems.append(f"{f}: tensor {info.name!r} shape {list(shape)} does not fit its "
                         "[[split]] rule")
         return []
@@ -237,7 +239,8 @@ def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:
     else:
         e_count, n = shape
         new = (n // k,)
-    return [(f"{prefix}{e}.{into}", new) for e in range(e_count) for into in split.into]
+    return [(into.format(e=e) if templates else f"{prefix}{e}.{into}", new)
+            for e in range(e_count) for into in split.into]
 
 
 def _weight(rec, name, shape, dtype, layer, num_layers, cache) -> Weight | str | None:

@@ -216,11 +216,17 @@ def split_piece_of(recipe: Recipe, file: str, source_name: str, name: str, exper
     if split.names:  # experts stacked (E, out, in) in the source, named per expert
         ok = name == split.names.format(e=expert)
         return Piece(file, source_name, expert) if ok else None
-    marker = ".experts."
-    prefix = source_name[: source_name.rfind(marker) + len(marker)] + f"{expert}."
-    if not name.startswith(prefix) or name[len(prefix):] not in split.into:
-        return None
-    part = split.into.index(name[len(prefix):])
+    if all("{e}" in into for into in split.into):  # the generic recipe's full names
+        names = [into.format(e=expert) for into in split.into]
+        if name not in names:
+            return None
+        part = names.index(name)
+    else:
+        marker = ".experts."
+        prefix = source_name[: source_name.rfind(marker) + len(marker)] + f"{expert}."
+        if not name.startswith(prefix) or name[len(prefix):] not in split.into:
+            return None
+        part = split.into.index(name[len(prefix):])
     return Piece(file, source_name, expert, part, len(split.into), split.interleaved,
                  split.transpose)
 
@@ -358,7 +364,8 @@ def _split_pieces(f: str, info, split, problems: list[str]):
     k = len(split.into)
     marker = ".experts."
     i = info.name.rfind(marker)
-    if i < 0:
+    templates = all("{e}" in into for into in split.into)  # the generic recipe's full names
+    if i < 0 and not templates:
         problems.append(f"{f}: tensor {info.name!r}: a [[split]] rule needs a name containing "
                         f"'{marker}'")
         return []
@@ -387,8 +394,14 @@ def _split_pieces(f: str, info, split, problems: list[str]):
             else:
                 new = (axis_len // k,)
             piece = Piece(f, info.name, e, p, k, split.interleaved, split.transpose)
-            out.append((f"{prefix}{e}.{into}", piece, new, per_expert if p == 0 else 0))
+            name = into.format(e=e) if templates else f"{prefix}{e}.{into}"
+            out.append((name, piece, new, per_expert if p == 0 else 0))
     return out
+
+
+# What the generic recipe keeps raw without being told: floats and FP8 (a published
+# format's other tensors are read with their weight, pipeline/published.py).
+RAW_DTYPES = (*FLOAT_DTYPES, "F64", *published.FP8)
 
 
 def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, src_name,
@@ -406,6 +419,12 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     raw = Item(name, piece, dtype, tuple(shape), "raw", None, None, None, None, layer, expert,
                (Stored(name, dtype, tuple(shape)),), read, res.role)
     if res.action == "keep":
+        if rec.generic and (res.rule or "").startswith("mlx-lm:") and dtype not in RAW_DTYPES:
+            problems.append(f"{what}: dtype {dtype} is neither a float nor a published format "
+                            f"({published.GUIDE}), so the generic recipe cannot tell what it "
+                            "holds; give it a keep (or drop) pattern in a recipe of your own "
+                            "(docs/recipes.md) or convert a BF16 copy of the model")
+            return None
         return raw
     if dtype not in FLOAT_DTYPES:
         problems.append(f"{what}: dtype {dtype} cannot be coded (BF16, F16, F32 and the "

@@ -107,7 +107,7 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
     for name, (f, info) in where.items():
         pub = None
         try:
-            if info.dtype in FP8 and name.endswith(".weight"):
+            if info.dtype in FP8 and (name.endswith(".weight") or len(info.shape) == 3):
                 pub = _fp8(name, f, info, where, qc)
             elif name.endswith("_blocks") and len(info.shape) >= 3 and info.shape[-1] == 16:
                 pub = _mxfp4(name, f, info, where)
@@ -162,9 +162,12 @@ def _find(where, name: str, role: str) -> tuple[Partner, TensorInfo] | None:
 
 
 def _fp8(name, f, info, where, qc) -> Published:
+    if len(info.shape) == 3:
+        return _fp8_stacked(name, f, info, where, qc)
     if len(info.shape) != 2:
-        raise _Refused(f"FP8 weights are read as 2-D (out, in) matrices; this one is "
-                       f"{len(info.shape)}-D: convert a BF16 copy of this tensor's model")
+        raise _Refused(f"FP8 weights are read as 2-D (out, in) matrices or stacked experts "
+                       f"(E, out, in); this one is {len(info.shape)}-D: convert a BF16 copy "
+                       "of this tensor's model")
     base = name[: -len("weight")]
     found = _find(where, base + "weight_scale_inv", "scale") or \
         _find(where, base + "weight_scale", "scale")
@@ -178,13 +181,7 @@ def _fp8(name, f, info, where, qc) -> Published:
     if sinfo.numel == 1 or sinfo.shape in ((out_f,), (out_f, 1)):
         pass  # per tensor, per channel
     elif len(sinfo.shape) == 2:
-        block = _fp8_block(qc) or DEFAULT_FP8_BLOCK
-        grid = (math.ceil(out_f / block[0]), math.ceil(in_f / block[1]))
-        if tuple(sinfo.shape) != grid:
-            raise _Refused(f"its scale {scale.tensor!r} has shape {list(sinfo.shape)}, but "
-                           f"{block[0]}x{block[1]} blocks of a {out_f}x{in_f} weight make "
-                           f"{list(grid)}: set quantization_config.weight_block_size in "
-                           "config.json to the block size the checkpoint used")
+        block = _fp8_grid(qc, scale, sinfo, out_f, in_f)
     else:
         raise _Refused(f"its scale {scale.tensor!r} has shape {list(sinfo.shape)}: neither "
                        "per tensor, per channel nor a 2-D block grid")
@@ -194,6 +191,43 @@ def _fp8(name, f, info, where, qc) -> Published:
         partners.append(extra[0])
     read = info.nbytes + sinfo.nbytes
     return Published("fp8", info.dtype, f, name, tuple(info.shape), tuple(partners), block, read)
+
+
+def _fp8_grid(qc, scale: Partner, sinfo: TensorInfo, out_f: int, in_f: int):
+    """The block size of a block-scaled weight, checked against its scale grid."""
+    block = _fp8_block(qc) or DEFAULT_FP8_BLOCK
+    grid = (math.ceil(out_f / block[0]), math.ceil(in_f / block[1]))
+    if tuple(sinfo.shape[-2:]) != grid:
+        raise _Refused(f"its scale {scale.tensor!r} has shape {list(sinfo.shape)}, but "
+                       f"{block[0]}x{block[1]} blocks of a {out_f}x{in_f} weight make "
+                       f"{list(grid)}: set quantization_config.weight_block_size in "
+                       "config.json to the block size the checkpoint used")
+    return block
+
+
+def _fp8_stacked(name, f, info, where, qc) -> Published:
+    """Experts stacked (E, out, in) in FP8, `X` with `X_scale_inv` (Qwen3.5 / Mistral 4
+    FP8 layout) or `X.weight` with `X.weight_scale_inv`: block scales (E, out / b0,
+    in / b1), one scale per expert (E,), (E, 1) or (E, 1, 1), or per channel (E, out),
+    (E, out, 1)."""
+    found = _find(where, name + "_scale_inv", "scale") or _find(where, name + "_scale", "scale")
+    if found is None:
+        raise _Refused(f"stacked FP8 experts without {name + '_scale_inv'!r} or "
+                       f"{name + '_scale'!r}: the checkpoint is incomplete (check its index)")
+    scale, sinfo = found
+    _check_float(sinfo, scale)
+    e, out_f, in_f = info.shape
+    sshape = tuple(sinfo.shape)
+    block = None
+    if sshape in ((e,), (e, 1), (e, 1, 1), (e, out_f), (e, out_f, 1)):
+        pass  # per expert, per channel
+    elif len(sshape) == 3 and sshape[0] == e:
+        block = _fp8_grid(qc, scale, sinfo, out_f, in_f)
+    else:
+        raise _Refused(f"its scale {scale.tensor!r} has shape {list(sshape)}: neither per "
+                       f"expert, per channel nor a block grid of {e} experts")
+    read = info.nbytes + sinfo.nbytes
+    return Published("fp8", info.dtype, f, name, tuple(info.shape), (scale,), block, read)
 
 
 def _fp8_block(qc: dict) -> tuple[int, int] | None:
@@ -354,10 +388,15 @@ class PublishedReader:
         return dequant.dequant_mxfp4(blocks, scales)
 
     def expert(self, pub: Published, e: int) -> np.ndarray:
-        """Expert e of a stacked logical tensor, float32, in the logical layout (in, out)."""
+        """Expert e of a stacked logical tensor, float32, in the logical layout: (in, out)
+        for MXFP4 (gpt-oss), (out, in) for FP8."""
         key = (pub.file, pub.tensor, e)
         if key != self._key:
             self._expert = None  # free before reading the next one
+            if pub.format == "fp8" and len(pub.shape) == 3:
+                self._expert = self._fp8_expert(pub, e)
+                self._key = key
+                return self._expert
             if pub.format != "mxfp4" or len(pub.shape) != 3:
                 raise SourceError(pub.file, f"{pub.format} weights of stacked experts are "
                                   "not read; convert a BF16 copy of the model", pub.tensor)
@@ -370,6 +409,17 @@ class PublishedReader:
             self._key = key
             self._expert = dequant.dequant_mxfp4(blocks, scales).T
         return self._expert
+
+    def _fp8_expert(self, pub: Published, e: int) -> np.ndarray:
+        _, out_f, in_f = pub.shape
+        q = self._read((pub.file, pub.tensor), e * out_f * in_f, out_f * in_f)
+        scale = pub.partner("scale")
+        sinfo = self._info(scale.file, scale.tensor)
+        per = sinfo.numel // sinfo.shape[0]
+        s = self._floats(scale, e * per, per)
+        if pub.block is not None:
+            s = s.reshape(sinfo.shape[1:])
+        return dequant.dequant_fp8(q.reshape(out_f, in_f), s, pub.dtype, pub.block)
 
     def _check_shape(self, pub: Published) -> None:
         p = pub.partner("shape")

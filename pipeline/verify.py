@@ -187,6 +187,7 @@ class _SourceReader:
         self.headers = {}
         self.recipe = None
         self.published = None
+        self._bound = False
         if recipe_name:
             from turboquant.manifests.recipe import RecipeError, load_recipe
 
@@ -195,24 +196,44 @@ class _SourceReader:
             except RecipeError:
                 self.recipe = None
 
+    def _split_recipe(self):
+        """The recipe bound to mlx-lm's reading of the source, as the plan bound it: the
+        generic recipe's splits (stacked or fused experts) come from that reading."""
+        if self.recipe is not None and not self._bound:
+            self._bound = True
+            from .errors import ConversionError
+            from .plan import bind_to_tensors
+
+            try:
+                config = json.loads((self.folder / "config.json").read_text())
+                headers = {p.name: self._header(p.name)
+                           for p in sorted(self.folder.glob("*.safetensors"))}
+                self.recipe = bind_to_tensors(self.recipe, config, headers)
+            except (OSError, ValueError, ConversionError):
+                pass  # the family recipe's own split rules stand alone
+        return self.recipe
+
+    def _header(self, f: str):
+        if f not in self.headers:
+            self.headers[f] = read_header(self.folder / f, f)
+        return self.headers[f]
+
     def weight(self, row: dict) -> np.ndarray | None:
         """The source weight (out, in) as float32, or None if it cannot be located."""
         if row.get("source_dtype") in published.LABELS:
             return self._published_weight(row)
         f = row["source_shard"]
-        if f not in self.headers:
-            self.headers[f] = read_header(self.folder / f, f)
-        info = self.headers[f].tensors.get(row["source_name"])
+        info = self._header(f).tensors.get(row["source_name"])
         if info is None:
             return None
         fd = os.open(self.folder / f, os.O_RDONLY)
         try:
             if row["source_name"] == row["name"]:
                 return read_float32(fd, info, 0, info.numel, f).reshape(info.shape)
-            if self.recipe is None or row["expert"] is None:
+            recipe = self._split_recipe()
+            if recipe is None or row["expert"] is None:
                 return None
-            piece = split_piece_of(self.recipe, f, row["source_name"], row["name"],
-                                   row["expert"])
+            piece = split_piece_of(recipe, f, row["source_name"], row["name"], row["expert"])
             if piece is None:
                 return None
             per = info.numel // info.shape[0]
@@ -225,13 +246,14 @@ class _SourceReader:
         """An FP8 / MXFP4 / int4 source weight, dequantized (pipeline/published.py)."""
         if self.published is None:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-            headers = {f: self.headers.get(f) or read_header(self.folder / f, f) for f in files}
+            headers = {f: self._header(f) for f in files}
             config = json.loads((self.folder / "config.json").read_text())
             self.published = published.PublishedFolder(self.folder, headers, config)
         if row["expert"] is None or row["name"] == row["source_name"]:
             return self.published.tensor(row["source_name"])
-        piece = split_piece_of(self.recipe, row["source_shard"], row["source_name"],
-                               row["name"], row["expert"]) if self.recipe else None
+        recipe = self._split_recipe()
+        piece = split_piece_of(recipe, row["source_shard"], row["source_name"],
+                               row["name"], row["expert"]) if recipe else None
         if piece is None:
             return None
         return cut_piece(self.published.tensor(row["source_name"], piece.expert), piece)

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from checkpoints import write_header_shards, write_tokenizer
+from checkpoints import write_tokenizer
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=320, rms_norm_eps=1e-5,
@@ -104,6 +104,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("moe", {**MOE, "use_bias": False, "moe_num_experts": 4, "moe_k": 2,
                              "moe_layer_start_index": 1, "moe_num_shared_experts": 1}),
     "bailing_moe": ("moe", {**MOE, "num_shared_experts": 1, "first_k_dense_replace": 1}),
+    "bailing_moe_v3": ("mla", {**MOE, "n_group": 1, "topk_group": 1}),
     "gpt_oss": ("moe", {**MOE, "sliding_window": 8, "intermediate_size": 64,
                         "layer_types": ["sliding_attention", "full_attention"]}),
     # MLA
@@ -142,6 +143,17 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3_5": ("hybrid-deltanet", {"text_config": dict(_QWEN35)}),
     "qwen3_5_moe": ("hybrid-deltanet", {"text_config": {**_QWEN35, **MOE,
                                                        "shared_expert_intermediate_size": 64}}),
+    # experts fused and turned in the release: Granite-MoE's input_linear (E, 2 x I, H),
+    # Llama 4's gate_up_proj (E, H, 2 x I) and down_proj (E, I, H)
+    "granitemoe": ("moe", {**MOE, "logits_scaling": 2.0, "attention_multiplier": 0.25,
+                           "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                           "attention_bias": False}),
+    "llama4": ("moe", {"text_config": {**MOE, "attention_bias": False, "attention_chunk_size": 8,
+                                       "interleave_moe_layer_step": 2,
+                                       "intermediate_size_mlp": 128, "rope_scaling": None,
+                                       "use_qk_norm": True, "model_type": "llama4_text",
+                                       "num_hidden_layers": 4,
+                                       "num_experts_per_tok": 1}}),
     # hybrids
     "qwen3_next": ("hybrid-deltanet", {**MOE, "linear_num_value_heads": 4,
                                        "linear_num_key_heads": 2, "linear_key_head_dim": 16,
@@ -175,8 +187,8 @@ _EXPERT_NAMES = {
 def arch_config(model_type: str) -> dict:
     kind, over = ARCHS[model_type]
     if "text_config" in over:
-        text = {**copy.deepcopy(BASE), **copy.deepcopy(over["text_config"]),
-                "model_type": f"{model_type}_text"}
+        text = {**copy.deepcopy(BASE), "model_type": f"{model_type}_text",
+                **copy.deepcopy(over["text_config"])}
         return {"model_type": model_type, "text_config": text, "tie_word_embeddings": False,
                 "vocab_size": text["vocab_size"]}
     cfg = {**copy.deepcopy(BASE), **copy.deepcopy(over), "model_type": model_type}
@@ -203,6 +215,8 @@ def hf_layout(model, model_type: str, params: dict[str, mx.array]) -> dict[str, 
         return _gpt_oss_layout(params)
     if model_type in ("qwen3_5", "qwen3_5_moe"):
         return _qwen35_layout(model, params)
+    if model_type in _FUSED_TURNED:
+        return _fused_turned_layout(model_type, params)
     names = _EXPERT_NAMES.get(model_type, {})
     switch = {p for p, m in model.named_modules() if isinstance(m, SwitchLinear)}
     out = {}
@@ -250,6 +264,38 @@ def _qwen35_layout(model, params: dict[str, mx.array]) -> dict[str, mx.array]:
         elif v.ndim == 1 and name.endswith(norms):
             v = v - 1.0
         out[name] = v
+    return out
+
+
+_FUSED_TURNED = ("granitemoe", "llama4")
+
+
+def _fused_turned_layout(model_type: str, params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Granite-MoE: `block_sparse_moe.input_linear.weight` (E, 2 x I, H), gate first, and
+    `output_linear.weight` (E, H, I). Llama 4: `language_model.model.*`,
+    `feed_forward.experts.gate_up_proj` (E, H, 2 x I), gate first, and `down_proj`
+    (E, I, H): both turned (in, out)."""
+    out = {}
+    for k, v in params.items():
+        m = re.match(r"^(.*)\.(?:switch_mlp|experts)\.(gate_proj|up_proj|down_proj)\.weight$", k)
+        if not m:
+            out[k] = v
+            continue
+        pre, proj = m.groups()
+        if proj == "up_proj":
+            continue
+        if model_type == "granitemoe":
+            if proj == "gate_proj":
+                up = params[k.replace("gate_proj", "up_proj")]
+                out[f"{pre}.input_linear.weight"] = mx.concatenate([v, up], axis=1)
+            else:
+                out[f"{pre}.output_linear.weight"] = v
+            continue
+        if proj == "gate_proj":
+            up = params[k.replace("gate_proj", "up_proj")]
+            out[f"{pre}.experts.gate_up_proj"] = mx.concatenate([v, up], axis=1).swapaxes(1, 2)
+        else:
+            out[f"{pre}.experts.down_proj"] = v.swapaxes(1, 2)
     return out
 
 
@@ -309,34 +355,39 @@ def write_arch_checkpoint(path, model_type: str, seed: int = 0, layout: str = "h
 
 
 # ---------------------------------------------------------------------------- flagships
+# The big releases' tensor names, shapes, dtypes and shard counts, from their config.json as
+# published (Qwen3.5: the shape its model card gives). One definition: tests/
+# published_checkpoints.py writes them (sparse, or a full-size slice with random codes).
 
 _FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [128, 128]}
-_DSV3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-             num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-             routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-             qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+_DSV3 = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+             intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+             num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+             n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+             q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
              topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
              moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
              scoring_func="sigmoid", rope_theta=10000.0, max_position_embeddings=163840,
              rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=1,
+             torch_dtype="bfloat16",
              rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
                            "mscale": 1.0, "mscale_all_dim": 1.0,
                            "original_max_position_embeddings": 4096},
              quantization_config=_FP8)
 
-# name -> (config, source dtype of the linear weights, shards). Shapes follow each
-# release's config.json as published (Qwen3.5: the shape its model card gives).
+# name -> (config, source dtype of the linear weights, shards).
 FLAGSHIPS: dict[str, tuple[dict, str, int]] = {
     "DeepSeek-V3.1": ({**_DSV3, "model_type": "deepseek_v3"}, "F8_E4M3", 163),
+    # DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer
     "Kimi-K2": ({**_DSV3, "model_type": "kimi_k2", "n_routed_experts": 384,
                  "num_attention_heads": 64, "num_key_value_heads": 64,
                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                  "routed_scaling_factor": 2.827, "vocab_size": 163840,
                  "num_nextn_predict_layers": 0, "max_position_embeddings": 131072},
                 "F8_E4M3", 61),
-    "GLM-4.6": (dict(model_type="glm4_moe", vocab_size=151552, hidden_size=5120,
+    "GLM-4.6": (dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+                     vocab_size=151552, hidden_size=5120,
                      intermediate_size=12288, moe_intermediate_size=1536,
                      num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8,
                      head_dim=128, n_routed_experts=160, n_shared_experts=1,
@@ -345,8 +396,9 @@ FLAGSHIPS: dict[str, tuple[dict, str, int]] = {
                      partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
                      rope_theta=1000000.0, max_position_embeddings=202752,
                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_scaling=None,
-                     num_nextn_predict_layers=1), "BF16", 93),
-    "Qwen3.5-397B-A17B": (dict(model_type="qwen3_5_moe", tie_word_embeddings=False,
+                     num_nextn_predict_layers=1, torch_dtype="bfloat16"), "BF16", 93),
+    "Qwen3.5-397B-A17B": (dict(architectures=["Qwen3_5MoeForConditionalGeneration"],
+                               model_type="qwen3_5_moe", tie_word_embeddings=False,
                                text_config=dict(
                                    model_type="qwen3_5_moe_text", vocab_size=248320,
                                    hidden_size=4096, num_hidden_layers=60,
@@ -363,26 +415,35 @@ FLAGSHIPS: dict[str, tuple[dict, str, int]] = {
                                                     "partial_rotary_factor": 0.25,
                                                     "mrope_section": [11, 11, 10]})),
                           "BF16", 94),
-    "MiniMax-M2": (dict(model_type="minimax", vocab_size=200064, hidden_size=3072,
+    "MiniMax-M2": (dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax",
+                        vocab_size=200064, hidden_size=3072,
                         intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,
                         num_key_value_heads=8, head_dim=128, num_local_experts=256,
                         num_experts_per_tok=8, rotary_dim=64, shared_intermediate_size=0,
                         use_qk_norm=True, rope_theta=5000000.0,
                         max_position_embeddings=196608, rms_norm_eps=1e-6,
-                        tie_word_embeddings=False, quantization_config=_FP8),
-                   "F8_E4M3", 130),
-    "gpt-oss-120b": (dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                        tie_word_embeddings=False, torch_dtype="bfloat16",
+                        quantization_config=_FP8), "F8_E4M3", 130),
+    "gpt-oss-120b": (dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                          vocab_size=201088, hidden_size=2880,
                           intermediate_size=2880, num_hidden_layers=36,
                           num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                           num_local_experts=128, num_experts_per_tok=4, experts_per_token=4,
                           sliding_window=128, rope_theta=150000.0,
                           max_position_embeddings=131072, rms_norm_eps=1e-5,
-                          tie_word_embeddings=False,
+                          tie_word_embeddings=False, torch_dtype="bfloat16",
                           layer_types=["sliding_attention", "full_attention"] * 18,
-                          quantization_config={"quant_method": "mxfp4"}),
+                          rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                        "original_max_position_embeddings": 4096,
+                                        "rope_type": "yarn", "truncate": False},
+                          quantization_config={"quant_method": "mxfp4",
+                                               "modules_to_not_convert": [
+                                                   "model.layers.*.self_attn",
+                                                   "model.layers.*.mlp.router",
+                                                   "model.embed_tokens", "lm_head"]}),
                      "MXFP4", 15),
 }
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
 
 
 def flagship_tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -397,11 +458,14 @@ def flagship_tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
         for k in [k for k in names if k.startswith(f"model.layers.{last}.")]:
             for i in range(mtp):
                 names[k.replace(f".{last}.", f".{last + 1 + i}.", 1)] = names[k]
+        h, voc = config["hidden_size"], config["vocab_size"]
         for i in range(mtp):
-            n, h = last + 1 + i, config["hidden_size"]
+            n = last + 1 + i
+            names[f"model.layers.{n}.embed_tokens.weight"] = mx.zeros((voc, h))
             names[f"model.layers.{n}.eh_proj.weight"] = mx.zeros((h, 2 * h))
             for norm in ("enorm", "hnorm", "shared_head.norm"):
                 names[f"model.layers.{n}.{norm}.weight"] = mx.zeros((h,))
+            names[f"model.layers.{n}.shared_head.head.weight"] = mx.zeros((voc, h))
     out = []
     for k, v in names.items():
         shape = tuple(v.shape)
@@ -418,9 +482,10 @@ def flagship_tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def _fp8_weight(name: str) -> bool:
-    """Linear weights the FP8 releases store in FP8 (not embeddings, head, norms, routers)."""
-    return name.endswith("proj.weight") or re.search(r"\.(w[123]|eh_proj)\.weight$", name) \
-        is not None
+    """Linear weights the FP8 releases store in FP8 (not embeddings, head, norms, routers,
+    nor the multi-token-prediction layer's eh_proj)."""
+    return name.endswith("proj.weight") and not name.endswith("eh_proj.weight") \
+        or re.search(r"\.w[123]\.weight$", name) is not None
 
 
 def _skeleton(config: dict):
@@ -428,20 +493,3 @@ def _skeleton(config: dict):
 
     model = build_skeleton(config)
     return model, dict(tree_flatten(model.parameters()))
-
-
-def write_sparse_checkpoint(path, name: str) -> int:
-    """The release's config.json, index and shards, every tensor's bytes a hole: the files
-    have their full size but take no disk. Returns the total size in bytes."""
-    config, _, shards = FLAGSHIPS[name]
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = [(t, dt, shape) for t, shape, dt in flagship_tensors(name)]
-    per = -(-len(tensors) // shards)
-    files = [(f"model-{s + 1:05d}-of-{shards:05d}.safetensors", tensors[s * per:(s + 1) * per])
-             for s in range(shards)]
-    weight_map, total = write_header_shards(path, files, _ITEMSIZE, metadata={"format": "pt"})
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return total

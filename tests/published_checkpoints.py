@@ -4,7 +4,8 @@ float32 copies.
 `publish(src, dst, copy, fmt)` reads a float32 checkpoint written by tests/checkpoints.py
 and writes two checkpoints with the same shards and tensor order:
 
-- `dst`: the published format: FP8 with 128x128 block scales (`fp8-block`, DeepSeek-V3),
+- `dst`: the published format: FP8 with 128x128 block scales (`fp8-block`, DeepSeek-V3;
+  stacked experts `X.experts.gate_up_proj` (E, out, in) get `X_scale_inv` (E, r, c)),
   FP8 E5M2 or E4M3 with per-channel / per-tensor scales and an `input_scale` (`fp8-channel`,
   `fp8-tensor`), MXFP4 stacked experts (`mxfp4`, gpt-oss), or compressed-tensors int4
   pack-quantized (`int4`, Kimi K2 Thinking), with the config's `quantization_config`;
@@ -28,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file
 
+from arch_checkpoints import FLAGSHIPS, ITEMSIZE, flagship_tensors
 from checkpoints import write_header_shards
 
 FORMATS = ("fp8-block", "fp8-channel", "fp8-tensor", "mxfp4", "int4")
@@ -35,6 +37,7 @@ TAGS = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8", np.dtype(np.int32
         np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
         np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2"}
 FP8_MAX = {"F8_E4M3": 448.0, "F8_E5M2": 57344.0}
+STACKED = (".experts.gate_up_proj", ".experts.down_proj")  # Qwen3.5's fused experts
 LINEAR = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
           ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
 
@@ -186,6 +189,12 @@ def _quantize(name, w, fmt, block, fp8_dtype, zero_point):
         blocks, scales, dq = mxfp4(np.ascontiguousarray(w.transpose(0, 2, 1)))
         return [(name + "_blocks", blocks), (name + "_scales", scales)], \
             np.ascontiguousarray(dq.transpose(0, 2, 1))
+    if fmt == "fp8-block" and w.ndim == 3 and name.endswith(STACKED):
+        # experts stacked (E, out, in), one block grid each: X and X_scale_inv (E, r, c)
+        each = [fp8_block(x, block, fp8_dtype or "F8_E4M3") for x in w]
+        return [(name, np.stack([c for c, _, _ in each])),
+                (name + "_scale_inv", np.stack([s for _, s, _ in each]))], \
+            np.stack([d for _, _, d in each])
     if not name.endswith(LINEAR):
         return None, None
     base = name[: -len("weight")]
@@ -225,124 +234,18 @@ def _quant_config(fmt: str, block, zero_point: bool) -> dict:
 
 
 # --------------------------------------------------------------------------- flagship layouts
-# The tensor names, shapes and dtypes of the big releases, from their config.json (shards
-# cut every ~5 GB in tensor order, as the releases do). `write_layout` writes the headers
-# and leaves the data sparse (zeros, no disk used): enough for `turboquant plan`. With
-# `layers` and `fill`, a full-size slice with random codes that a conversion can read.
+# The big releases (tests/arch_checkpoints.py FLAGSHIPS: names, shapes, dtypes, shard
+# counts). `write_layout` writes the headers and leaves the data sparse (zeros, no disk):
+# enough for `turboquant plan`. With `layers` and `fill`, a full-size slice with random
+# codes that a conversion can read.
 
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
-    "norm_topk_prob": True, "scoring_func": "sigmoid", "vocab_size": 129280,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 163840,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
-                            "quant_method": "fp8", "weight_block_size": [128, 128]},
-}
-# Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer
-KIMI_K2 = {**DEEPSEEK_V3, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-           "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
-           "first_k_dense_replace": 1, "vocab_size": 163840, "n_group": 1, "topk_group": 1,
-           "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0}
-GPT_OSS_120B = {
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-    "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
-    "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
-    "num_experts_per_tok": 4, "vocab_size": 201088, "rms_norm_eps": 1e-5,
-    "rope_theta": 150000, "sliding_window": 128, "max_position_embeddings": 131072,
-    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
-                     "truncate": False},
-    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-        "lm_head"]},
-}
-LAYOUTS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "gpt_oss_120b": GPT_OSS_120B}
-TAG_SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
+LAYOUTS = tuple(FLAGSHIPS)
+TAG_SIZE = ITEMSIZE
 
 
-def layout(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of every tensor of a release with this config, in file order."""
-    if config["model_type"] == "gpt_oss":
-        return _gpt_oss_layout(config)
-    return _deepseek_layout(config)
-
-
-def _fp8(name: str, out: int, inp: int):
-    return [(name + ".weight", "F8_E4M3", (out, inp)),
-            (name + ".weight_scale_inv", "F32", (math.ceil(out / 128), math.ceil(inp / 128)))]
-
-
-def _deepseek_layout(c: dict):
-    h, heads, voc = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
-    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    out = [("model.embed_tokens.weight", "BF16", (voc, h))]
-    for i in range(c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0)):
-        p = f"model.layers.{i}"
-        if i >= c["num_hidden_layers"]:  # the multi-token-prediction layer
-            out += [(f"{p}.embed_tokens.weight", "BF16", (voc, h)),
-                    (f"{p}.enorm.weight", "BF16", (h,)), (f"{p}.hnorm.weight", "BF16", (h,)),
-                    (f"{p}.eh_proj.weight", "BF16", (h, 2 * h)),
-                    (f"{p}.shared_head.norm.weight", "BF16", (h,)),
-                    (f"{p}.shared_head.head.weight", "BF16", (voc, h))]
-        out.append((f"{p}.input_layernorm.weight", "BF16", (h,)))
-        out += _fp8(f"{p}.self_attn.q_a_proj", c["q_lora_rank"], h)
-        out.append((f"{p}.self_attn.q_a_layernorm.weight", "BF16", (c["q_lora_rank"],)))
-        out += _fp8(f"{p}.self_attn.q_b_proj", heads * qk, c["q_lora_rank"])
-        out += _fp8(f"{p}.self_attn.kv_a_proj_with_mqa", c["kv_lora_rank"] +
-                    c["qk_rope_head_dim"], h)
-        out.append((f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (c["kv_lora_rank"],)))
-        out += _fp8(f"{p}.self_attn.kv_b_proj",
-                    heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
-        out += _fp8(f"{p}.self_attn.o_proj", h, heads * c["v_head_dim"])
-        out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
-        if i < c["first_k_dense_replace"]:
-            inter = c["intermediate_size"]
-            out += _fp8(f"{p}.mlp.gate_proj", inter, h) + _fp8(f"{p}.mlp.up_proj", inter, h)
-            out += _fp8(f"{p}.mlp.down_proj", h, inter)
-            continue
-        inter, n = c["moe_intermediate_size"], c["n_routed_experts"]
-        out += [(f"{p}.mlp.gate.weight", "BF16", (n, h)),
-                (f"{p}.mlp.gate.e_score_correction_bias", "F32", (n,))]
-        for e in [f"experts.{j}" for j in range(n)] + ["shared_experts"]:
-            width = inter * (c["n_shared_experts"] if e == "shared_experts" else 1)
-            out += _fp8(f"{p}.mlp.{e}.gate_proj", width, h) + _fp8(f"{p}.mlp.{e}.up_proj", width, h)
-            out += _fp8(f"{p}.mlp.{e}.down_proj", h, width)
-    out += [("model.norm.weight", "BF16", (h,)), ("lm_head.weight", "BF16", (voc, h))]
-    return out
-
-
-def _gpt_oss_layout(c: dict):
-    h, voc, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
-    q, kv, n, inter = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, \
-        c["num_local_experts"], c["intermediate_size"]
-    out = [("model.embed_tokens.weight", "BF16", (voc, h))]
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out.append((f"{p}.input_layernorm.weight", "BF16", (h,)))
-        for proj, o, inp in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h),
-                             ("o_proj", h, q)):
-            out += [(f"{p}.self_attn.{proj}.weight", "BF16", (o, inp)),
-                    (f"{p}.self_attn.{proj}.bias", "BF16", (o,))]
-        out.append((f"{p}.self_attn.sinks", "BF16", (c["num_attention_heads"],)))
-        out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
-        out += [(f"{p}.mlp.router.weight", "BF16", (n, h)), (f"{p}.mlp.router.bias", "BF16", (n,))]
-        for proj, o, inp in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
-            x = f"{p}.mlp.experts.{proj}"
-            out += [(x + "_blocks", "U8", (n, o, inp // 32, 16)),
-                    (x + "_scales", "U8", (n, o, inp // 32)), (x + "_bias", "BF16", (n, o))]
-    out += [("model.norm.weight", "BF16", (h,)), ("lm_head.weight", "BF16", (voc, h))]
-    return out
+def layout(name: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of the release, in file order."""
+    return [(t, dtype, shape) for t, shape, dtype in flagship_tensors(name)]
 
 
 def as_bf16(tensors):
@@ -351,27 +254,29 @@ def as_bf16(tensors):
             if not n.endswith("_scale_inv")]
 
 
-def write_layout(path: Path, config: dict, *, layers: list[int] | None = None,
+def write_layout(path: Path, name: str, *, layers: list[int] | None = None,
                  experts: int | None = None, fill: bool = False, bf16: bool = False,
-                 shard_bytes: int = 5 * 10**9, seed: int = 0) -> Path:
-    """Header-exact shards of a release (data sparse, or random codes with `fill`); with
-    `layers`, only those decoder layers (num_hidden_layers unchanged: a slice); with
-    `experts`, only the first routed experts of each layer (per-expert tensors); with
-    `bf16`, FP8 weights as BF16 (the peer a BF16 release would be)."""
+                 seed: int = 0) -> Path:
+    """Header-exact shards of release `name` (data sparse, or random codes with `fill`),
+    cut at the release's shard size; with `layers`, only those decoder layers
+    (num_hidden_layers unchanged: a slice); with `experts`, only the first routed experts
+    of each layer (per-expert tensors; stacked ones stay whole); with `bf16`, FP8 weights
+    as BF16 (the peer a BF16 release would be)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = as_bf16(layout(config)) if bf16 else layout(config)
+    config, _, shard_count = FLAGSHIPS[name]
+    full = layout(name)
+    shard_bytes = -(-sum(math.prod(s) * TAG_SIZE[d] for _, d, s in full) // shard_count)
+    tensors = as_bf16(full) if bf16 else full
     if bf16:
         config = {k: v for k, v in config.items() if k != "quantization_config"}
     if experts is not None:
         tensors = [t for t in tensors if not re.search(r"\.experts\.(\d+)\.", t[0])
                    or int(re.search(r"\.experts\.(\d+)\.", t[0]).group(1)) < experts]
     if layers is not None:
-        keep = {f"model.layers.{i}." for i in layers}
-        tensors = [t for t in tensors if not t[0].startswith("model.layers.")
-                   or any(t[0].startswith(k) for k in keep)]
+        tensors = [t for t in tensors if _layer(t[0]) in (None, *layers)]
         if fill:  # a slice of decoder layers only: the 1 GB embeddings are not its point
-            tensors = [t for t in tensors if t[0].startswith("model.layers.")]
+            tensors = [t for t in tensors if _layer(t[0]) is not None]
     shards, cur, size = [], [], 0
     for t in tensors:
         nbytes = math.prod(t[2]) * TAG_SIZE[t[1]]
@@ -385,12 +290,17 @@ def write_layout(path: Path, config: dict, *, layers: list[int] | None = None,
     rng = np.random.default_rng(seed)
     fill_with = (lambda f, t, dtype, shape: _write_random(f, t, dtype, shape, rng)) if fill \
         else None
-    wm, _ = write_header_shards(path, list(zip(names, shards)), TAG_SIZE, write_data=fill_with)
+    wm, total = write_header_shards(path, list(zip(names, shards)), TAG_SIZE,
+                                    metadata={"format": "pt"}, write_data=fill_with)
     (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(math.prod(s) * TAG_SIZE[d] for _, d, s in tensors)},
-         "weight_map": wm}))
+        {"metadata": {"total_size": total}, "weight_map": wm}))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _layer(name: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def _write_random(f, name: str, dtype: str, shape, rng) -> None:
@@ -418,12 +328,12 @@ def _write_random(f, name: str, dtype: str, shape, rng) -> None:
 
 
 def main(argv=None) -> int:
-    """python tests/published_checkpoints.py LAYOUT DIR [--layers 0,3,60] [--experts 8]
+    """python tests/published_checkpoints.py RELEASE DIR [--layers 0,3,60] [--experts 8]
     [--fill] [--bf16]"""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("layout", choices=sorted(LAYOUTS))
+    p.add_argument("release", choices=LAYOUTS)
     p.add_argument("dir")
     p.add_argument("--layers", help="comma-separated decoder layers (a slice)")
     p.add_argument("--experts", type=int, help="only the first N routed experts (per-expert "
@@ -432,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="FP8 weights as BF16, no scales")
     a = p.parse_args(argv)
     layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-    write_layout(Path(a.dir), LAYOUTS[a.layout], layers=layers, experts=a.experts, fill=a.fill,
+    write_layout(Path(a.dir), a.release, layers=layers, experts=a.experts, fill=a.fill,
                  bf16=a.bf16)
     return 0
 

@@ -5,12 +5,15 @@ plan with the right counts, and stay in bounded memory."""
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from checkpoints import write_llama_checkpoint, write_moe_checkpoint
 from published_checkpoints import publish, write_tensors
 
@@ -273,3 +276,73 @@ def test_a_nan_fp8_code_names_the_tensor(dense, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(ConversionError, match=rf"{name}.*non-finite.*flat index 5"):
         run(tmp_path / "pub", tmp_path / "out")
+
+
+# ------------------------------------------------------------------ stacked FP8 experts
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), experts=st.integers(1, 4), out_f=st.integers(1, 70),
+       in_f=st.integers(1, 70), b0=st.sampled_from([8, 16, 32]), b1=st.sampled_from([8, 16, 32]),
+       kind=st.sampled_from(["block", "expert", "channel"]), tag=st.sampled_from(
+           ["F8_E4M3", "F8_E5M2"]))
+def test_stacked_fp8_experts_read_one_at_a_time_as_ml_dtypes_dequantizes_them(
+        tmp_path_factory, seed, experts, out_f, in_f, b0, b1, kind, tag):
+    """PublishedReader.expert of (E, out, in) FP8 codes with block, per-expert or
+    per-channel scales equals ml_dtypes' values times the scale, computed here."""
+    import ml_dtypes
+
+    from turboquant.pipeline.published import PublishedReader, pair
+    from turboquant.pipeline.safetensors_io import read_header
+
+    rng = np.random.default_rng(seed)
+    ml = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}[tag]
+    codes = rng.standard_normal((experts, out_f, in_f)).astype(np.float32).astype(ml)
+    grid = {"block": (experts, -(-out_f // b0), -(-in_f // b1)), "expert": (experts, 1, 1),
+            "channel": (experts, out_f)}[kind]
+    scale = rng.uniform(0.001, 2, size=grid).astype(np.float32)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    path = tmp_path_factory.mktemp("stacked") / "model.safetensors"
+    write_tensors(path, [(name, codes), (name + "_scale_inv", scale)])
+    headers = {path.name: read_header(path, path.name)}
+    qc = {"quant_method": "fp8", "weight_block_size": [b0, b1]}
+    pairing = pair(headers, {"quantization_config": qc})
+    assert not pairing.problems and name + "_scale_inv" in pairing.partners
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        reader = PublishedReader(lambda f: fd, headers)
+        for e in range(experts):
+            if kind == "block":
+                full = np.kron(scale[e], np.ones((b0, b1), np.float32))[:out_f, :in_f]
+            else:
+                full = scale[e].reshape(-1, 1)
+            want = codes[e].astype(np.float32) * full
+            assert np.array_equal(reader.expert(pairing.published[name], e), want,
+                                  equal_nan=True)
+    finally:
+        os.close(fd)
+
+
+def test_stacked_fp8_experts_convert_to_the_bytes_of_their_float32_copy(tmp_path):
+    """Qwen3.5-MoE's experts fused and stacked (E, 2 x I, H) in FP8 with a block grid per
+    expert (X_scale_inv): dequantized one expert at a time in the job, split into gate and
+    up, coded; the same bytes as converting the float32 copy, and `verify --source`
+    recomputes every split row from the FP8 codes."""
+    import mlx.core as mx
+    from arch_checkpoints import write_arch_checkpoint
+
+    from turboquant.pipeline.verify import verify_repo
+
+    src = tmp_path / "src"
+    write_arch_checkpoint(src, "qwen3_5_moe")
+    weights = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(src / "model.safetensors"),
+                        {k: v.astype(mx.float32) for k, v in weights.items()})
+    publish(src, tmp_path / "pub", tmp_path / "copy", "fp8-block", block=(32, 48),
+            scales_apart=True)
+    run(tmp_path / "pub", tmp_path / "pub-tq", group_size=32)
+    run(tmp_path / "copy", tmp_path / "copy-tq", group_size=32)
+    rows = assert_same_repo(tmp_path / "pub-tq", tmp_path / "copy-tq", "F8_E4M3")
+    stacked = [r for r in rows if r["source_name"].endswith(".experts.gate_up_proj")]
+    assert len(stacked) == 2 * 4 * 2  # layers x experts x (gate, up)
+    report = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
+    assert report.ok, report.text()
