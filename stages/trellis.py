@@ -62,6 +62,9 @@ BYTESUM_STD = float(np.sqrt(4 * (256**2 - 1) / 12))  # 147.80...
 # the Viterbi search codes y / GAIN[bits] (benchmarks/codec.py --trellis: at L = 12 and 16
 # the MSE is flat within ~1% from 1.0 to 1.1, lowest near 1.0 at 2 bits and 1.1 at 3-4 bits)
 GAIN = {1: 1.0, 2: 1.0, 3: 1.1, 4: 1.1}
+VERSION = 1  # docs/FORMAT.md's trellis version: the constants above and the steps below
+# the code the converter writes unless a recipe says otherwise (L, V, T)
+STATE_BITS, VALUES, BLOCK = 16, 1, 256
 
 
 @dataclass(frozen=True)
