@@ -108,6 +108,28 @@ class TrellisCode:
         return block
 
 
+@dataclass(frozen=True)
+class TrellisBits:
+    """A trellis-coded weight's code as the runtime and kernels pass it where a scalar
+    code passes its bits (2, 3, 4, "ternary"): k bits a weight, the trellis (L, V) and the
+    block. Codes have the scalar code's shape at `bits`; decode with decode_words_mx."""
+
+    bits: int
+    state_bits: int = STATE_BITS
+    values: int = VALUES
+    block: int = BLOCK
+
+    def __post_init__(self):
+        self.code.check_block(self.block)
+
+    @property
+    def code(self) -> TrellisCode:
+        return TrellisCode(self.state_bits, self.bits, self.values)
+
+    def __str__(self) -> str:
+        return f"trellis-{self.bits} (L={self.state_bits}, V={self.values}, T={self.block})"
+
+
 def state_values(code: TrellisCode, states, mul=MUL, add=ADD) -> np.ndarray:
     """The V computed values (float32, unit variance) of each state: shape (..., V).
     `mul`, `add`: other constants, for the benchmark that chose MUL and ADD."""
@@ -290,9 +312,12 @@ def decode_words_mx(code: TrellisCode, words, block: int = 256):
     window from two words, then a multiply-add, a shift-xor and a byte sum (no table).
     words (rows, n * k / 32) uint32 -> (rows, n) float32, equal to decode_words."""
     code.check_block(block)
-    n = words.shape[1] * 32 // code.bits
-    word0, word1, shift, j = _windows(code, n, block)
     w = mx.array(words) if not isinstance(words, mx.array) else words
+    if w.ndim != 2:  # experts (E, rows, words) and the like: decode as rows
+        lead = w.shape[:-1]
+        return decode_words_mx(code, w.reshape(-1, w.shape[-1]), block).reshape(*lead, -1)
+    n = w.shape[1] * 32 // code.bits
+    word0, word1, shift, j = _windows(code, n, block)
     lo = mx.take(w, mx.array(word0), axis=1) >> mx.array(shift)
     up = mx.array(np.where(shift > 0, 32 - shift, 0).astype(np.uint32))
     hi = mx.where(mx.array(shift > 0), mx.take(w, mx.array(word1), axis=1) << up, 0)
