@@ -40,6 +40,9 @@ from .sources import sampled_content_sha256
 CHUNK_ELEMENTS = int(os.environ.get("TURBOQUANT_CHUNK_ELEMENTS", 1 << 20))
 RAW_CHUNK = 1 << 26  # bytes per read when copying a raw tensor
 PROGRESS_SECONDS = float(os.environ.get("TURBOQUANT_TRELLIS_PROGRESS_SECONDS", 10.0))
+# trellis rows are coded in smaller chunks (~3 s each on a CPU at L = 16): the progress
+# line comes early and often; the bytes do not depend on the chunking
+TRELLIS_CHUNK_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,9 @@ class _TrellisProgress:
         self.seconds = 0.0
         self.last = time.monotonic()
         self.device, self.encoder = trellis_encoder() if self.total else ("CPU", None)
+        if self.total:
+            print(f"{self.job}: {self.total:,} weights to trellis-code on the {self.device}",
+                  file=sys.stderr, flush=True)
 
     def add(self, weights: int, seconds: float) -> None:
         self.coded += weights
@@ -387,7 +393,9 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     from turboquant.stages import encode
 
     out_f, in_f = item.shape
-    rows = max(1, CHUNK_ELEMENTS // in_f)
+    chunk = CHUNK_ELEMENTS if item.trellis is None else min(CHUNK_ELEMENTS,
+                                                             TRELLIS_CHUNK_ELEMENTS)
+    rows = max(1, chunk // in_f)
     p = item.piece
     whole = None
     pub = reader.published(item)
