@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from checkpoints import write_llama_checkpoint
+from checkpoints import write_llama_checkpoint, write_moe_checkpoint
 from mlx_lm.generate import generate
 from test_pipeline_kill import check_resumed, cli, snapshot
 from test_runtime_fixtures import model_class
@@ -25,9 +25,10 @@ from turboquant.stages import decode
 from turboquant.stages.trellis import TrellisBits
 
 
-def trellis_recipe(folder: Path, state_bits: int = 10, roles: str = "") -> Path:
-    """The llama recipe with `codec = "trellis"` in [quant] (or only for `roles`)."""
-    text = (RECIPES_DIR / "llama.toml").read_text()
+def trellis_recipe(folder: Path, state_bits: int = 10, roles: str = "",
+                   family: str = "llama") -> Path:
+    """A family's recipe with `codec = "trellis"` in [quant] (or only for `roles`)."""
+    text = (RECIPES_DIR / f"{family}.toml").read_text()
     if roles:
         text = text.replace("[protect]", f"[codec]\n{roles}\n\n[protect]")
         quant = f"[quant]\ntrellis_state_bits = {state_bits}\n"
@@ -170,3 +171,29 @@ def test_a_reader_refuses_what_it_does_not_know(converted, tmp_path):
     pq.write_table(type(table).from_pylist(rows, schema=table.schema), copy / "manifest.parquet")
     with pytest.raises(RepoError, match=rf"{name}.*codec 'lattice'"):
         load(copy)
+
+
+def test_moe_experts_gathered_and_streamed(tmp_path):
+    """Trellis-coded experts: gathered (the numba GEMV and the reference) and streamed from
+    disk give the logits of the decoded weights."""
+    src = write_moe_checkpoint(tmp_path / "src", layers=2, hidden=64, intermediate=64,
+                               experts=4, shards=1)
+    recipe = trellis_recipe(tmp_path, state_bits=9, family="qwen_moe")
+    out = tmp_path / "out"
+    assert convert_main([str(src), str(out), "-q", "--no-prefect", "--in-process",
+                         "--recipe", str(recipe), "--expert-bits", "3"]) == 0
+    rows = read_manifest(out).to_pylist()
+    assert {r["codec"] for r in rows if r["expert"] is not None} == {"trellis"}
+    config = json.loads((out / "config.json").read_text())
+    model_cls, args_cls = model_class(config)
+    ref = model_cls(args_cls.from_dict(config))
+    ref.load_weights(list(ref.sanitize(decoded_weights(out)).items()), strict=True)
+    tokens = mx.array([list(range(3, 123, 3))])
+    want = ref(tokens)
+    for kwargs in ({}, {"expert_budget": "50%"}):
+        model, _ = load(out, dtype="float32", **kwargs)
+        for t in (tokens[:, :1], tokens):
+            got = model(t)
+            w = want if t.shape[1] > 1 else ref(t)
+            err = (mx.abs(got - w).max() / mx.abs(w).max()).item()
+            assert err < 1e-4, (kwargs, err)
