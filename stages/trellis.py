@@ -1,7 +1,8 @@
 """Trellis-coded quantization: a bitshift trellis with a computed codebook (numpy reference).
 
-A second code for rotated, group-scaled rows (docs/FORMAT.md, "Trellis code"). It is not yet
-produced by the converter: the pipeline, the runtime and the GPU encoder are next steps.
+A second code for rotated, group-scaled rows (docs/FORMAT.md, "Trellis code", format 2):
+stages.codec's `codec="trellis"` branch calls encode_rows; recipes choose it per role; the
+runtime decodes it through kernels/reference.py (decode_words_mx) or kernels/cpu_gemv.py.
 
 The code, for k bits per weight, V weights per step and a state of L bits:
 - a row block of T weights (T % 32 == 0) is coded by a stream of T * k bits, k*V bits a step;
@@ -26,10 +27,9 @@ the L - kV bits where the circle closes, then a Viterbi constrained to them code
 decode_words_mx is the decoder as a fused kernel will run it (per weight: the state's bit
 window from two words, then the integer steps), in MLX ops: the reference for those kernels.
 
-Where it slots in: codec._encode_finite_rows rotates a chunk of rows and takes each group's
-energy (rotate_groups_np), then codes the normalized groups with the nearest Lloyd-Max level
-(fast_quantize.code_groups or nearest_codes_np) and refits the scales. A trellis tensor
-branches there: the same rotated rows, as (rows, padded_in), go to encode_rows, which takes
+Where it slots in: codec._encode_trellis_rows rotates a chunk of rows and takes each
+group's energy (rotate_groups_np), as the scalar branch does before its nearest Lloyd-Max
+levels; the same rotated rows, as (rows, padded_in), go to encode_rows, which takes
 the RMS and the refit from scale.py's in-order float32 sums, as the scalar code does, and
 returns words of the scalar code's shape (n * k / 32 a row), float16 scales and the
 per-row squared error that QuantizedTensor carries. decode_rows (or decode_words_mx) then
