@@ -136,7 +136,8 @@ def card_from_manifest(folder: Path, base_model: str | None = None) -> str:
     recipe = SimpleNamespace(name=q.get("recipe"), bits=q.get("bits"),
                              group_size=q.get("group_size"), model_seed=q.get("model_seed"))
     plan = SimpleNamespace(config=source_config, recipe=recipe,
-                           recipe_hash=q.get("recipe_hash", ""))
+                           recipe_hash=q.get("recipe_hash", ""),
+                           format_version=q.get("format_version"))
     return model_card(plan, rows, summary, base_model)
 
 
