@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import sys
 import time
@@ -282,8 +283,9 @@ def trellis_main(args) -> int:
     print(
         f"trellis codes on iid N(0,1) rows of {cols}, group {gs} (fp16 scales, least-squares "
         f"refit), tail-biting blocks of {block}; Viterbi through "
-        + ("numba (stages/fast_trellis.py)" if fast_trellis.AVAILABLE else "numpy")
-        + f", one thread; {platform.machine()}, shared 2-core CPU under nice: speeds are "
+        + ("numba (stages/fast_trellis.py, two passes of 2^L a step, rows over "
+           f"{os.cpu_count()} cores)" if fast_trellis.AVAILABLE else "numpy")
+        + f"; {platform.machine()}, shared 2-core CPU under nice: speeds are "
         "ratios to the scalar encode in this run, not absolute claims"
     )
     print()

@@ -15,6 +15,8 @@ For each reference model (reference/models/pystd-dense, reference/models/pystd-m
 - affine-b recipe (b < 4): its like-for-like peer, mlx-lm's quantize_model with a
   quant_predicate giving each tensor the recipe's bits.
 - with --equal-bpw, tq-b at group 32 (b + 0.5 bits/w, what affine-b pays at group 64).
+- with --trellis, tq-b trellis: as matched, every coded weight trellis-coded (docs/FORMAT.md,
+  "Trellis code": the family recipe with `codec = "trellis"`, L=16, V=1), same bytes.
 - MoE only, ternary experts: `--expert-bits ternary --protect-layers 0` (attention and
   embeddings at the recipe's 4 bits), and the same with `--down-proj-bits 4`.
 
@@ -82,8 +84,8 @@ class Method:
     recipe_bits: bool = False  # affine: the recipe's per-tensor bits (embeddings, protect)
 
 
-def methods_for(model: str, bits: list[int], ternary: bool, equal_bpw: bool = False
-                ) -> list[Method]:
+def methods_for(model: str, bits: list[int], ternary: bool, equal_bpw: bool = False,
+                trellis: Path | None = None) -> list[Method]:
     ms = [Method("bf16", "bf16", 16)]
     for b in bits:
         ms.append(Method(f"affine-{b}", "affine", b, note=f"mlx_lm quantize_model, group {GROUP}"))
@@ -98,6 +100,10 @@ def methods_for(model: str, bits: list[int], ternary: bool, equal_bpw: bool = Fa
             g32 = [f if f != str(GROUP) else "32" for f in flags]
             ms.append(Method(f"tq-{b} g32 match", "tq", b, f"affine-{b}", g32,
                              "as matched, group 32 (= affine's bits/w)"))
+        if trellis is not None:
+            ms.append(Method(f"tq-{b} trellis", "tq", b, f"affine-{b}",
+                             flags + ["--recipe", str(trellis)],
+                             "as matched, trellis-coded (L=16, V=1)"))
     for b in bits:
         if b < RECIPE_BITS:  # at 4 bits the recipe's per-tensor bits are affine-4's
             ms.append(Method(f"affine-{b} recipe", "affine", b, note=f"mlx_lm quantize_model, "
@@ -121,9 +127,10 @@ def methods_for(model: str, bits: list[int], ternary: bool, equal_bpw: bool = Fa
 
 
 def folder_name(model: str, m: Method) -> str:
+    flags = [Path(f).stem if "/" in f else f for f in m.flags]  # a recipe file: its name
     return model + "-" + "".join(f.lstrip("-").replace("-bits", "").replace("group-size", "g")
                                  .replace("protect-layers", "p").replace("-", "")
-                                 for f in m.flags)
+                                 for f in flags)
 
 
 # --------------------------------------------------------------------------- bits
@@ -333,7 +340,16 @@ def run_model(key: str, args) -> tuple[list[dict], str]:
 
     n_params = sum(v.size for _, v in tree_flatten(load_bf16(src).parameters()))
     rows, n_rows = windows(key, args.windows)
-    ms = methods_for(key, args.bits, not args.no_ternary, args.equal_bpw)
+    trellis = None
+    if args.trellis:  # the family recipe, trellis-coded
+        from turboquant.manifests.recipe import recipe_for_model_type
+
+        config = json.loads((src / "config.json").read_text())
+        family = recipe_for_model_type(config.get("model_type"))
+        trellis = args.work / f"trellis-{family.name}.toml"
+        text = Path(family.source).read_text().replace("[quant]\n", '[quant]\ncodec = "trellis"\n', 1)
+        trellis.write_text(text)
+    ms = methods_for(key, args.bits, not args.no_ternary, args.equal_bpw, trellis)
     results, ref, seen = [], None, {}
     for m in ms:
         t0 = time.perf_counter()
@@ -445,6 +461,8 @@ def main(argv=None) -> int:
                     "32 (b + 0.5 bits/w, the same as affine-b at group 64)")
     ap.add_argument("--no-weight-error", action="store_true", help="skip the diagnostic: "
                     "relative weight error of both codecs on each model's matrices (seconds)")
+    ap.add_argument("--trellis", action="store_true", help="add trellis-coded rows (tq-b "
+                    "trellis: the matched rows' tensors and bits, codec trellis)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     args.bits = [int(b) for b in args.bits.split(",")]

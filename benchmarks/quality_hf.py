@@ -18,6 +18,8 @@ Rows:
 - tq-b: the format-1 codec (plain rotation).
 - tq-b eq: the column-equalised codec (in_scales = column RMS, docs/quality.md) on every
   linear layer; the embedding / tied head stays plain.
+- tq-b trellis, tq-b eq trellis (asked for with --methods): the same with the trellis code
+  (`encode(codec="trellis")`, L=16, V=1; docs/FORMAT.md), the same bytes.
 
 bits/w = every stored byte (codes, scales, affine biases, in_scales, 16-bit tensors) * 8 /
 parameters, tied embeddings counted once; affine's scales and biases as mlx-lm stores them
@@ -127,7 +129,7 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
     return back, q.nbytes + 2 * s.size + 2 * b.size
 
 
-def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
+def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, codec: str = "scalar"
                ) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
     equalise: False, True (every weight) or "small" (only weights with a small column)."""
@@ -138,7 +140,7 @@ def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
     if equalise:
         t = column_scales(w, min_ratio=MIN_RATIO[0] or SMALL_COLUMN_RATIO
                           if equalise == "small" else None)
-    qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t)
+    qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t, codec=codec)
     return decode(qt), qt.nbytes, qt.rel_mse
 
 
@@ -150,8 +152,10 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
         if method == "affine":
             out[n], b = affine(w, bits)
         else:
-            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method]
-            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False)
+            codec = "trellis" if method.endswith(" trellis") else "scalar"
+            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method.removesuffix(" trellis")]
+            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False,
+                                      codec)
         mx.eval(out[n])
         nbytes += b
     return out, nbytes

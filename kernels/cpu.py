@@ -27,9 +27,16 @@ def linear(x_rot, codes, scales, bits, group_size, out_features, padded_in, **_)
         raise NotImplementedError  # the reference raises the precise error
     lead = x_rot.shape[:-1]
     x = np.asarray(x_rot.astype(mx.float32)).reshape(-1, padded_in)
-    book = np.asarray(reference.levels(bits))
+    book = _book(bits)
     y = cpu_gemv.gemv(x, np.asarray(codes), np.asarray(scales), book, bits, group_size)
     return mx.array(y).reshape(*lead, out_features).astype(x_rot.dtype)
+
+
+def _book(bits) -> np.ndarray:
+    """The codebook the kernels read (a trellis code computes its values: none)."""
+    if reference.is_trellis(bits):
+        return np.zeros(0, dtype=np.float32)
+    return np.asarray(reference.levels(bits))
 
 
 # pairs x rows at or below this many: the compiled gathered GEMV (a decode step's experts)
@@ -49,7 +56,7 @@ def gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded
     x = mx.broadcast_to(x_rot.astype(mx.float32), (*batch, m, padded_in)).reshape(-1, m, padded_in)
     experts = mx.broadcast_to(indices, batch).reshape(-1).astype(mx.int64)
     mx.eval(x, experts)  # one synchronisation with MLX's graph for both
-    book = np.asarray(reference.levels(bits))
+    book = _book(bits)
     y = cpu_gemv.gather_gemv(np.asarray(x), np.asarray(codes), np.asarray(scales),
                              np.asarray(experts), book, bits, group_size)
     return mx.array(y).reshape(*batch, m, out_features).astype(x_rot.dtype)
@@ -78,3 +85,7 @@ if cpu_gemv.available():
     dispatch.register("cpu", "matmul", linear)
     dispatch.register("cpu", "gather_matmul", gather)
     dispatch.register("cpu", "linear_group", linear_group)
+    # trellis-coded weights through the same kernels (cpu_gemv computes their values)
+    for op, fn in (("matvec", linear), ("matmul", linear), ("gather_matmul", gather),
+                   ("linear_group", linear_group)):
+        dispatch.register_trellis("cpu", op, fn)

@@ -13,6 +13,9 @@ prefill's many:
 - 2/4 bits: code i of a word at bit width*i; 3 bits: 32 codes in 3 words, code k at bit 3k
   of the 96 (code 21 straddles words 1 and 2); ternary: 20 base-3 trits a word, least
   significant first;
+- trellis codes (docs/FORMAT.md, "Trellis code"; width -1, the "codebook" then the code's
+  [L, k, V, T]): each weight's value computed from the L-bit window of its block's bit
+  circle (two words), a multiply-add, a shift-xor and a byte sum, as decode_words_mx;
 - float16 scales are read as their bits and widened in the kernel (no float32 copy kept);
 - sums in float32; the dot products may be reordered (fast-math), so results equal the
   reference to float32 rounding, not bit for bit.
@@ -27,9 +30,12 @@ import threading
 
 import numpy as np
 
+from turboquant.stages import trellis
 from turboquant.stages.fast_hadamard import AVAILABLE
 
 ROWS_PER_TASK = 16  # rows one parallel task decodes (one levels buffer each)
+_MUL, _ADD = (np.array(trellis.MUL, dtype=np.uint64), np.array(trellis.ADD, dtype=np.uint64))
+_BYTESUM_MEAN, _BYTESUM_STD = trellis.BYTESUM_MEAN, trellis.BYTESUM_STD
 _LOCK = threading.Lock()
 _KERNEL = []
 
@@ -52,9 +58,41 @@ def _half_to_float(h):
     return -v if sign else v
 
 
-def _decode_row(words, bits, book, out):
-    """Levels of one packed row into out (padded_in,)."""
+def _trellis_row(words, params, out):
+    """Values of one trellis-coded row into out (padded_in,); params [L, k, V, T]."""
     n = out.shape[0]
+    state_bits, k, v, block = int(params[0]), int(params[1]), int(params[2]), int(params[3])
+    kv = k * v
+    mask = np.uint64((1 << state_bits) - 1)
+    for b0 in range(0, n, block):
+        size = min(block, n - b0)
+        nbits = size * k
+        nwords = nbits // 32
+        first = b0 * k // 32
+        for i in range(size):
+            t = i // v
+            start = ((t + 1) * kv - state_bits) % nbits
+            shift = start % 32
+            lo = np.uint64(words[first + start // 32]) >> np.uint64(shift)
+            if shift > 0:
+                hi = np.uint64(words[first + (start // 32 + 1) % nwords]) << np.uint64(32 - shift)
+                lo = lo | hi
+            state = lo & mask
+            j = i % v
+            h = (state * np.uint64(_MUL[j]) + np.uint64(_ADD[j])) & np.uint64(0xFFFFFFFF)
+            h = h ^ (h >> np.uint64(16))
+            total = ((h & np.uint64(255)) + ((h >> np.uint64(8)) & np.uint64(255))
+                     + ((h >> np.uint64(16)) & np.uint64(255)) + (h >> np.uint64(24)))
+            out[b0 + i] = (np.float32(total) - np.float32(_BYTESUM_MEAN)) / np.float32(_BYTESUM_STD)
+
+
+def _decode_row(words, bits, book, out):
+    """Levels of one packed row into out (padded_in,); bits -1: a trellis row (book holds
+    its [L, k, V, T])."""
+    n = out.shape[0]
+    if bits == -1:
+        _trellis_row(words, book, out)
+        return
     if bits == 3:
         for b in range(words.shape[0] // 3):
             lo = np.uint64(words[3 * b]) | (np.uint64(words[3 * b + 1]) << np.uint64(32))
@@ -176,6 +214,7 @@ def _compiled():
             scope = globals()
             opts = dict(cache=True, nogil=True, error_model="numpy")
             scope["_half_to_float"] = numba.njit(**opts)(_half_to_float)
+            scope["_trellis_row"] = numba.njit(**opts)(_trellis_row)
             scope["_decode_row"] = numba.njit(**opts)(_decode_row)
             scope["_rows_times_x"] = numba.njit(fastmath=True, **opts)(_rows_times_x)
             scope["_prange"] = numba.prange
@@ -201,7 +240,11 @@ def _operands(x, codes, scales):
 
 
 def _code_args(book, bits, group_size) -> tuple:
-    """(codebook float32, width (0 for ternary), group size): the kernels' last inputs."""
+    """(codebook float32, width (0 for ternary), group size): the kernels' last inputs; for
+    a trellis code (a TrellisBits) the "codebook" is its [L, k, V, T] and the width -1."""
+    if hasattr(bits, "state_bits"):
+        params = np.array([bits.state_bits, bits.bits, bits.values, bits.block], np.float32)
+        return params, -1, int(group_size)
     return (np.ascontiguousarray(book, dtype=np.float32), 0 if bits == "ternary" else int(bits),
             int(group_size))
 

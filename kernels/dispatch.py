@@ -11,6 +11,11 @@ Ops: "matvec" (GEMV), "matmul" (GEMM), "gather_matmul" (experts), "embedding" (r
 reference, after which backends can register it too. Inside `graph_only()` a backend whose
 kernels compute inside the call (`EAGER_BACKENDS`: the CPU's numba ones) gives way to the
 reference, for results that may never be evaluated.
+
+Trellis-coded weights (`reference.is_trellis(bits)`, docs/FORMAT.md) take their own table:
+`register_trellis(backend, op, fn)` (the CPU's numba GEMV; a GPU's where one is written),
+the reference otherwise. The entry points below choose by their `bits` (`get_for`), so a
+backend written for the scalar code never sees a trellis weight.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ _REFERENCE: dict[str, Callable] = {
 }
 _TABLE: dict[tuple[str, str], Callable] = {}
 _WRAPPED: dict[tuple[str, str], Callable] = {}  # _TABLE's kernels with their fallback
+_TRELLIS: dict[tuple[str, str], Callable] = {}  # kernels for trellis-coded weights
 _LOADED: set[str] = set()
 
 
@@ -67,6 +73,36 @@ def unregister(backend: str, op: str) -> None:
     _TABLE.pop((backend, op), None)
     _WRAPPED.pop((backend, op), None)
     _changed()
+
+
+def register_trellis(backend: str, op: str, fn: Callable) -> None:
+    """Make `fn` the `op` kernel for trellis-coded weights on `backend` (the reference's
+    signature; `bits` is then a TrellisBits; NotImplementedError falls back)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown kernel op {op!r}: one of {ops()} (add_op adds one)")
+    _TRELLIS[(backend, op)] = _with_fallback(fn, _REFERENCE[op])
+    _changed()
+
+
+def unregister_trellis(backend: str, op: str) -> None:
+    _TRELLIS.pop((backend, op), None)
+    _changed()
+
+
+def get_for(op: str, bits, device_backend: str | None = None) -> Callable:
+    """`get(op)` for weights coded as `bits`: a trellis code's own kernel (or the
+    reference) where `bits` is a TrellisBits."""
+    if not reference.is_trellis(bits):
+        return get(op, device_backend)
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
+    name = device_backend or backend()
+    if name in EAGER_BACKENDS and _GRAPH_ONLY.on:
+        return _REFERENCE[op]
+    _load_backend(name)
+    return _TRELLIS.get((name, op), _REFERENCE[op])
 
 
 # `generation()`'s number, in a list that a decode step's hot path reads without a call
@@ -193,13 +229,13 @@ def tq_linear(x_rot, codes, scales, bits, group_size, out_features, padded_in):
     """x_rot (..., padded_in) -> (..., out_features): GEMV for few tokens, else GEMM."""
     tokens = x_rot.size // max(1, x_rot.shape[-1])
     op = "matvec" if tokens <= MATVEC_MAX_TOKENS else "matmul"
-    return get(op)(x_rot, codes, scales, bits, group_size, out_features, padded_in)
+    return get_for(op, bits)(x_rot, codes, scales, bits, group_size, out_features, padded_in)
 
 
 def tq_gather(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw):
     """Gathered experts, like `mx.gather_mm`; see `reference.tq_gather_matmul`. The result
     is in `out_dtype` when given, whether or not the backend's kernel writes it."""
-    fn = get("gather_matmul")
+    fn = get_for("gather_matmul", bits)
     y = fn(x_rot, codes, scales, indices, bits, group_size, out_features, padded_in, **kw)
     out_dtype = kw.get("out_dtype")
     return y if out_dtype is None else y.astype(out_dtype)  # no op where already so
@@ -219,7 +255,7 @@ def bind_gather(x_rot, codes, scales, indices, bits, group_size, out_features, p
     offer a `bind` of its own (CUDA's: the launch and pair arrays settled per shape);
     otherwise f calls the kernel as `tq_gather` would. Callers key what they keep on the
     arguments' shapes and dtypes, the device's type and `GENERATION`."""
-    fn = get("gather_matmul")
+    fn = get_for("gather_matmul", bits)
     binder = binder_of(fn, "bind")
     if binder is not None:
         try:
@@ -241,7 +277,7 @@ def bind_gather_unrotated(x, codes, scales, indices, bits, group_size, out_featu
     """`bind_gather` for the *unrotated* x, rotated with `seed` in the same launch, as
     f(x, codes, scales, indices); None where the backend's kernel has no such binding or
     does not cover these arguments (the caller rotates and calls `bind_gather`)."""
-    binder = binder_of(get("gather_matmul"), "bind_unrotated")
+    binder = binder_of(get_for("gather_matmul", bits), "bind_unrotated")
     if binder is None:
         return None
     try:
@@ -253,4 +289,4 @@ def bind_gather_unrotated(x, codes, scales, indices, bits, group_size, out_featu
 
 def tq_embed(ids, codes, scales, bits, group_size, padded_in):
     """Decoded rotated rows for token ids, (..., padded_in) float32."""
-    return get("embedding")(ids, codes, scales, bits, group_size, padded_in)
+    return get_for("embedding", bits)(ids, codes, scales, bits, group_size, padded_in)

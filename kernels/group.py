@@ -25,6 +25,7 @@ from turboquant.stages import rotate
 from turboquant.stages.rotate import single_transform
 
 from . import dispatch
+from .reference import is_trellis
 
 
 class Rope:
@@ -215,7 +216,7 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
         check_rope(members, extras.rope, views)
     if given is not None and math.prod(given) != x.size:
         raise ValueError(f"x given as {tuple(given)} cannot be read as {tuple(x.shape)}")
-    fn = dispatch.get("linear_group")
+    fn = dispatch.get_for("linear_group", group_bits(members))
     binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
         try:
@@ -276,7 +277,14 @@ def fusable(members: tuple[Member, ...], rows_per_block: int = 8) -> bool:
     )
     aligned = all(m.out_features % rows_per_block == 0 for m in members[:-1])
     biased = {m.bias is None for m in members}
-    return same and aligned and len(biased) == 1 and first.bits != "ternary"
+    return (same and aligned and len(biased) == 1 and first.bits != "ternary"
+            and not is_trellis(first.bits))
+
+
+def group_bits(members: tuple[Member, ...]):
+    """The members' code for choosing a kernel: a trellis member's if any has one (the
+    trellis table's kernel, or the reference, handles the group), else the first's."""
+    return next((m.bits for m in members if is_trellis(m.bits)), members[0].bits)
 
 
 dispatch.add_op("linear_group", reference_group)
@@ -295,4 +303,4 @@ def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | N
     check_extras(x, members, extras)
     if extras.rope is not None:
         raise ValueError("a linear group's RoPE needs its outputs' views: bind_linear_group")
-    return dispatch.get("linear_group")(x, members, prepared, extras)
+    return dispatch.get_for("linear_group", group_bits(members))(x, members, prepared, extras)

@@ -39,15 +39,25 @@ WIDTHS = (2, 3, 4, "ternary")
 # ---------------------------------------------------------------------------- packing
 
 
-def check_bits(bits) -> int | str:
+def is_trellis(bits) -> bool:
+    """A trellis code (stages.trellis.TrellisBits) where a scalar code has its width."""
+    return type(bits).__name__ == "TrellisBits"
+
+
+def check_bits(bits):
+    if is_trellis(bits):
+        return bits
     if bits not in WIDTHS or isinstance(bits, bool):
         raise ValueError(f"bits must be one of 2, 3, 4 or 'ternary', got {bits!r}")
     return bits
 
 
 def words_per_row(n: int, bits) -> int:
-    """uint32 words that hold n codes of this width (docs/FORMAT.md, packing)."""
+    """uint32 words that hold n codes of this width (docs/FORMAT.md, packing); a trellis
+    code's are those of the scalar code at its bits."""
     bits = check_bits(bits)
+    if is_trellis(bits):
+        bits = bits.bits
     if bits == "ternary":
         return -(-n // 20)
     if bits == 3:
@@ -109,12 +119,23 @@ def unpack(codes: mx.array, bits, n: int) -> mx.array:
     return out[..., :n]
 
 
+def unit_values(codes: mx.array, bits, padded_in: int) -> mx.array:
+    """Each weight's value before its group scale, float32 (..., padded_in): the codebook's
+    level, or a trellis code's computed value (stages.trellis.decode_words_mx: per weight
+    an L-bit window of two words, a multiply-add, a shift-xor and a byte sum)."""
+    if is_trellis(bits):
+        from turboquant.stages.trellis import decode_words_mx
+
+        return decode_words_mx(bits.code, codes, bits.block)[..., :padded_in]
+    return levels(bits)[unpack(codes, bits, padded_in)]
+
+
 def dequantize(codes: mx.array, scales: mx.array, bits, group_size: int, padded_in: int):
     """Rows of rotated weights: levels[codes] * scale, float32 (..., padded_in).
 
     The caller bounds the size: this decodes every row it is given.
     """
-    q = levels(bits)[unpack(codes, bits, padded_in)]
+    q = unit_values(codes, bits, padded_in)
     lead = q.shape[:-1]
     q = q.reshape(*lead, padded_in // group_size, group_size)
     q = q * scales.astype(mx.float32)[..., None]
@@ -162,13 +183,12 @@ def tq_matvec(
     lead = x_rot.shape[:-1]
     groups = padded_in // group_size
     x = x_rot.astype(mx.float32).reshape(-1, 1, groups, group_size)  # (M, 1, G, gs)
-    book = levels(bits)
     rows = _rows_per_chunk(padded_in, chunk, copies=x.shape[0])
     parts, prev = [], after
     for r0 in range(0, out_features, rows):
         r1 = min(r0 + rows, out_features)
         c = _after(codes[r0:r1], prev)
-        q = book[unpack(c, bits, padded_in)].reshape(r1 - r0, groups, group_size)
+        q = unit_values(c, bits, padded_in).reshape(r1 - r0, groups, group_size)
         partial = (q * x).sum(axis=-1)  # (M, R, G): per-group dot products
         y = (partial * scales[r0:r1].astype(mx.float32)).sum(axis=-1)  # (M, R)
         parts.append(y)

@@ -10,6 +10,12 @@ A generic recipe (`generic = true`, recipes/default.toml) has no rules of its ow
 to a checkpoint with `Recipe.bind` (manifests/architecture.py derives what each tensor is
 from mlx-lm's model for the config), it supplies only the policy: bits per role,
 protected layers, group size.
+
+The code of a quantized weight is "scalar" (Lloyd-Max levels, the default) or "trellis"
+(docs/FORMAT.md): `[quant] codec`, a `[codec]` table per role, or `codec` in a rule; the
+trellis's parameters are `[quant] trellis_state_bits`, `trellis_values`, `trellis_block`.
+These keys are stored only where a recipe gives them, so recipes without them hash as
+they always did.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ ROLES = ("attention", "mlp", "expert", "shared_expert", "embeddings", "lm_head")
 LAYER_ROLES = ("attention", "mlp", "expert", "shared_expert")
 BITS = (2, 3, 4, "ternary")
 GROUP_SIZES = (32, 64, 128)
+CODECS = ("scalar", "trellis")
+# the trellis a recipe gets unless its [quant] says otherwise (stages.trellis's defaults)
+TRELLIS_DEFAULTS = {"trellis_state_bits": 16, "trellis_values": 1, "trellis_block": 256}
 # precision order, for "at least this many bits"
 _RANK = {"ternary": 1, 2: 2, 3: 3, 4: 4, "raw": 99}
 
@@ -49,12 +58,15 @@ class Resolution:
     bits: int | str | None = None  # 2, 3, 4, "ternary"; None unless quantized
     group_size: int | None = None
     rule: str | None = None  # the pattern that decided it
+    trellis: tuple[int, int, int] | None = None  # (state bits, values, block): a trellis code
 
     @property
     def codec(self) -> str:
         if self.action != "quantize":
             return "raw"
-        return "ternary" if self.bits == "ternary" else "turboquant"
+        if self.bits == "ternary":
+            return "ternary"
+        return "trellis" if self.trellis is not None else "turboquant"
 
 
 @dataclass(frozen=True)
@@ -200,7 +212,13 @@ class Recipe:
         if bits == "raw":
             return Resolution("keep", role=role, rule=rule["match"])
         group = rule.get("group_size", self.group_size)
-        return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"])
+        quant = self.data["quant"]
+        codec = rule.get("codec", self.data.get("codec", {}).get(role, quant.get("codec")))
+        trellis = None
+        if codec == "trellis" and bits != "ternary":  # ternary weights have no trellis
+            trellis = tuple(quant.get(k, v) for k, v in TRELLIS_DEFAULTS.items())
+        return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"],
+                          trellis=trellis)
 
     # --- overrides ------------------------------------------------------------------
     def with_overrides(self, **overrides) -> "Recipe":
@@ -313,10 +331,10 @@ def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = 
 # ------------------------------------------------------------------------ validation
 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
-        "rules", "split", "unsupported", "drop_extra_layers", "generic"}
-_QUANT = {"bits", "group_size", "model_seed", "refit"}
+        "rules", "split", "unsupported", "drop_extra_layers", "generic", "codec"}
+_QUANT = {"bits", "group_size", "model_seed", "refit", "codec", *TRELLIS_DEFAULTS}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
-_RULE = {"match", "role", "bits", "group_size", "down_proj"}
+_RULE = {"match", "role", "bits", "group_size", "down_proj", "codec"}
 _SPLIT = {"match", "into", "interleaved", "transpose"}
 _UNSUPPORTED = {"match", "reason"}
 
@@ -355,6 +373,27 @@ def validate(raw: Any, where: str) -> dict:
                                  2**64 - 1),
         "refit": _check_bool(quant.get("refit", True), "quant.refit", where),
     }
+    # codec keys only where given: a recipe without them keeps its hash
+    if "codec" in quant:
+        data["quant"]["codec"] = _check_codec(quant["codec"], "quant.codec", where)
+    for key, (lo, hi) in (("trellis_state_bits", (8, 20)), ("trellis_values", (1, 2)),
+                          ("trellis_block", (32, 1 << 16))):
+        if key in quant:
+            data["quant"][key] = _check_int(quant[key], "quant." + key, where, lo, hi)
+    block = data["quant"].get("trellis_block", TRELLIS_DEFAULTS["trellis_block"])
+    if block % 32:
+        raise RecipeError(f"{where}: key 'quant.trellis_block' must be a multiple of 32, "
+                          f"got {block}")
+    if data["quant"].get("refit") is False and "trellis" in _codecs_named(raw):
+        raise RecipeError(f"{where}: the trellis code refits its scales: remove "
+                          "'quant.refit = false' or the trellis codec")
+    codecs = raw.get("codec", {})
+    if not isinstance(codecs, dict):
+        raise RecipeError(f"{where}: key 'codec' must be a table (role = \"scalar\" or "
+                          "\"trellis\")")
+    _unknown(codecs, set(ROLES), where, "codec.")
+    if codecs:
+        data["codec"] = {k: _check_codec(v, f"codec.{k}", where) for k, v in codecs.items()}
 
     bits = raw.get("bits", {})
     if not isinstance(bits, dict):
@@ -398,6 +437,8 @@ def validate(raw: Any, where: str) -> dict:
         if "group_size" in rule:
             r["group_size"] = _check_group(rule["group_size"], key + ".group_size", where)
         r["down_proj"] = _check_bool(rule.get("down_proj", False), key + ".down_proj", where)
+        if "codec" in rule:
+            r["codec"] = _check_codec(rule["codec"], key + ".codec", where)
         data["rules"].append(r)
     if not data["rules"] and not data.get("generic"):
         raise RecipeError(f"{where}: key 'rules' must list at least one [[rules]] table "
@@ -480,6 +521,18 @@ def _check_bits(v, key, where, allow_raw: bool = False):
         allowed = "2, 3, 4, \"ternary\"" + (' or "raw"' if allow_raw else "")
         raise RecipeError(f"{where}: key '{key}' must be one of {allowed}, got {v!r}")
     return v
+
+
+def _check_codec(v, key, where) -> str:
+    if v not in CODECS:
+        raise RecipeError(f"{where}: key '{key}' must be \"scalar\" or \"trellis\", got {v!r}")
+    return v
+
+
+def _codecs_named(raw: dict) -> set:
+    """Every codec a raw recipe names ([quant], [codec], rules)."""
+    names = {raw.get("quant", {}).get("codec")} | set(raw.get("codec", {}).values())
+    return names | {r.get("codec") for r in raw.get("rules", []) if isinstance(r, dict)}
 
 
 def _check_group(v, key, where) -> int:

@@ -10,6 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 FORMAT_VERSION = 1
+# a repo holding trellis-coded tensors (docs/FORMAT.md, "Trellis code") is format 2: a
+# version-1 reader refuses it rather than decode trellis codes as Lloyd-Max levels
+TRELLIS_FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # what this turboquant reads
+TRELLIS_VERSION = 1  # the trellis's constants and steps (stages/trellis.py VERSION)
+CODECS = ("turboquant", "ternary", "trellis", "raw")  # the manifest's codec column
 QUANT_METHOD = "turboquant"
 MANIFEST_FILE = "manifest.parquet"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,23 +46,46 @@ MANIFEST_SCHEMA = pa.schema(
     metadata={"format": QUANT_METHOD, "format_version": str(FORMAT_VERSION)},
 )
 COLUMNS = MANIFEST_SCHEMA.names
+# a format-2 manifest (trellis tensors) adds these, null on rows of other codecs
+TRELLIS_FIELDS = [
+    ("trellis_state_bits", pa.int8()),
+    ("trellis_values", pa.int8()),
+    ("trellis_block", pa.int32()),
+    ("trellis_version", pa.int16()),
+]
+TRELLIS_COLUMNS = [name for name, _ in TRELLIS_FIELDS]
+MANIFEST_SCHEMA_TRELLIS = pa.schema(
+    list(MANIFEST_SCHEMA) + [pa.field(n, t) for n, t in TRELLIS_FIELDS],
+    metadata={"format": QUANT_METHOD, "format_version": str(TRELLIS_FORMAT_VERSION)},
+)
+
+
+def format_version(codecs) -> int:
+    """The format version of a repo whose tensors have these codecs."""
+    return TRELLIS_FORMAT_VERSION if "trellis" in set(codecs) else FORMAT_VERSION
 
 
 def stored_names(name: str, codec: str) -> list[str]:
     """Tensor names in the shards for a manifest row's `name` (codes+scales, or itself)."""
     if codec == "raw":
         return [name]
+    if codec not in CODECS:
+        raise ValueError(f"tensor {name!r} has codec {codec!r}, which this turboquant does not "
+                         f"read ({', '.join(CODECS)}): upgrade turboquant")
     base = name[: -len(".weight")] if name.endswith(".weight") else name
     return [base + CODES_SUFFIX, base + SCALES_SUFFIX]
 
 
 def write_manifest(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write rows (dicts with every column) as manifest.parquet, deterministically."""
-    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    """Write rows (dicts with every column) as manifest.parquet, deterministically; with
+    the trellis columns where a row is trellis-coded (format 2)."""
+    trellis = format_version(r["codec"] for r in rows) == TRELLIS_FORMAT_VERSION
+    schema = MANIFEST_SCHEMA_TRELLIS if trellis else MANIFEST_SCHEMA
+    missing = [c for c in schema.names if rows and c not in rows[0]]
     if missing:
         raise ValueError(f"manifest rows lack columns {missing}")
-    table = pa.Table.from_pylist([{c: r[c] for c in COLUMNS} for r in rows],
-                                 schema=MANIFEST_SCHEMA)
+    table = pa.Table.from_pylist([{c: r[c] for c in schema.names} for r in rows],
+                                 schema=schema)
     pq.write_table(table, str(path), compression="zstd", write_statistics=False)
 
 
@@ -67,6 +96,8 @@ def read_manifest(repo: str | os.PathLike) -> pa.Table:
         p = p / MANIFEST_FILE
     table = pq.read_table(str(p))
     missing = [c for c in COLUMNS if c not in table.column_names]
+    if "trellis" in table.column("codec").to_pylist() if "codec" in table.column_names else ():
+        missing += [c for c in TRELLIS_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{p}: manifest lacks columns {missing}")
     return table

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from turboquant.manifests.schema import FORMAT_VERSION
 
 
 def _label(row: dict) -> str:
@@ -15,6 +14,8 @@ def _label(row: dict) -> str:
         return "kept (source dtype)"
     if row["codec"] == "ternary":
         return f"ternary, group {row['group_size']}"
+    if row["codec"] == "trellis":
+        return f"{row['bits']}-bit trellis (L={row['trellis_state_bits']}), group {row['group_size']}"
     return f"{row['bits']}-bit, group {row['group_size']}"
 
 
@@ -58,7 +59,7 @@ def model_card(plan, rows: list[dict], summary, base_model: str | None) -> str:
         f"({summary.coded_tensors} coded)",
         f"- **Recipe**: `{recipe.name}` (sha256 `{plan.recipe_hash[:16]}`), default "
         f"{recipe.bits} bits, group size {recipe.group_size}, model seed {recipe.model_seed}",
-        f"- **Format**: TurboQuant repo format version {FORMAT_VERSION} (see "
+        f"- **Format**: TurboQuant repo format version {plan.format_version} (see "
         "`quantization_config` in config.json and `manifest.parquet`)",
         "",
         "## Error by codec",

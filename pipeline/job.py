@@ -6,6 +6,12 @@ tensor with positioned reads (one chunk of rows at a time for big matrices), cod
 appends the bytes through `JobWriter`, which records every finished unit in the job's
 ledger. It resumes from the ledger if the job was cut short, and returns at once if the
 job's marker says it is done.
+
+Trellis-coded tensors (docs/FORMAT.md) take a Viterbi search: on a GPU through
+`turboquant.kernels.cuda_trellis.encode_rows_gpu` where that module provides it (the same
+bytes as the CPU path), else on the CPU (stages.trellis, numba). A job prints a progress
+line per chunk of trellis rows, at most every PROGRESS_SECONDS: weights done, weights/s
+and the time left for the job's trellis tensors (stderr).
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from .sources import sampled_content_sha256
 # tests lower it to cut tensors in more pieces
 CHUNK_ELEMENTS = int(os.environ.get("TURBOQUANT_CHUNK_ELEMENTS", 1 << 20))
 RAW_CHUNK = 1 << 26  # bytes per read when copying a raw tensor
+PROGRESS_SECONDS = float(os.environ.get("TURBOQUANT_TRELLIS_PROGRESS_SECONDS", 10.0))
+# trellis rows are coded in smaller chunks (~3 s each on a CPU at L = 16): the progress
+# line comes early and often; the bytes do not depend on the chunking
+TRELLIS_CHUNK_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -130,10 +140,12 @@ def run_job(ctx: JobContext) -> JobResult:
         done = writer.open()
         work.event("job_start" if done == 0 else "job_resume", job=job.name, run=ctx.run,
                    units_done=done, units=len(job.units))
+        trellis = _TrellisProgress(job, done)
         with _Reader(ctx) as reader, writer.syncing_on_failure():
             for i in range(done, len(job.units)):
                 _check_parent()
-                items = [_write_item(it, reader, writer, ctx.refit) for it in job.units[i].items]
+                items = [_write_item(it, reader, writer, ctx.refit, trellis)
+                         for it in job.units[i].items]
                 writer.commit(i, items)
         marker = writer.finish(ctx.run)
         work.event("job_done", job=job.name, run=ctx.run, shard=job.shard)
@@ -259,7 +271,61 @@ class _SourceCrc:
         return f"{self.value:08x}"
 
 
-def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool) -> dict:
+def trellis_encoder():
+    """(name, encoder) for trellis rows: the GPU encoder of kernels/cuda_trellis.py where it
+    is present and says a GPU is there (`available()`), else the CPU's (None: the default
+    of stages.encode). stages/ may not import kernels/: the pipeline chooses."""
+    import importlib
+
+    try:
+        gpu = importlib.import_module("turboquant.kernels.cuda_trellis")
+    except ModuleNotFoundError as e:
+        if e.name != "turboquant.kernels.cuda_trellis":
+            raise
+        return "CPU", None
+    encode_gpu = getattr(gpu, "encode_rows_gpu", None)
+    if encode_gpu is None or not getattr(gpu, "available", lambda: False)():
+        return "CPU", None
+    return "GPU", encode_gpu
+
+
+class _TrellisProgress:
+    """The job's trellis tensors: weights coded, weights/s, time left (one stderr line at
+    most every PROGRESS_SECONDS, and after the last chunk)."""
+
+    def __init__(self, job: Job, done_units: int):
+        self.job = job.name
+        self.total = sum(it.numel for u in job.units[done_units:] for it in u.items
+                         if it.codec == "trellis")
+        self.coded = 0
+        self.seconds = 0.0
+        self.last = time.monotonic()
+        self.device, self.encoder = trellis_encoder() if self.total else ("CPU", None)
+        if self.total:
+            print(f"{self.job}: {self.total:,} weights to trellis-code on the {self.device}",
+                  file=sys.stderr, flush=True)
+
+    def add(self, weights: int, seconds: float) -> None:
+        self.coded += weights
+        self.seconds += seconds
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS and self.coded < self.total:
+            return
+        self.last = now
+        rate = self.coded / max(self.seconds, 1e-9)
+        left = (self.total - self.coded) / max(rate, 1e-9)
+        print(f"{self.job}: trellis encode on the {self.device}: {self.coded:,} of "
+              f"{self.total:,} weights, {rate:,.0f} weights/s, {_duration(left)} left",
+              file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
+                trellis: _TrellisProgress | None = None) -> dict:
     writer.expect(item.byte_start, item.name)
     sha = hashlib.sha256()
     crc = _SourceCrc()
@@ -267,7 +333,7 @@ def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool) -> 
     if item.codec == "raw":
         _write_raw(item, reader, writer, sha, crc)
     else:
-        rel_mse = _write_coded(item, reader, writer, sha, crc, refit)
+        rel_mse = _write_coded(item, reader, writer, sha, crc, refit, trellis)
     writer.expect(item.byte_end, item.name)
     return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
             "checksum": sha.hexdigest(), "rel_mse": rel_mse, "source_crc32": crc.hexdigest()}
@@ -323,11 +389,13 @@ def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) ->
 
 
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
-                 refit: bool) -> float:
+                 refit: bool, trellis: _TrellisProgress | None = None) -> float:
     from turboquant.stages import encode
 
     out_f, in_f = item.shape
-    rows = max(1, CHUNK_ELEMENTS // in_f)
+    chunk = CHUNK_ELEMENTS if item.trellis is None else min(CHUNK_ELEMENTS,
+                                                             TRELLIS_CHUNK_ELEMENTS)
+    rows = max(1, chunk // in_f)
     p = item.piece
     whole = None
     pub = reader.published(item)
@@ -356,7 +424,17 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         check_finite(x, p.file, p.tensor, r0 * in_f)
         _check_parent()
         try:
-            qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit)
+            if item.trellis is None:
+                qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit)
+            else:
+                state_bits, values, block = item.trellis
+                t_start = time.monotonic()
+                qt = encode(x, item.bits, item.group_size, seed=item.seed, codec="trellis",
+                            trellis_state_bits=state_bits, trellis_values=values,
+                            trellis_block=block,
+                            trellis_rows=trellis.encoder if trellis else None)
+                if trellis is not None:
+                    trellis.add(x.size, time.monotonic() - t_start)
         except ValueError as e:
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
         codes = np.asarray(qt.codes)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from turboquant.manifests.architecture import layer_of, num_layers_of
 from turboquant.manifests.recipe import (Recipe, RecipeError, bind_architecture, load_recipe,
                                          recipe_for_model_type)
-from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
+from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, format_version, stored_names
 from turboquant.stages import rotation_key, tensor_seed, words_per_row
 
 from . import published
@@ -74,7 +74,7 @@ class Item:
     piece: Piece
     source_dtype: str
     shape: tuple[int, ...]
-    codec: str  # "turboquant", "ternary", "raw"
+    codec: str  # "turboquant", "ternary", "trellis", "raw"
     bits: int | str | None
     group_size: int | None
     seed: int | None
@@ -85,6 +85,7 @@ class Item:
     read_bytes: int  # source bytes this item accounts for (progress, throughput)
     role: str | None = None
     published: Published | None = None  # read from FP8 / MXFP4 / int4 codes (published.py)
+    trellis: tuple[int, int, int] | None = None  # trellis code: (state bits, values, block)
 
     @property
     def byte_start(self) -> int:
@@ -164,6 +165,11 @@ class Plan:
     def out_bytes(self) -> int:
         return sum(j.size for j in self.jobs)
 
+    @property
+    def format_version(self) -> int:
+        """2 where a tensor is trellis-coded, else 1 (docs/FORMAT.md)."""
+        return format_version(it.codec for it in self.items)
+
     def plan_hash(self) -> str:
         """sha256 over everything that decides the output bytes (layout and codecs) but the
         source's contents, which run.json binds shard by shard (`identities`)."""
@@ -177,6 +183,8 @@ class Plan:
                                    it.seed, it.shape)).encode())
                     if it.published is not None:
                         h.update(repr(it.published).encode())
+                    if it.trellis is not None:
+                        h.update(repr(it.trellis).encode())
         return h.hexdigest()
 
     def readers(self) -> dict[str, set[str]]:
@@ -446,7 +454,7 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     stored = (Stored(c_name, "U32", codes), Stored(s_name, "F16", scales))
     seed = tensor_seed(rec.model_seed, rotation_key(name))
     return Item(name, piece, dtype, tuple(shape), res.codec, res.bits, gs, seed, padded, layer,
-                expert, stored, read, res.role)
+                expert, stored, read, res.role, trellis=res.trellis)
 
 
 def _units(items: list[tuple[tuple[int, int], Item]]) -> list[Unit]:
@@ -499,20 +507,21 @@ def _jobs(units: list[Unit], files: list[str], headers, min_bytes: int, max_byte
     if current:
         groups.append(current)
     n = len(groups)
+    version = format_version(it.codec for g in groups for u in g for it in u.items)
     jobs = []
     for i, g in enumerate(groups):
         shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-        laid, header = _layout(g)
+        laid, header = _layout(g, version)
         used = sorted({f for u in laid for it in u.items for f in published.files_of(it)},
                       key=files.index)
         jobs.append(Job(i, f"job-{i + 1:05d}", shard, tuple(laid), tuple(used), header))
     return jobs
 
 
-def _layout(units: list[Unit]) -> tuple[list[Unit], bytes]:
+def _layout(units: list[Unit], version: int = FORMAT_VERSION) -> tuple[list[Unit], bytes]:
     """Fix every stored tensor's absolute byte range; return the units and the header."""
     entries = [s for u in units for it in u.items for s in it.stored]
-    meta = {"format": QUANT_METHOD, "format_version": str(FORMAT_VERSION)}
+    meta = {"format": QUANT_METHOD, "format_version": str(version)}
     header: dict = {"__metadata__": meta}
     off = 0
     for s in entries:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
-                                         QUANT_METHOD, write_manifest)
+from turboquant.manifests.schema import (INDEX_FILE, MANIFEST_FILE, QUANT_METHOD,
+                                         TRELLIS_VERSION, write_manifest)
 
 from .card import model_card
 from .errors import LedgerError
@@ -73,8 +73,19 @@ def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
                     "bits_per_weight": 8 * (it.byte_end - it.byte_start) / max(it.numel, 1),
                     "layer": it.layer,
                     "expert": it.expert,
+                    **trellis_fields(it.trellis),
                 })
     return rows
+
+
+def trellis_fields(trellis: tuple[int, int, int] | None) -> dict:
+    """The manifest's (and an override's) trellis columns: null unless trellis-coded."""
+    if trellis is None:
+        return dict.fromkeys(("trellis_state_bits", "trellis_values", "trellis_block",
+                              "trellis_version"))
+    state_bits, values, block = trellis
+    return {"trellis_state_bits": state_bits, "trellis_values": values,
+            "trellis_block": block, "trellis_version": TRELLIS_VERSION}
 
 
 def quantization_config(plan: Plan) -> dict:
@@ -86,14 +97,16 @@ def quantization_config(plan: Plan) -> dict:
         key = it.name[: -len(".weight")] if it.name.endswith(".weight") else it.name
         if it.codec == "raw":
             overrides[key] = {"codec": "raw"}
-        elif (it.bits, it.group_size) != (bits, group):
+        elif (it.bits, it.group_size) != (bits, group) or it.codec == "trellis":
             entry = {"bits": it.bits, "group_size": it.group_size}
             if it.codec == "ternary":
                 entry = {"codec": "ternary", **entry}
+            if it.codec == "trellis":
+                entry = {"codec": "trellis", **entry, **trellis_fields(it.trellis)}
             overrides[key] = entry
     return {
         "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
+        "format_version": plan.format_version,
         "recipe": plan.recipe.name,
         "recipe_hash": plan.recipe_hash,
         "model_seed": plan.recipe.model_seed,
@@ -133,7 +146,7 @@ def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
     total = sum(s.end - s.start for job in plan.jobs for u in job.units for it in u.items
                 for s in it.stored)
     index = {"metadata": {"total_size": total, "format": QUANT_METHOD,
-                          "format_version": FORMAT_VERSION},
+                          "format_version": plan.format_version},
              "weight_map": weight_map}
     atomic_write(out / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, QUANT_METHOD,
+from turboquant.manifests.schema import (READ_VERSIONS, TRELLIS_VERSION, INDEX_FILE, QUANT_METHOD,
                                          read_manifest, stored_names)
 
 from . import published
@@ -107,9 +107,10 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
         rep.problems.append(f"cannot read the repo files: {e}")
         return rep
     q = config.get("quantization_config") or {}
-    if q.get("quant_method") != QUANT_METHOD or q.get("format_version") != FORMAT_VERSION:
+    if q.get("quant_method") != QUANT_METHOD or q.get("format_version") not in READ_VERSIONS:
         rep.problems.append(f"config.json: quantization_config is not {QUANT_METHOD} format "
-                            f"version {FORMAT_VERSION}: {q.get('quant_method')!r} "
+                            f"version {' or '.join(map(str, READ_VERSIONS))}: "
+                            f"{q.get('quant_method')!r} "
                             f"{q.get('format_version')!r}")
     rows = table.to_pylist()
     rep.rows = len(rows)
@@ -159,6 +160,17 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
     return rep
 
 
+def trellis_spec(row: dict) -> dict:
+    """QuantSpec's codec fields of a manifest row (empty for the scalar code)."""
+    if row["codec"] != "trellis":
+        return {}
+    if row.get("trellis_version") != TRELLIS_VERSION:
+        raise ValueError(f"tensor {row['name']!r}: trellis version {row.get('trellis_version')!r}, "
+                         f"this turboquant reads version {TRELLIS_VERSION}: upgrade turboquant")
+    return {"codec": "trellis", "trellis_state_bits": row["trellis_state_bits"],
+            "trellis_values": row["trellis_values"], "trellis_block": row["trellis_block"]}
+
+
 def load_coded(repo: Path, row: dict, header):
     """The QuantizedTensor of a manifest row, read from its shard."""
     import mlx.core as mx
@@ -175,7 +187,7 @@ def load_coded(repo: Path, row: dict, header):
     bits = "ternary" if row["codec"] == "ternary" else row["bits"]
     out_f, in_f = row["shape"]
     spec = QuantSpec(bits, row["group_size"], int(row["seed"]), in_f, row["padded_in"],
-                     True)
+                     True, **trellis_spec(row))
     return QuantizedTensor(mx.array(codes), mx.array(scales), (out_f, in_f), spec)
 
 

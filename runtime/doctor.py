@@ -32,6 +32,7 @@ from typing import Callable
 
 from turboquant.manifests.schema import (
     FORMAT_VERSION,
+    READ_VERSIONS,
     INDEX_FILE,
     MANIFEST_FILE,
     QUANT_METHOD,
@@ -148,7 +149,7 @@ def _quant_config(f: _Folder) -> Check:
                      f"{QUANT_METHOD!r}: not a TurboQuant repo (a source checkpoint? "
                      "`turboquant plan` or `turboquant convert` it)")
     version = qc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         hint = "upgrade turboquant" if isinstance(version, int) and version > FORMAT_VERSION \
             else "the repo is damaged or not written by turboquant"
         return Check("D002", "FAIL", f"format_version {version!r}, this turboquant reads "

@@ -18,8 +18,19 @@ import mlx.nn as nn
 from turboquant import kernels
 from turboquant.kernels import dispatch
 from turboquant.kernels.group import bind_rotate_padded, reshaped, rotate_padded
-from turboquant.kernels.reference import check_bits, words_per_row
+from turboquant.kernels.reference import check_bits, is_trellis, words_per_row
 from turboquant.stages import unrotate
+
+
+def spec_bits(spec):
+    """What a layer keeps as `bits` for a QuantSpec: its bits, or a trellis code's
+    TrellisBits (the kernels choose by it)."""
+    if spec.codec != "trellis":
+        return spec.bits
+    from turboquant.stages.trellis import TrellisBits
+
+    return TrellisBits(spec.bits, spec.trellis_state_bits, spec.trellis_values,
+                       spec.trellis_block)
 
 
 def padded(in_features: int, group_size: int) -> int:
@@ -62,7 +73,7 @@ class _TQBase(nn.Module):
             )
         self.input_dims = int(input_dims)
         self.output_dims = int(output_dims)
-        self.bits = bits if bits == "ternary" else int(bits)
+        self.bits = bits if bits == "ternary" or is_trellis(bits) else int(bits)
         self.group_size = int(group_size)
         self.seed = int(seed)
         self.padded_in = int(padded_in)
@@ -73,13 +84,20 @@ class _TQBase(nn.Module):
         """The codec's QuantSpec for this layer's weights."""
         from turboquant.stages import QuantSpec
 
+        b = self.bits
+        codec = {}
+        if is_trellis(b):
+            codec = dict(codec="trellis", trellis_state_bits=b.state_bits,
+                         trellis_values=b.values, trellis_block=b.block)
+            b = b.bits
         return QuantSpec(
-            bits=self.bits,
+            bits=b,
             group_size=self.group_size,
             seed=self.seed,
             in_features=self.input_dims,
             padded_in=self.padded_in,
             refit=True,
+            **codec,
         )
 
     def check_input(self, x: mx.array) -> None:
@@ -145,7 +163,7 @@ class TQLinear(_TQBase):
         """From a `turboquant.stages.QuantizedTensor` (and an optional bias)."""
         out, inp = qt.shape
         s = qt.spec
-        layer = cls(inp, out, bias is not None, bits=s.bits, group_size=s.group_size,
+        layer = cls(inp, out, bias is not None, bits=spec_bits(s), group_size=s.group_size,
                     seed=s.seed, padded_in=s.padded_in)
         layer.codes, layer.scales = qt.codes, qt.scales
         if bias is not None:
@@ -399,7 +417,7 @@ class TQSwitchLinear(_SwitchBase):
             raise ValueError(f"experts differ in spec or shape: {sorted(map(str, specs | shapes))}")
         out, inp = experts[0].shape
         s = experts[0].spec
-        layer = cls(inp, out, len(experts), bias is not None, bits=s.bits,
+        layer = cls(inp, out, len(experts), bias is not None, bits=spec_bits(s),
                     group_size=s.group_size, seed=s.seed, padded_in=s.padded_in)
         layer.codes = mx.stack([q.codes for q in experts])
         layer.scales = mx.stack([q.scales for q in experts])
@@ -450,7 +468,7 @@ class TQEmbedding(_TQBase):
     def from_quantized(cls, qt, dtype: mx.Dtype = mx.float32) -> "TQEmbedding":
         vocab, dims = qt.shape
         s = qt.spec
-        layer = cls(vocab, dims, bits=s.bits, group_size=s.group_size, seed=s.seed,
+        layer = cls(vocab, dims, bits=spec_bits(s), group_size=s.group_size, seed=s.seed,
                     padded_in=s.padded_in, dtype=dtype)
         layer.codes, layer.scales = qt.codes, qt.scales
         return layer

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from turboquant.manifests.schema import (
-    FORMAT_VERSION,
     INDEX_FILE,
     MANIFEST_FILE,
     QUANT_METHOD,
+    READ_VERSIONS,
+    TRELLIS_VERSION,
     stored_names,
 )
 from turboquant.manifests.schema import read_manifest as read_manifest_table
 
-QUANT_CODECS = ("turboquant", "ternary")
+QUANT_CODECS = ("turboquant", "ternary", "trellis")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -198,6 +199,8 @@ def read_manifest(path: Path) -> list[Row]:
         if codec not in (*QUANT_CODECS, "raw"):
             raise RepoError(f"{path}: tensor {r['name']} has unknown codec {codec!r}")
         bits = "ternary" if codec == "ternary" else _none(r["bits"])
+        if codec == "trellis":
+            bits = _trellis_bits(path, r)
         rows.append(
             Row(
                 name=r["name"],
@@ -205,7 +208,7 @@ def read_manifest(path: Path) -> list[Row]:
                 shape=tuple(int(s) for s in r["shape"]),
                 shard=r["shard"],
                 source_dtype=r.get("source_dtype") or "BF16",
-                bits=None if bits is None else (bits if bits == "ternary" else int(bits)),
+                bits=None if bits is None else (bits if codec != "turboquant" else int(bits)),
                 group_size=_none(r["group_size"]),
                 seed=_none(r["seed"]),
                 padded_in=_none(r["padded_in"]),
@@ -223,6 +226,22 @@ def read_manifest(path: Path) -> list[Row]:
     return rows
 
 
+def _trellis_bits(path: Path, r: dict):
+    """A trellis row's code (stages.trellis.TrellisBits); RepoError naming the tensor if its
+    trellis version or parameters are not ones this runtime reads."""
+    from turboquant.stages.trellis import TrellisBits
+
+    version = r.get("trellis_version")
+    if version != TRELLIS_VERSION:
+        raise RepoError(f"{path}: tensor {r['name']} is trellis version {version!r}, this "
+                        f"runtime reads version {TRELLIS_VERSION}; upgrade turboquant")
+    try:
+        return TrellisBits(int(r["bits"]), int(r["trellis_state_bits"]),
+                           int(r["trellis_values"]), int(r["trellis_block"]))
+    except (TypeError, ValueError) as e:
+        raise RepoError(f"{path}: tensor {r['name']}: bad trellis parameters ({e})") from None
+
+
 def open_repo(path: Path) -> Repo:
     """Read and cross-check config, index, manifest and shard headers."""
     path = Path(path)
@@ -236,10 +255,10 @@ def open_repo(path: Path) -> Repo:
             f"{qc.get('quant_method')!r}, not 'turboquant'; load it with mlx_lm.load instead"
         )
     version = qc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise RepoError(
             f"{path}: TurboQuant format_version {version}, this runtime reads "
-            f"{FORMAT_VERSION}; upgrade turboquant"
+            f"{' and '.join(map(str, READ_VERSIONS))}; upgrade turboquant"
         )
     index = _read_json(path / INDEX_FILE)
     if "weight_map" not in index:

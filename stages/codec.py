@@ -17,6 +17,12 @@ packing) do the same float32 operations in the same order as compiled loops, sev
 faster. tests/test_stages_golden.py pins the bytes of both paths to those of the plain MLX
 stages.
 
+Two codes share the rotation, padding, scales and packed shapes: "scalar" (the Lloyd-Max
+levels above, the default) and "trellis" (stages/trellis.py: a Viterbi over a bitshift
+trellis with a computed codebook, docs/FORMAT.md "Trellis code"), chosen per tensor by
+`QuantSpec.codec`. The trellis branch takes the same rotated rows (rotate_groups_np), as
+(rows, padded_in), and replaces the nearest levels, the refit and the packing.
+
 encode also returns the coding error without decoding: the rotation is orthogonal and the
 padding is zero on both sides, so ||W - decode(qt)||^2 = sum over groups of
 ||x||^2 - 2 s <x, q> + s^2 <q, q>, from the sums the refit computes anyway.
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import fast_quantize
+from . import fast_quantize, trellis
 from .pack import pack_codes_np, pack_groups_np, unpack_codes, words_per_row
 from .quantize import code_tables_np, code_values, code_values_np, nearest_codes_np
 from .rotate import rotate_groups_np, unrotate
@@ -43,6 +49,7 @@ from .scale import (
 )
 
 SUPPORTED_BITS = (2, 3, 4, "ternary")
+CODECS = ("scalar", "trellis")
 _COMPILED = fast_quantize.AVAILABLE  # per-group coding through numba (same bits); tests flip it
 _CHUNK_ELEMENTS = 1 << 20  # rows per chunk ~ this many weights (4 MiB as float32: cache-friendly)
 
@@ -79,11 +86,22 @@ class QuantSpec:
     in_features: int
     padded_in: int
     refit: bool
+    codec: str = "scalar"  # or "trellis": the trellis_* fields below then apply
+    trellis_state_bits: int = trellis.STATE_BITS
+    trellis_values: int = trellis.VALUES
+    trellis_block: int = trellis.BLOCK
 
     def __post_init__(self):
         check_bits(self.bits)
         check_group_size(self.group_size)
         _check_seed(self.seed)
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}: use one of {CODECS}")
+        if self.codec == "trellis":
+            if self.bits == "ternary" or not self.refit:
+                raise ValueError("the trellis code takes 2, 3 or 4 bits and refits its scales "
+                                 f"(got bits={self.bits!r}, refit={self.refit})")
+            self.trellis_code.check_block(self.trellis_block)
         if self.in_features < 1 or self.padded_in != _padded(self.in_features, self.group_size):
             raise ValueError(
                 f"padded_in {self.padded_in} is not in_features {self.in_features} "
@@ -93,6 +111,10 @@ class QuantSpec:
     @property
     def words_per_row(self) -> int:
         return words_per_row(self.padded_in, self.bits)
+
+    @property
+    def trellis_code(self) -> trellis.TrellisCode:
+        return trellis.TrellisCode(self.trellis_state_bits, self.bits, self.trellis_values)
 
     @property
     def groups_per_row(self) -> int:
@@ -221,10 +243,27 @@ class _Rows:
     sq_norm: np.ndarray
 
 
-def _encode_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
+def _encode_rows(w: np.ndarray, spec: QuantSpec, trellis_rows=None) -> _Rows | None:
     """Code some rows; None if a scale is not finite (a non-finite weight, or an overflow)."""
     with np.errstate(over="ignore", invalid="ignore"):  # both end in a non-finite scale
+        if spec.codec == "trellis":
+            return _encode_trellis_rows(w, spec, trellis_rows or trellis.encode_rows)
         return _encode_finite_rows(w, spec)
+
+
+def _encode_trellis_rows(w: np.ndarray, spec: QuantSpec, encoder) -> _Rows | None:
+    """The trellis branch: the same rotated groups, as rows (rows, padded_in), coded by
+    `encoder` (trellis.encode_rows, or a GPU encoder that returns the same bytes)."""
+    rows, n, gs = w.shape[0], spec.in_features, spec.group_size
+    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True)
+    if not np.isfinite(rms_from_energy_np(energy, gs)).all():
+        return None
+    x = np.ascontiguousarray(y.transpose(3, 1, 2, 0).reshape(rows, spec.padded_in))
+    del y
+    out = encoder(spec.trellis_code, x, gs, spec.trellis_block, valid=n)
+    if not np.isfinite(out.scales.astype(np.float32)).all():
+        return None
+    return _Rows(out.words, out.scales, out.sq_error, out.sq_norm)
 
 
 def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
@@ -277,7 +316,9 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
 
 def encode(
     weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True,
-    in_scales=None,
+    in_scales=None, codec: str = "scalar", trellis_state_bits: int = trellis.STATE_BITS,
+    trellis_values: int = trellis.VALUES, trellis_block: int = trellis.BLOCK,
+    trellis_rows=None,
 ) -> QuantizedTensor:
     """Code a 2-D weight (out, in) (mx or numpy, any float dtype) with TurboQuant.
 
@@ -289,6 +330,11 @@ def encode(
     codes W / in_scales instead of W and keeps the vector: decode multiplies it back, and
     a layer computes W x as decode'(in_scales * x). Given for the whole tensor, so chunks
     of rows coded separately decode as one. None (the default) gives format-1 bytes.
+
+    `codec` "trellis" codes the rotated rows with the trellis (`trellis_state_bits` L,
+    `trellis_values` V, `trellis_block` T; docs/FORMAT.md) instead of the Lloyd-Max levels:
+    same shapes and bits per weight. `trellis_rows`: an encoder with the signature and the
+    results of stages.trellis.encode_rows (the default), e.g. a GPU one.
     """
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
@@ -299,11 +345,12 @@ def encode(
         inv = np.float32(1.0) / t16.astype(np.float32)
         plain = rows
         rows = lambda r0, r1: plain(r0, r1) * inv  # noqa: E731
-    spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit))
+    spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit),
+                     codec, trellis_state_bits, trellis_values, trellis_block)
     parts = []
     step = _rows_per_chunk(n)
     for r in range(0, out, step):
-        part = _encode_rows(rows(r, r + step), spec)
+        part = _encode_rows(rows(r, r + step), spec, trellis_rows)
         if part is None:
             w = _to_mlx(weight)
             if not mx.isfinite(w).all().item():
@@ -331,7 +378,10 @@ def encode(
 
 def _decode_rows(codes: mx.array, scales: mx.array, spec: QuantSpec, dtype) -> mx.array:
     rows, gs = codes.shape[0], spec.group_size
-    q = code_values(unpack_codes(codes, spec.bits, spec.padded_in), spec.bits)
+    if spec.codec == "trellis":
+        q = trellis.decode_words_mx(spec.trellis_code, codes, spec.trellis_block)
+    else:
+        q = code_values(unpack_codes(codes, spec.bits, spec.padded_in), spec.bits)
     y = q.reshape(rows, -1, gs) * scales.astype(mx.float32)[..., None]
     y = y.reshape(rows, spec.padded_in)[:, : spec.in_features]
     return unrotate(y, spec.seed).astype(dtype)

@@ -1,7 +1,8 @@
 """Trellis-coded quantization: a bitshift trellis with a computed codebook (numpy reference).
 
-A second code for rotated, group-scaled rows (docs/FORMAT.md, "Trellis code"). It is not yet
-produced by the converter: the pipeline, the runtime and the GPU encoder are next steps.
+A second code for rotated, group-scaled rows (docs/FORMAT.md, "Trellis code", format 2):
+stages.codec's `codec="trellis"` branch calls encode_rows; recipes choose it per role; the
+runtime decodes it through kernels/reference.py (decode_words_mx) or kernels/cpu_gemv.py.
 
 The code, for k bits per weight, V weights per step and a state of L bits:
 - a row block of T weights (T % 32 == 0) is coded by a stream of T * k bits, k*V bits a step;
@@ -26,10 +27,9 @@ the L - kV bits where the circle closes, then a Viterbi constrained to them code
 decode_words_mx is the decoder as a fused kernel will run it (per weight: the state's bit
 window from two words, then the integer steps), in MLX ops: the reference for those kernels.
 
-Where it slots in: codec._encode_finite_rows rotates a chunk of rows and takes each group's
-energy (rotate_groups_np), then codes the normalized groups with the nearest Lloyd-Max level
-(fast_quantize.code_groups or nearest_codes_np) and refits the scales. A trellis tensor
-branches there: the same rotated rows, as (rows, padded_in), go to encode_rows, which takes
+Where it slots in: codec._encode_trellis_rows rotates a chunk of rows and takes each
+group's energy (rotate_groups_np), as the scalar branch does before its nearest Lloyd-Max
+levels; the same rotated rows, as (rows, padded_in), go to encode_rows, which takes
 the RMS and the refit from scale.py's in-order float32 sums, as the scalar code does, and
 returns words of the scalar code's shape (n * k / 32 a row), float16 scales and the
 per-row squared error that QuantizedTensor carries. decode_rows (or decode_words_mx) then
@@ -62,6 +62,9 @@ BYTESUM_STD = float(np.sqrt(4 * (256**2 - 1) / 12))  # 147.80...
 # the Viterbi search codes y / GAIN[bits] (benchmarks/codec.py --trellis: at L = 12 and 16
 # the MSE is flat within ~1% from 1.0 to 1.1, lowest near 1.0 at 2 bits and 1.1 at 3-4 bits)
 GAIN = {1: 1.0, 2: 1.0, 3: 1.1, 4: 1.1}
+VERSION = 1  # docs/FORMAT.md's trellis version: the constants above and the steps below
+# the code the converter writes unless a recipe says otherwise (L, V, T)
+STATE_BITS, VALUES, BLOCK = 16, 1, 256
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,28 @@ class TrellisCode:
                 f"values per step) with block * bits >= state_bits {self.state_bits}"
             )
         return block
+
+
+@dataclass(frozen=True)
+class TrellisBits:
+    """A trellis-coded weight's code as the runtime and kernels pass it where a scalar
+    code passes its bits (2, 3, 4, "ternary"): k bits a weight, the trellis (L, V) and the
+    block. Codes have the scalar code's shape at `bits`; decode with decode_words_mx."""
+
+    bits: int
+    state_bits: int = STATE_BITS
+    values: int = VALUES
+    block: int = BLOCK
+
+    def __post_init__(self):
+        self.code.check_block(self.block)
+
+    @property
+    def code(self) -> TrellisCode:
+        return TrellisCode(self.state_bits, self.bits, self.values)
+
+    def __str__(self) -> str:
+        return f"trellis-{self.bits} (L={self.state_bits}, V={self.values}, T={self.block})"
 
 
 def state_values(code: TrellisCode, states, mul=MUL, add=ADD) -> np.ndarray:
@@ -287,9 +312,12 @@ def decode_words_mx(code: TrellisCode, words, block: int = 256):
     window from two words, then a multiply-add, a shift-xor and a byte sum (no table).
     words (rows, n * k / 32) uint32 -> (rows, n) float32, equal to decode_words."""
     code.check_block(block)
-    n = words.shape[1] * 32 // code.bits
-    word0, word1, shift, j = _windows(code, n, block)
     w = mx.array(words) if not isinstance(words, mx.array) else words
+    if w.ndim != 2:  # experts (E, rows, words) and the like: decode as rows
+        lead = w.shape[:-1]
+        return decode_words_mx(code, w.reshape(-1, w.shape[-1]), block).reshape(*lead, -1)
+    n = w.shape[1] * 32 // code.bits
+    word0, word1, shift, j = _windows(code, n, block)
     lo = mx.take(w, mx.array(word0), axis=1) >> mx.array(shift)
     up = mx.array(np.where(shift > 0, 32 - shift, 0).astype(np.uint32))
     hi = mx.where(mx.array(shift > 0), mx.take(w, mx.array(word1), axis=1) << up, 0)
