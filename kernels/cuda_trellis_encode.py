@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -275,6 +276,16 @@ def encode_blocks_gpu(code: TrellisCode, y: np.ndarray) -> np.ndarray:
         closing = (rolled[:, steps - 1 - half] >> code.step_bits).astype(mx.int32)
         out.append(np.array(viterbi_pass(code, part, closing)))
     return np.concatenate(out, axis=0).astype(np.int64)
+
+
+def available() -> bool:
+    """Whether the converter may code trellis rows here: MLX's CUDA backend is present and
+    TURBOQUANT_TRELLIS_GPU=1. Off by default until a run on a GPU has shown this encoder's
+    words equal the CPU's (tests/test_kernels_cuda_trellis_encode.py): a conversion's bytes
+    must not depend on the machine."""
+    cuda = getattr(mx, "cuda", None)
+    return (os.environ.get("TURBOQUANT_TRELLIS_GPU") == "1" and cuda is not None
+            and cuda.is_available())
 
 
 def encode_rows_gpu(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 256,

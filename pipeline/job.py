@@ -8,7 +8,7 @@ ledger. It resumes from the ledger if the job was cut short, and returns at once
 job's marker says it is done.
 
 Trellis-coded tensors (docs/FORMAT.md) take a Viterbi search: on a GPU through
-`turboquant.kernels.cuda_trellis.encode_rows_gpu` where that module provides it (the same
+`turboquant.kernels.cuda_trellis_encode.encode_rows_gpu` where it may run (the same
 bytes as the CPU path), else on the CPU (stages.trellis, numba). A job prints a progress
 line per chunk of trellis rows, at most every PROGRESS_SECONDS: weights done, weights/s
 and the time left for the job's trellis tensors (stderr).
@@ -272,21 +272,23 @@ class _SourceCrc:
 
 
 def trellis_encoder():
-    """(name, encoder) for trellis rows: the GPU encoder of kernels/cuda_trellis.py where it
-    is present and says a GPU is there (`available()`), else the CPU's (None: the default
-    of stages.encode). stages/ may not import kernels/: the pipeline chooses."""
-    import importlib
+    """(name, encoder) for trellis rows: the GPU Viterbi of kernels/cuda_trellis_encode.py
+    where it says it may run (`available()`: MLX's CUDA backend and TURBOQUANT_TRELLIS_GPU=1,
+    off until a GPU run has shown its paths equal the CPU's), else the CPU's (None: the
+    default of stages.encode). stages/ may not import kernels/: the pipeline chooses. A code
+    the GPU kernel does not take (`supported`) falls back to the CPU's rows, the same bytes."""
+    from turboquant.kernels import cuda_trellis_encode as gpu
+    from turboquant.stages import trellis
 
-    try:
-        gpu = importlib.import_module("turboquant.kernels.cuda_trellis")
-    except ModuleNotFoundError as e:
-        if e.name != "turboquant.kernels.cuda_trellis":
-            raise
+    if not gpu.available():
         return "CPU", None
-    encode_gpu = getattr(gpu, "encode_rows_gpu", None)
-    if encode_gpu is None or not getattr(gpu, "available", lambda: False)():
-        return "CPU", None
-    return "GPU", encode_gpu
+
+    def encode_rows(code, x, group_size, block, valid=None):
+        if not gpu.supported(code):
+            return trellis.encode_rows(code, x, group_size, block, valid=valid)
+        return gpu.encode_rows_gpu(code, x, group_size, block, valid=valid)
+
+    return "GPU", encode_rows
 
 
 class _TrellisProgress:
