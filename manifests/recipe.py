@@ -32,6 +32,10 @@ ROLES = ("attention", "mlp", "expert", "shared_expert", "embeddings", "lm_head")
 LAYER_ROLES = ("attention", "mlp", "expert", "shared_expert")
 BITS = (2, 3, 4, "ternary")
 GROUP_SIZES = (32, 64, 128)
+# [quant] column_scales = "auto": the roles whose weights get per-input-column scales (the
+# layers whose input a runtime multiplies by t: TQLinear; not embeddings, not routed experts)
+COLUMN_ROLES = ("attention", "mlp", "shared_expert", "lm_head")
+COLUMN_MIN_RATIO = 0.5  # stages.scale.SMALL_COLUMN_RATIO, measured on SmolLM2 (quality.md)
 # precision order, for "at least this many bits"
 _RANK = {"ternary": 1, 2: 2, 3: 3, 4: 4, "raw": 99}
 
@@ -49,6 +53,9 @@ class Resolution:
     bits: int | str | None = None  # 2, 3, 4, "ternary"; None unless quantized
     group_size: int | None = None
     rule: str | None = None  # the pattern that decided it
+    # per-input-column scales: the smallest-column ratio under which the job codes W / t
+    # (stages.column_scales_from_sums); None: the tensor stores no in_scales (format 1)
+    column_min_ratio: float | None = None
 
     @property
     def codec(self) -> str:
@@ -109,6 +116,15 @@ class Recipe:
     @property
     def refit(self) -> bool:
         return self.data["quant"]["refit"]
+
+    @property
+    def column_min_ratio(self) -> float | None:
+        """The [quant] column_scales policy: the smallest-column ratio (of the median) under
+        which a linear layer's weight is coded with in_scales, or None ("off")."""
+        q = self.data["quant"]
+        if q.get("column_scales", "off") == "off":
+            return None
+        return q.get("column_min_ratio", COLUMN_MIN_RATIO)
 
     @property
     def drop_extra_layers(self) -> bool:
@@ -200,7 +216,9 @@ class Recipe:
         if bits == "raw":
             return Resolution("keep", role=role, rule=rule["match"])
         group = rule.get("group_size", self.group_size)
-        return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"])
+        ratio = self.column_min_ratio if role in COLUMN_ROLES and bits != "ternary" else None
+        return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"],
+                          column_min_ratio=ratio)
 
     # --- overrides ------------------------------------------------------------------
     def with_overrides(self, **overrides) -> "Recipe":
@@ -214,7 +232,8 @@ class Recipe:
         where = f"{self.source} (command-line override)"
         ov = {k: v for k, v in overrides.items() if v is not None}
         known = {"bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_head_bits",
-                 "group_size", "model_seed", "protect_layers", "protect_bits", "refit"}
+                 "group_size", "model_seed", "protect_layers", "protect_bits", "refit",
+                 "column_scales"}
         for k in ov:
             if k not in known:
                 raise RecipeError(f"{where}: unknown override {k!r}")
@@ -234,6 +253,8 @@ class Recipe:
                                                      0, 2**64 - 1)
         if "refit" in ov:
             data["quant"]["refit"] = bool(ov["refit"])
+        if "column_scales" in ov:
+            data["quant"]["column_scales"] = ov["column_scales"]  # validate() checks it
         if "protect_layers" in ov:
             n = _check_int(ov["protect_layers"], "--protect-layers", where, 0, 1 << 20)
             data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
@@ -314,7 +335,7 @@ def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = 
 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
         "rules", "split", "unsupported", "drop_extra_layers", "generic"}
-_QUANT = {"bits", "group_size", "model_seed", "refit"}
+_QUANT = {"bits", "group_size", "model_seed", "refit", "column_scales", "column_min_ratio"}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
 _RULE = {"match", "role", "bits", "group_size", "down_proj"}
 _SPLIT = {"match", "into", "interleaved", "transpose"}
@@ -355,6 +376,18 @@ def validate(raw: Any, where: str) -> dict:
                                  2**64 - 1),
         "refit": _check_bool(quant.get("refit", True), "quant.refit", where),
     }
+    if "column_scales" in quant:  # only when given: recipes without it keep their hash
+        mode = quant["column_scales"]
+        if mode not in ("auto", "off"):
+            raise RecipeError(f"{where}: key 'quant.column_scales' must be \"auto\" or "
+                              f"\"off\", got {mode!r}")
+        data["quant"]["column_scales"] = mode
+    if "column_min_ratio" in quant:
+        r = quant["column_min_ratio"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
+            raise RecipeError(f"{where}: key 'quant.column_min_ratio' must be a number in "
+                              f"(0, 1] (a fraction of the median column RMS), got {r!r}")
+        data["quant"]["column_min_ratio"] = float(r)
 
     bits = raw.get("bits", {})
     if not isinstance(bits, dict):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from turboquant.manifests.architecture import layer_of, num_layers_of
 from turboquant.manifests.recipe import (Recipe, RecipeError, bind_architecture, load_recipe,
                                          recipe_for_model_type)
-from turboquant.manifests.schema import FORMAT_VERSION, QUANT_METHOD, stored_names
+from turboquant.manifests.schema import (FORMAT_VERSION, IN_SCALES_SUFFIX, QUANT_METHOD,
+                                         format_version, stored_names)
 from turboquant.stages import rotation_key, tensor_seed, words_per_row
 
 from . import published
@@ -85,6 +86,13 @@ class Item:
     read_bytes: int  # source bytes this item accounts for (progress, throughput)
     role: str | None = None
     published: Published | None = None  # read from FP8 / MXFP4 / int4 codes (published.py)
+    # stores in_scales (a third tensor, F16 (in,)): the job codes W / t, t from the whole
+    # tensor's column sums, ones where no column is under this ratio of the median
+    column_min_ratio: float | None = None
+
+    @property
+    def in_scales(self) -> bool:
+        return self.column_min_ratio is not None
 
     @property
     def byte_start(self) -> int:
@@ -177,6 +185,8 @@ class Plan:
                                    it.seed, it.shape)).encode())
                     if it.published is not None:
                         h.update(repr(it.published).encode())
+                    if it.in_scales:
+                        h.update(repr(("in_scales", it.column_min_ratio)).encode())
         return h.hexdigest()
 
     def readers(self) -> dict[str, set[str]]:
@@ -423,11 +433,14 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     gs = res.group_size
     padded = -(-in_f // gs) * gs
     codes, scales = coded_shapes(out_f, padded, res.bits, gs)
-    c_name, s_name = stored_names(name, res.codec)
-    stored = (Stored(c_name, "U32", codes), Stored(s_name, "F16", scales))
+    ratio = res.column_min_ratio if expert is None else None  # experts: TQSwitchLinear
+    names = stored_names(name, res.codec, ratio is not None)
+    stored = (Stored(names[0], "U32", codes), Stored(names[1], "F16", scales))
+    if ratio is not None:
+        stored += (Stored(names[2], "F16", (in_f,)),)
     seed = tensor_seed(rec.model_seed, rotation_key(name))
     return Item(name, piece, dtype, tuple(shape), res.codec, res.bits, gs, seed, padded, layer,
-                expert, stored, read, res.role)
+                expert, stored, read, res.role, column_min_ratio=ratio)
 
 
 def _units(items: list[tuple[tuple[int, int], Item]]) -> list[Unit]:
@@ -493,7 +506,8 @@ def _jobs(units: list[Unit], files: list[str], headers, min_bytes: int, max_byte
 def _layout(units: list[Unit]) -> tuple[list[Unit], bytes]:
     """Fix every stored tensor's absolute byte range; return the units and the header."""
     entries = [s for u in units for it in u.items for s in it.stored]
-    meta = {"format": QUANT_METHOD, "format_version": str(FORMAT_VERSION)}
+    version = format_version(any(s.name.endswith(IN_SCALES_SUFFIX) for s in entries))
+    meta = {"format": QUANT_METHOD, "format_version": str(version)}
     header: dict = {"__metadata__": meta}
     off = 0
     for s in entries:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
+from turboquant.manifests.schema import (INDEX_FILE, MANIFEST_FILE, QUANT_METHOD,
+                                         READ_VERSIONS)
 
 from .errors import ConversionError, network_reason
 from .ledger import WORK, atomic_write
@@ -86,9 +87,10 @@ def check_folder(folder: Path) -> dict:
     if q.get("quant_method") != QUANT_METHOD:
         raise PublishError(f"{folder}: config.json has no TurboQuant quantization_config; "
                            "publish the output folder of `turboquant convert`")
-    if q.get("format_version") != FORMAT_VERSION:
+    if q.get("format_version") not in READ_VERSIONS:
         raise PublishError(f"{folder}: format version {q.get('format_version')!r}, this "
-                           f"version of turboquant publishes version {FORMAT_VERSION}")
+                           f"version of turboquant publishes versions "
+                           f"{' and '.join(map(str, READ_VERSIONS))}")
     work = folder / WORK
     if work.exists() and not (work / "complete").exists():
         raise PublishError(f"{folder}: the conversion is not finished ({WORK}/complete is "

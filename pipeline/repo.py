@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from turboquant.manifests.schema import (FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
-                                         QUANT_METHOD, write_manifest)
+from turboquant.manifests.schema import (INDEX_FILE, MANIFEST_FILE, QUANT_METHOD,
+                                         format_version, write_manifest)
 
 from .card import model_card
 from .errors import LedgerError
@@ -73,6 +73,7 @@ def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
                     "bits_per_weight": 8 * (it.byte_end - it.byte_start) / max(it.numel, 1),
                     "layer": it.layer,
                     "expert": it.expert,
+                    "in_scales": it.in_scales,
                 })
     return rows
 
@@ -91,9 +92,12 @@ def quantization_config(plan: Plan) -> dict:
             if it.codec == "ternary":
                 entry = {"codec": "ternary", **entry}
             overrides[key] = entry
+    in_scales = any(it.in_scales for it in plan.items)
+    extra = {"in_scales": True, "column_min_ratio": plan.recipe.column_min_ratio} \
+        if in_scales else {}
     return {
         "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version(in_scales),
         "recipe": plan.recipe.name,
         "recipe_hash": plan.recipe_hash,
         "model_seed": plan.recipe.model_seed,
@@ -101,6 +105,7 @@ def quantization_config(plan: Plan) -> dict:
         "group_size": group,
         "refit": plan.recipe.refit,
         "overrides": overrides,
+        **extra,
     }
 
 
@@ -133,7 +138,8 @@ def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
     total = sum(s.end - s.start for job in plan.jobs for u in job.units for it in u.items
                 for s in it.stored)
     index = {"metadata": {"total_size": total, "format": QUANT_METHOD,
-                          "format_version": FORMAT_VERSION},
+                          "format_version": format_version(
+                              any(it.in_scales for it in plan.items))},
              "weight_map": weight_map}
     atomic_write(out / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
 
