@@ -18,6 +18,12 @@ Rows:
 - tq-b: the format-1 codec (plain rotation).
 - tq-b eq: the column-equalised codec (in_scales = column RMS, docs/quality.md) on every
   linear layer; the embedding / tied head stays plain.
+- tq-repo-b: the user's path: the folder converted by `turboquant convert --bits b
+  --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
+  matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its kernels on
+  this CPU), float32; bits/w from the repo's safetensors bytes.
+- tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
+  embedding and the first and last layers at 4 bits).
 
 bits/w = every stored byte (codes, scales, affine biases, in_scales, 16-bit tensors) * 8 /
 parameters, tied embeddings counted once; affine's scales and biases as mlx-lm stores them
@@ -43,7 +49,8 @@ import numpy as np
 
 SEQ = 512
 GROUP = 64
-MIN_RATIO = [0.0]  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
+MIN_RATIO = [0.0]
+WORK = [Path(__file__).resolve().parents[1] / "out" / "quality-hf"]  # --work  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
 CLASSES = ["embed", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,6 +76,7 @@ class Evaluator:
         from mlx.utils import tree_flatten
         from mlx_lm import load
 
+        self.path = Path(path)
         self.model, self.tokenizer = load(str(path))
         self.source = dict(tree_flatten(self.model.parameters()))  # as stored (bf16)
         self.model.set_dtype(mx.float32)
@@ -88,14 +96,16 @@ class Evaluator:
     def restore(self, names) -> None:
         self.set({n: self.source[n] for n in names})
 
-    def run(self, rows: mx.array) -> dict:
-        """ppl, KL(source || this) and top-1 agreement on `rows`; the first call per row
-        count is the source and keeps its log-probs (float16) as the reference."""
+    def run(self, rows: mx.array, model=None) -> dict:
+        """ppl, KL(source || this) and top-1 agreement on `rows` (of `model`, by default
+        the evaluator's own); the first call per row count is the source and keeps its
+        log-probs (float16) as the reference."""
         ref = self.ref.get(rows.shape[0])
+        model = self.model if model is None else model
         nll, kl, agree, keep = [], [], 0, []
         for j, i in enumerate(range(0, rows.shape[0], self.batch)):
             x = rows[i : i + self.batch]
-            logits = self.model(x[:, :-1]).astype(mx.float32)
+            logits = model(x[:, :-1]).astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             n = -mx.take_along_axis(lp, x[:, 1:, None], axis=-1)[..., 0]
             if ref is None:
@@ -157,6 +167,40 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
     return out, nbytes
 
 
+REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
+              "tq-repo rec": []}
+
+
+def tensor_bytes(folder: Path) -> int:
+    """Stored tensor bytes of a folder's safetensors files (their headers left out)."""
+    import struct
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        total += f.stat().st_size - 8 - n
+    return total
+
+
+def repo_model(src: Path, method: str, bits: int, work: Path):
+    """(model, stored bytes) of `src` converted by the CLI as `method` says and loaded by
+    the runtime; the conversion is kept in `work` (a rerun of the command is a no-op)."""
+    import subprocess
+
+    from turboquant.runtime import load
+
+    flags = [f.format(b=bits) for f in REPO_FLAGS[method]]
+    out = work / f"{src.name}-{method.replace(' ', '-')}-{bits}"
+    cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q", "--fresh",
+           "--bits", str(bits), *flags]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    model, _ = load(out, dtype="float32")
+    return model, tensor_bytes(out)
+
+
 def bits_per_weight(ev: Evaluator, names, nbytes: int) -> float:
     rest = sum(v.nbytes for n, v in ev.source.items() if n not in names)
     return 8 * (nbytes + rest) / ev.n_params()
@@ -192,6 +236,16 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     results = {}
     for b in bits_list:
         for method in methods:
+            if method in REPO_FLAGS:
+                model, nbytes = repo_model(ev.path, method, b, WORK[0])
+                r = ev.run(rows, model)
+                del model
+                r["bpw"] = 8 * nbytes / ev.n_params()
+                results[(method, b)] = r
+                lines.append(fmt_row(label(method, b), r, src["ppl"],
+                                     results.get(("affine", b)), r["bpw"]))
+                print(lines[-1], file=sys.stderr, flush=True)
+                continue
             ws, nbytes = quantized(ev, method, b, names)
             ev.set(ws)
             del ws
@@ -205,7 +259,7 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     checks = []
     for (method, b), tq in results.items():
         aim = {3: 0.7, 4: 0.8}.get(b)
-        if not method.startswith("tq eq") or aim is None or ("affine", b) not in results:
+        if not method.startswith(("tq eq", "tq-repo")) or aim is None or ("affine", b) not in results:
             continue
         af = results[("affine", b)]
         ratio = (tq["ppl"] - src["ppl"]) / (af["ppl"] - src["ppl"])
@@ -316,7 +370,9 @@ def main(argv=None) -> int:
                     "predicted tokens)")
     ap.add_argument("--methods", default="affine,tq,tq eq,tq eq-s",
                     help="main table rows: affine, tq, tq eq (every linear layer equalised), "
-                    "tq eq-s (only weights with a small column: the codec's rule)")
+                    "tq eq-s (only weights with a small column: the codec's rule), tq-repo "
+                    "(converted by `turboquant convert`, every matrix at b bits, loaded by the "
+                    "runtime), tq-repo rec (the recipe's own bits besides --bits)")
     ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
                     "whose smallest column RMS is under this x the median (default: the "
                     "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
@@ -327,7 +383,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation-bits", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2, help="rows per forward pass")
     ap.add_argument("--out", type=Path, help="also write the report here")
+    ap.add_argument("--work", type=Path, default=WORK[0], help="where tq-repo conversions go")
     args = ap.parse_args(argv)
+    WORK[0] = args.work
     bits_list = [int(b) for b in args.bits.split(",")]
     MIN_RATIO[0] = args.min_ratio
 

@@ -340,17 +340,25 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     elif pub is None:
         info, fd = reader.info(item), reader.fd(p.file)
 
-    def chunk(r0: int, r1: int, source_crc: _SourceCrc | None) -> np.ndarray:
-        """Rows r0..r1 as float32, checked finite (their raw bytes into `source_crc`)."""
+    def chunk(r0: int, r1: int, sums=None) -> np.ndarray | None:
+        """Rows r0..r1 as float32, checked finite, their raw bytes into the CRC; with
+        `sums` (stages.ColumnSums) only added to those (the pre-pass: no checks, no CRC,
+        bfloat16 summed from its bits)."""
         if whole is not None:
             x = whole[r0:r1]
         elif pub is not None:
             x = pub.rows(item.published, r0, r1)
         else:
             raw = read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file)
-            if source_crc is not None:
-                source_crc.update(raw)
+            if sums is not None and info.dtype == "BF16":
+                sums.add_bf16(raw.view("<u2").reshape(r1 - r0, in_f))
+                return None
+            if sums is None:
+                crc.update(raw)
             x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
+        if sums is not None:
+            sums.add(x)
+            return None
         check_finite(x, p.file, p.tensor, r0 * in_f)
         return x
 
@@ -362,7 +370,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     norm_rows: list[np.ndarray] = []
     for r0 in range(0, out_f, rows):
         r1 = min(out_f, r0 + rows)
-        x = chunk(r0, r1, crc)
+        x = chunk(r0, r1)
         _check_parent()
         try:
             qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit,
@@ -400,13 +408,12 @@ def _in_scales(item: Item, chunk, rows: int) -> np.ndarray:
     """The item's in_scales from a pre-pass over its rows (bounded memory: one chunk at a
     time): each input column's sum of squares, then `stages.column_scales_from_sums`;
     ones where no column is small (the weight is then coded exactly as without)."""
-    from turboquant.stages import column_scales_from_sums
+    from turboquant.stages.scale import ColumnSums, column_scales_from_sums
 
     out_f, in_f = item.shape
-    sums = np.zeros(in_f, dtype=np.float64)
+    sums = ColumnSums(in_f)
     for r0 in range(0, out_f, rows):
         _check_parent()
-        x = chunk(r0, min(out_f, r0 + rows), None)
-        sums += np.einsum("ij,ij->j", x, x)  # float32 per chunk: a scale needs no more
-    t = column_scales_from_sums(sums, out_f, min_ratio=item.column_min_ratio)
+        chunk(r0, min(out_f, r0 + rows), sums)
+    t = column_scales_from_sums(sums.total(), out_f, min_ratio=item.column_min_ratio)
     return np.ones(in_f, dtype=np.float16) if t is None else t

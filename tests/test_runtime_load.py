@@ -258,8 +258,8 @@ def test_newer_format_version_is_refused(small):
     path, config, weights = small
     write_repo(path, config, weights, bits=4)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"]["format_version"] = 2
+    cfg["quantization_config"]["format_version"] = 3
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(RepoError, match="format_version 2"):
+    with pytest.raises(RepoError, match="format_version 3"):
         load(path)
     shutil.rmtree(path)
