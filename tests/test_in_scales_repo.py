@@ -206,3 +206,18 @@ def test_group_with_different_scales_equals_its_members_alone():
     for m, y in zip(members, ys):
         alone = kernels.tq_linear_group(row, (m,))[0]
         assert _err(y, alone) < 1e-5
+
+
+def test_the_cli_flag_reaches_the_recipe_through_prefect(sources, tmp_path):
+    """`turboquant convert --column-scales off` as a user types it (the Prefect flow)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "turboquant", "convert", str(sources / "llama"),
+                    str(out), "-q", "--bits", "3", "--column-scales", "off"], env=env,
+                   check=True, capture_output=True, timeout=300)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format_version"] == 1
