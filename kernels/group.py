@@ -163,24 +163,30 @@ def scaled_input(x: mx.array, extras: Extras, t: mx.array | None) -> tuple[mx.ar
 
 
 def _scaled_parts(members: tuple[Member, ...], prepared: dict | None) -> list:
-    """[(indices, members without in_scales, t, the part's `prepared`)]: one part when every
-    member has the same in_scales (the group's input is scaled once), else one a member
-    (each its own scaled input). Kept in `prepared` (cleared with the members' arrays)."""
+    """[(indices, members without in_scales, t, the part's `prepared`)]: runs of
+    consecutive members with the same in_scales (or none), each run's input scaled once
+    (one launch where the backend fuses a group). One part when every member has the same
+    t. Kept in `prepared` (cleared with the members' arrays)."""
     if prepared is not None and "in_scales_parts" in prepared:
         return prepared["in_scales_parts"]
     from dataclasses import replace
 
-    bare = tuple(replace(m, in_scales=None) for m in members)
-    first = members[0].in_scales
-    same = all(m.in_scales is first for m in members) or (
-        first is not None and all(m.in_scales is not None and m.in_scales.shape == first.shape
-                                  and bool(mx.array_equal(m.in_scales, first))
-                                  for m in members))
-    if same:
-        sub = {k: v for k, v in (prepared or {}).items() if k == "rope_dims"}
-        parts = [(tuple(range(len(members))), bare, first, sub)]
-    else:
-        parts = [((i,), (b,), m.in_scales, {}) for i, (m, b) in enumerate(zip(members, bare))]
+    def same(a, b) -> bool:
+        if a is b:
+            return True
+        return (a is not None and b is not None and a.shape == b.shape
+                and bool(mx.array_equal(a, b)))
+
+    runs: list[list[int]] = []
+    for i, m in enumerate(members):
+        if runs and same(members[runs[-1][0]].in_scales, m.in_scales):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    keep = {k: v for k, v in (prepared or {}).items() if k == "rope_dims"}
+    parts = [(tuple(run), tuple(replace(members[i], in_scales=None) for i in run),
+              members[run[0]].in_scales, dict(keep) if len(runs) == 1 else {})
+             for run in runs]
     if prepared is not None:
         prepared["in_scales_parts"] = parts
     return parts

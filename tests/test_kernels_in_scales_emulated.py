@@ -1,7 +1,7 @@
 """Members with in_scales (format 2) through the CUDA group launch, run on the CPU by
 `tests/cuda_emulation.py`: t is folded into the norm's weight, the SwiGLU's up operand or
 the input on the MLX side (`kernels.group.scaled_input`), the kernel sources unchanged.
-Members sharing t keep one fused launch; members with different t run one launch each.
+Consecutive members sharing t (or having none) keep one fused launch; the others one each.
 Skipped without a C++20 compiler."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def emulated_cuda(monkeypatch, folder):
         yield
 
 
-def _members(outs, shared: bool):
+def _members(outs, shared: bool, plain_first: bool = False):
     rng = np.random.default_rng(3)
     small = rng.choice(IN_F, 24, replace=False)
     out, t0 = [], None
@@ -47,6 +47,7 @@ def _members(outs, shared: bool):
         t = column_scales(w, min_ratio=0.5)
         t = t0 if shared and t0 is not None else t
         t0 = t
+        t = None if plain_first and i < 2 else t
         qt = encode(w, 3, 64, seed=i + 1, in_scales=t)
         s = qt.spec
         out.append(group.Member(qt.codes, qt.scales, 3, 64, IN_F, o, s.padded_in, s.seed,
@@ -58,7 +59,8 @@ def _want(row, members):
     """Member by member on the pure-MLX reference: (t * row) rotated, the GEMV."""
     outs = []
     for m in members:
-        xs = row.astype(mx.float32) * m.in_scales.astype(mx.float32)
+        t = m.in_scales if m.in_scales is not None else mx.ones((IN_F,))
+        xs = row.astype(mx.float32) * t.astype(mx.float32)
         outs.append(reference.tq_matvec(group.rotated_input(xs, m), m.codes, m.scales, m.bits,
                                         m.group_size, m.out_features, m.padded_in))
     return outs
@@ -86,3 +88,14 @@ def test_scaled_members_in_the_group_launch(emulated_cuda, shared, kind):
     for g, w in zip(got, _want(group.input_of(x, extras), members)):
         err = float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w)))
         assert err < 2e-2, err
+
+
+def test_unscaled_members_share_a_launch(emulated_cuda):
+    """q and k without t (ones dropped at load), v with its own: two launches, not three."""
+    members = _members((64, 40, 40), False, plain_first=True)
+    x = (mx.random.normal((1, 1, IN_F), key=mx.random.key(2)) * 3).astype(mx.bfloat16)
+    prepared = {}
+    got = kernels.bind_linear_group(x, members, prepared)(x, group.NO_EXTRAS)
+    assert [p[0] for p in prepared["in_scales_parts"]] == [(0, 1), (2,)]
+    for g, w in zip(got, _want(x, members)):
+        assert float(mx.max(mx.abs(g.astype(mx.float32) - w)) / mx.max(mx.abs(w))) < 2e-2
