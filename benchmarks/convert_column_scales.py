@@ -9,7 +9,8 @@ bf16 checkpoint as benchmarks/convert.py, the source read once before each run.
 Prints each run's wall and CPU seconds (the process tree's, sampled every 50 ms: on a
 loaded machine the CPU seconds compare, the wall times less) and per variant the median
 and its ratio to this tree's default. The older tree runs through a PYTHONPATH package
-assembled from its folders (the editable install maps this tree's).
+assembled from its folders (the editable install maps this tree's; `python -P` keeps the
+working directory, which may hold this tree's `turboquant/`, off the path).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
                 out = work / f"{shape}-{v}"
                 shutil.rmtree(out, ignore_errors=True)
                 warm_page_cache(src)
-                cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out),
+                cmd = [sys.executable, "-P", "-m", "turboquant", "convert", str(src), str(out),
                        "--bits", "4", "--group-size", "64", *extra]
                 m = measure(cmd, e)
                 runs[v].append(m)

@@ -20,8 +20,8 @@ Rows:
   linear layer; the embedding / tied head stays plain.
 - tq-repo-b: the user's path: the folder converted by `turboquant convert --bits b
   --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
-  matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its kernels on
-  this CPU), float32; bits/w from the repo's safetensors bytes.
+  matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its layers on
+  the pure-MLX reference kernels), float32; bits/w from the repo's safetensors bytes.
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
 
@@ -137,19 +137,32 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
     return back, q.nbytes + 2 * s.size + 2 * b.size
 
 
-def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool
-               ) -> tuple[mx.array, int, float]:
+def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: int = GROUP,
+               power: float | None = None) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
     equalise: False, True (every weight) or "small" (only weights with a small column)."""
     from turboquant.stages import column_scales, decode, encode, tensor_seed
-    from turboquant.stages.scale import SMALL_COLUMN_RATIO
+    from turboquant.stages.scale import COLUMN_POWER, SMALL_COLUMN_RATIO
 
     t = None
     if equalise:
-        t = column_scales(w, min_ratio=MIN_RATIO[0] or SMALL_COLUMN_RATIO
-                          if equalise == "small" else None)
-    qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t)
+        t = column_scales(w, power or COLUMN_POWER, min_ratio=MIN_RATIO[0] or
+                          SMALL_COLUMN_RATIO if equalise == "small" else None)
+    qt = encode(w, bits, group_size=group, seed=tensor_seed(0, name), in_scales=t)
     return decode(qt), qt.nbytes, qt.rel_mse
+
+
+def variant(method: str) -> tuple[str, dict]:
+    """A main-table method and its options: "tq eq-s g32 e32 p0.75" is tq eq-s with linear
+    layers at group 32 (g), the embedding at group 32 (e), t = rms ** 0.75 (p)."""
+    base, *opts = method.split(" ")
+    if base == "tq" and opts and opts[0].startswith("eq"):
+        base, opts = f"tq {opts[0]}", opts[1:]
+    kw = {}
+    for o in opts:
+        key = {"g": "group", "e": "embed_group", "p": "power"}[o[0]]
+        kw[key] = float(o[1:]) if o[0] == "p" else int(o[1:])
+    return base, kw
 
 
 def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
@@ -160,8 +173,13 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
         if method == "affine":
             out[n], b = affine(w, bits)
         else:
-            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method]
-            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False)
+            base, kw = variant(method)
+            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[base]
+            if tensor_class(n) == "embed":
+                out[n], b, _ = turboquant(w, bits, n, False, kw.get("embed_group", GROUP))
+            else:
+                out[n], b, _ = turboquant(w, bits, n, eq, kw.get("group", GROUP),
+                                          kw.get("power"))
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
@@ -197,6 +215,12 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    # the runtime's layers on its pure-MLX reference kernels: the CPU's numba kernels compute
+    # the same product (tests/test_in_scales_repo.py) but a 512-token prefill runs a GEMV
+    # per token, where the reference's dense product goes to (preloaded) OpenBLAS
+    from turboquant.kernels import dispatch
+
+    dispatch.backend = lambda: "reference"
     model, _ = load(out, dtype="float32")
     return model, tensor_bytes(out)
 
