@@ -221,3 +221,24 @@ def test_the_cli_flag_reaches_the_recipe_through_prefect(sources, tmp_path):
                    check=True, capture_output=True, timeout=300)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format_version"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["mid_tensor:2", "unit_committed:5"])
+def test_sigkill_then_resume_gives_the_same_bytes(sources, tmp_path, point):
+    """The real command killed mid-tensor (after the pre-pass, a chunk coded with t) or
+    between units, then rerun: the bytes of an uninterrupted run (test_pipeline_kill)."""
+    import signal
+
+    from test_pipeline_kill import check_resumed, cli
+    from test_pipeline_kill import snapshot as all_files
+
+    src = sources / "llama"
+    ref = tmp_path / "ref"
+    rc, text = cli(src, ref, "--no-prefect", "--in-process")
+    assert rc == 0, text
+    assert json.loads((ref / "config.json").read_text())["quantization_config"]["in_scales"]
+    out = tmp_path / "out"
+    rc, text = cli(src, out, "--no-prefect", "--in-process", crash=point)
+    assert rc == -signal.SIGKILL, text
+    check_resumed(src, out, all_files(ref))
