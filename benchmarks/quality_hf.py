@@ -20,6 +20,12 @@ Rows:
   linear layer; the embedding / tied head stays plain.
 - tq-b trellis, tq-b eq trellis (asked for with --methods): the same with the trellis code
   (`encode(codec="trellis")`, L=16, V=1; docs/FORMAT.md), the same bytes.
+- tq-repo-b: the user's path: the folder converted by `turboquant convert --bits b
+  --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
+  matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its layers on
+  the pure-MLX reference kernels), float32; bits/w from the repo's safetensors bytes.
+- tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
+  embedding and the first and last layers at 4 bits).
 
 bits/w = every stored byte (codes, scales, affine biases, in_scales, 16-bit tensors) * 8 /
 parameters, tied embeddings counted once; affine's scales and biases as mlx-lm stores them
@@ -45,7 +51,8 @@ import numpy as np
 
 SEQ = 512
 GROUP = 64
-MIN_RATIO = [0.0]  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
+MIN_RATIO = [0.0]
+WORK = [Path(__file__).resolve().parents[1] / "out" / "quality-hf"]  # --work  # --min-ratio: tq eq-s's rule (0: the codec's SMALL_COLUMN_RATIO)
 CLASSES = ["embed", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -71,6 +78,7 @@ class Evaluator:
         from mlx.utils import tree_flatten
         from mlx_lm import load
 
+        self.path = Path(path)
         self.model, self.tokenizer = load(str(path))
         self.source = dict(tree_flatten(self.model.parameters()))  # as stored (bf16)
         self.model.set_dtype(mx.float32)
@@ -90,14 +98,16 @@ class Evaluator:
     def restore(self, names) -> None:
         self.set({n: self.source[n] for n in names})
 
-    def run(self, rows: mx.array) -> dict:
-        """ppl, KL(source || this) and top-1 agreement on `rows`; the first call per row
-        count is the source and keeps its log-probs (float16) as the reference."""
+    def run(self, rows: mx.array, model=None) -> dict:
+        """ppl, KL(source || this) and top-1 agreement on `rows` (of `model`, by default
+        the evaluator's own); the first call per row count is the source and keeps its
+        log-probs (float16) as the reference."""
         ref = self.ref.get(rows.shape[0])
+        model = self.model if model is None else model
         nll, kl, agree, keep = [], [], 0, []
         for j, i in enumerate(range(0, rows.shape[0], self.batch)):
             x = rows[i : i + self.batch]
-            logits = self.model(x[:, :-1]).astype(mx.float32)
+            logits = model(x[:, :-1]).astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             n = -mx.take_along_axis(lp, x[:, 1:, None], axis=-1)[..., 0]
             if ref is None:
@@ -129,19 +139,33 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
     return back, q.nbytes + 2 * s.size + 2 * b.size
 
 
-def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, codec: str = "scalar"
+def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: int = GROUP,
+               power: float | None = None, codec: str = "scalar"
                ) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
     equalise: False, True (every weight) or "small" (only weights with a small column)."""
     from turboquant.stages import column_scales, decode, encode, tensor_seed
-    from turboquant.stages.scale import SMALL_COLUMN_RATIO
+    from turboquant.stages.scale import COLUMN_POWER, SMALL_COLUMN_RATIO
 
     t = None
     if equalise:
-        t = column_scales(w, min_ratio=MIN_RATIO[0] or SMALL_COLUMN_RATIO
-                          if equalise == "small" else None)
-    qt = encode(w, bits, group_size=GROUP, seed=tensor_seed(0, name), in_scales=t, codec=codec)
+        t = column_scales(w, power or COLUMN_POWER, min_ratio=MIN_RATIO[0] or
+                          SMALL_COLUMN_RATIO if equalise == "small" else None)
+    qt = encode(w, bits, group_size=group, seed=tensor_seed(0, name), in_scales=t, codec=codec)
     return decode(qt), qt.nbytes, qt.rel_mse
+
+
+def variant(method: str) -> tuple[str, dict]:
+    """A main-table method and its options: "tq eq-s g32 e32 p0.75" is tq eq-s with linear
+    layers at group 32 (g), the embedding at group 32 (e), t = rms ** 0.75 (p)."""
+    base, *opts = method.split(" ")
+    if base == "tq" and opts and opts[0].startswith("eq"):
+        base, opts = f"tq {opts[0]}", opts[1:]
+    kw = {}
+    for o in opts:
+        key = {"g": "group", "e": "embed_group", "p": "power"}[o[0]]
+        kw[key] = float(o[1:]) if o[0] == "p" else int(o[1:])
+    return base, kw
 
 
 def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
@@ -153,12 +177,57 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
             out[n], b = affine(w, bits)
         else:
             codec = "trellis" if method.endswith(" trellis") else "scalar"
-            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[method.removesuffix(" trellis")]
-            out[n], b, _ = turboquant(w, bits, n, eq if tensor_class(n) != "embed" else False,
-                                      codec)
+            base, kw = variant(method.removesuffix(" trellis"))
+            eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[base]
+            if tensor_class(n) == "embed":
+                out[n], b, _ = turboquant(w, bits, n, False, kw.get("embed_group", GROUP),
+                                          codec=codec)
+            else:
+                out[n], b, _ = turboquant(w, bits, n, eq, kw.get("group", GROUP),
+                                          kw.get("power"), codec)
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
+
+
+REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
+              "tq-repo rec": []}
+
+
+def tensor_bytes(folder: Path) -> int:
+    """Stored tensor bytes of a folder's safetensors files (their headers left out)."""
+    import struct
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        total += f.stat().st_size - 8 - n
+    return total
+
+
+def repo_model(src: Path, method: str, bits: int, work: Path):
+    """(model, stored bytes) of `src` converted by the CLI as `method` says and loaded by
+    the runtime; the conversion is kept in `work` (a rerun of the command is a no-op)."""
+    import subprocess
+
+    from turboquant.runtime import load
+
+    flags = [f.format(b=bits) for f in REPO_FLAGS[method]]
+    out = work / f"{src.name}-{method.replace(' ', '-')}-{bits}"
+    cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q", "--fresh",
+           "--bits", str(bits), *flags]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    print(f"  ({' '.join(cmd[1:])}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    # the runtime's layers on its pure-MLX reference kernels: the CPU's numba kernels compute
+    # the same product (tests/test_in_scales_repo.py) but a 512-token prefill runs a GEMV
+    # per token, where the reference's dense product goes to (preloaded) OpenBLAS
+    from turboquant.kernels import dispatch
+
+    dispatch.backend = lambda: "reference"
+    model, _ = load(out, dtype="float32")
+    return model, tensor_bytes(out)
 
 
 def bits_per_weight(ev: Evaluator, names, nbytes: int) -> float:
@@ -196,6 +265,16 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     results = {}
     for b in bits_list:
         for method in methods:
+            if method in REPO_FLAGS:
+                model, nbytes = repo_model(ev.path, method, b, WORK[0])
+                r = ev.run(rows, model)
+                del model
+                r["bpw"] = 8 * nbytes / ev.n_params()
+                results[(method, b)] = r
+                lines.append(fmt_row(label(method, b), r, src["ppl"],
+                                     results.get(("affine", b)), r["bpw"]))
+                print(lines[-1], file=sys.stderr, flush=True)
+                continue
             ws, nbytes = quantized(ev, method, b, names)
             ev.set(ws)
             del ws
@@ -209,7 +288,7 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     checks = []
     for (method, b), tq in results.items():
         aim = {3: 0.7, 4: 0.8}.get(b)
-        if not method.startswith("tq eq") or aim is None or ("affine", b) not in results:
+        if not method.startswith(("tq eq", "tq-repo")) or aim is None or ("affine", b) not in results:
             continue
         af = results[("affine", b)]
         ratio = (tq["ppl"] - src["ppl"]) / (af["ppl"] - src["ppl"])
@@ -320,7 +399,9 @@ def main(argv=None) -> int:
                     "predicted tokens)")
     ap.add_argument("--methods", default="affine,tq,tq eq,tq eq-s",
                     help="main table rows: affine, tq, tq eq (every linear layer equalised), "
-                    "tq eq-s (only weights with a small column: the codec's rule)")
+                    "tq eq-s (only weights with a small column: the codec's rule), tq-repo "
+                    "(converted by `turboquant convert`, every matrix at b bits, loaded by the "
+                    "runtime), tq-repo rec (the recipe's own bits besides --bits)")
     ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
                     "whose smallest column RMS is under this x the median (default: the "
                     "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
@@ -331,7 +412,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation-bits", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2, help="rows per forward pass")
     ap.add_argument("--out", type=Path, help="also write the report here")
+    ap.add_argument("--work", type=Path, default=WORK[0], help="where tq-repo conversions go")
     args = ap.parse_args(argv)
+    WORK[0] = args.work
     bits_list = [int(b) for b in args.bits.split(",")]
     MIN_RATIO[0] = args.min_ratio
 

@@ -140,6 +140,61 @@ class Member:
     padded_in: int
     seed: int
     bias: mx.array | None = None
+    # float16 (in,) (format 2): W = decode(codes, scales) * in_scales column by column, so
+    # the member multiplies in_scales * x. The entry points fold it into the input (or the
+    # norm / up operand of the extras) before any backend sees the members: no kernel
+    # knows of it
+    in_scales: mx.array | None = None
+
+
+def scaled_input(x: mx.array, extras: Extras, t: mx.array | None) -> tuple[mx.array, Extras]:
+    """(x, extras) whose row (`input_of`) is the original row times t: t folded into the
+    RMSNorm's weight (rms_norm(x, g) * t = rms_norm(x, g * t)) or the SwiGLU's up operand
+    where the extras have one, else x * t. The extras keep their mode (a bound kernel
+    takes them)."""
+    if t is None:
+        return x, extras
+    if extras.norm is not None:
+        norm = extras.norm * t.astype(extras.norm.dtype)
+        return x, Extras(norm, extras.eps, None, extras.residual, extras.rope)
+    if extras.up is not None:
+        up = extras.up * t.astype(extras.up.dtype)
+        return x, Extras(None, extras.eps, up, extras.residual, extras.rope)
+    return x * t.astype(x.dtype), extras
+
+
+def _scaled_parts(members: tuple[Member, ...], prepared: dict | None) -> list:
+    """[(indices, members without in_scales, t, the part's `prepared`)]: runs of
+    consecutive members with the same in_scales (or none), each run's input scaled once
+    (one launch where the backend fuses a group). One part when every member has the same
+    t. Kept in `prepared` (cleared with the members' arrays)."""
+    if prepared is not None and "in_scales_parts" in prepared:
+        return prepared["in_scales_parts"]
+    from dataclasses import replace
+
+    def same(a, b) -> bool:
+        if a is b:
+            return True
+        return (a is not None and b is not None and a.shape == b.shape
+                and bool(mx.array_equal(a, b)))
+
+    runs: list[list[int]] = []
+    for i, m in enumerate(members):
+        if runs and same(members[runs[-1][0]].in_scales, m.in_scales):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    keep = {k: v for k, v in (prepared or {}).items() if k == "rope_dims"}
+    parts = [(tuple(run), tuple(replace(members[i], in_scales=None) for i in run),
+              members[run[0]].in_scales, dict(keep) if len(runs) == 1 else {})
+             for run in runs]
+    if prepared is not None:
+        prepared["in_scales_parts"] = parts
+    return parts
+
+
+def _has_in_scales(members: tuple[Member, ...]) -> bool:
+    return any(m.in_scales is not None for m in members)
 
 
 def rotate_padded(x: mx.array, seed: int, padded_in: int) -> mx.array:
@@ -216,6 +271,8 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
         check_rope(members, extras.rope, views)
     if given is not None and math.prod(given) != x.size:
         raise ValueError(f"x given as {tuple(given)} cannot be read as {tuple(x.shape)}")
+    if _has_in_scales(members):
+        return _bind_scaled(x, members, prepared, extras, views, given)
     fn = dispatch.get_for("linear_group", group_bits(members))
     binder = dispatch.binder_of(fn, "bind")
     if binder is not None:
@@ -232,6 +289,37 @@ def bind_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict |
         run = bind_linear_group(x, members, prepared, extras.unroped(), views)
         return lambda x, extras: with_rope(run(x, extras), extras.rope)
     return viewed(lambda x, extras: fn(x, members, prepared, extras), views)
+
+
+def _bind_scaled(x, members, prepared, extras, views, given):
+    """bind_linear_group of members with in_scales: each part's call bound on members
+    without them, its input scaled first (`scaled_input`: in the norm's weight or the up
+    operand where the extras have them, which the kernel then applies as ever)."""
+    if given is not None:  # x * t needs x in its own shape
+        run, shape = bind_linear_group(x, members, prepared, extras, views), tuple(x.shape)
+        return lambda x, extras: run(x.reshape(shape), extras)
+    parts = _scaled_parts(members, prepared)
+    if len(parts) == 1:
+        _, bare, t, sub = parts[0]
+        xs, es = scaled_input(x, extras, t)
+        run = bind_linear_group(xs, bare, sub, es, views)
+        return lambda x, extras: run(*scaled_input(x, extras, t))
+    unroped = extras if extras.rope is None else extras.unroped()
+    runs = []
+    for idx, bare, t, sub in parts:
+        xs, es = scaled_input(x, unroped, t)
+        part_views = None if views is None else tuple(views[i] for i in idx)
+        runs.append((idx, t, bind_linear_group(xs, bare, sub, es, part_views)))
+
+    def run(x, extras):
+        outs: list = [None] * len(members)
+        plain = extras if extras.rope is None else extras.unroped()
+        for idx, t, bound in runs:
+            for i, y in zip(idx, bound(*scaled_input(x, plain, t))):
+                outs[i] = y
+        return outs if extras.rope is None else with_rope(outs, extras.rope)
+
+    return run
 
 
 def viewed(run, views: tuple | None):
@@ -303,4 +391,12 @@ def tq_linear_group(x: mx.array, members: tuple[Member, ...], prepared: dict | N
     check_extras(x, members, extras)
     if extras.rope is not None:
         raise ValueError("a linear group's RoPE needs its outputs' views: bind_linear_group")
+    if _has_in_scales(members):
+        outs: list = [None] * len(members)
+        for idx, bare, t, sub in _scaled_parts(members, prepared):
+            xs, es = scaled_input(x, extras, t)
+            ys = dispatch.get_for("linear_group", group_bits(bare))(xs, bare, sub, es)
+            for i, y in zip(idx, ys):
+                outs[i] = y
+        return outs
     return dispatch.get_for("linear_group", group_bits(members))(x, members, prepared, extras)

@@ -41,6 +41,10 @@ GROUP_SIZES = (32, 64, 128)
 CODECS = ("scalar", "trellis")
 # the trellis a recipe gets unless its [quant] says otherwise (stages.trellis's defaults)
 TRELLIS_DEFAULTS = {"trellis_state_bits": 16, "trellis_values": 1, "trellis_block": 256}
+# [quant] column_scales = "auto": the roles whose weights get per-input-column scales (the
+# layers whose input a runtime multiplies by t: TQLinear; not embeddings, not routed experts)
+COLUMN_ROLES = ("attention", "mlp", "shared_expert", "lm_head")
+COLUMN_MIN_RATIO = 0.5  # stages.scale.SMALL_COLUMN_RATIO, measured on SmolLM2 (quality.md)
 # precision order, for "at least this many bits"
 _RANK = {"ternary": 1, 2: 2, 3: 3, 4: 4, "raw": 99}
 
@@ -59,6 +63,9 @@ class Resolution:
     group_size: int | None = None
     rule: str | None = None  # the pattern that decided it
     trellis: tuple[int, int, int] | None = None  # (state bits, values, block): a trellis code
+    # per-input-column scales: the smallest-column ratio under which the job codes W / t
+    # (stages.column_scales_from_sums); None: the tensor stores no in_scales (format 1)
+    column_min_ratio: float | None = None
 
     @property
     def codec(self) -> str:
@@ -121,6 +128,15 @@ class Recipe:
     @property
     def refit(self) -> bool:
         return self.data["quant"]["refit"]
+
+    @property
+    def column_min_ratio(self) -> float | None:
+        """The [quant] column_scales policy: the smallest-column ratio (of the median) under
+        which a linear layer's weight is coded with in_scales, or None ("off")."""
+        q = self.data["quant"]
+        if q.get("column_scales", "off") == "off":
+            return None
+        return q.get("column_min_ratio", COLUMN_MIN_RATIO)
 
     @property
     def drop_extra_layers(self) -> bool:
@@ -217,8 +233,9 @@ class Recipe:
         trellis = None
         if codec == "trellis" and bits != "ternary":  # ternary weights have no trellis
             trellis = tuple(quant.get(k, v) for k, v in TRELLIS_DEFAULTS.items())
+        ratio = self.column_min_ratio if role in COLUMN_ROLES and bits != "ternary" else None
         return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"],
-                          trellis=trellis)
+                          trellis=trellis, column_min_ratio=ratio)
 
     # --- overrides ------------------------------------------------------------------
     def with_overrides(self, **overrides) -> "Recipe":
@@ -232,7 +249,8 @@ class Recipe:
         where = f"{self.source} (command-line override)"
         ov = {k: v for k, v in overrides.items() if v is not None}
         known = {"bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_head_bits",
-                 "group_size", "model_seed", "protect_layers", "protect_bits", "refit"}
+                 "group_size", "model_seed", "protect_layers", "protect_bits", "refit",
+                 "column_scales"}
         for k in ov:
             if k not in known:
                 raise RecipeError(f"{where}: unknown override {k!r}")
@@ -252,6 +270,8 @@ class Recipe:
                                                      0, 2**64 - 1)
         if "refit" in ov:
             data["quant"]["refit"] = bool(ov["refit"])
+        if "column_scales" in ov:
+            data["quant"]["column_scales"] = ov["column_scales"]  # validate() checks it
         if "protect_layers" in ov:
             n = _check_int(ov["protect_layers"], "--protect-layers", where, 0, 1 << 20)
             data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
@@ -332,7 +352,8 @@ def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = 
 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
         "rules", "split", "unsupported", "drop_extra_layers", "generic", "codec"}
-_QUANT = {"bits", "group_size", "model_seed", "refit", "codec", *TRELLIS_DEFAULTS}
+_QUANT = {"bits", "group_size", "model_seed", "refit", "codec", *TRELLIS_DEFAULTS,
+          "column_scales", "column_min_ratio"}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
 _RULE = {"match", "role", "bits", "group_size", "down_proj", "codec"}
 _SPLIT = {"match", "into", "interleaved", "transpose"}
@@ -394,6 +415,18 @@ def validate(raw: Any, where: str) -> dict:
     _unknown(codecs, set(ROLES), where, "codec.")
     if codecs:
         data["codec"] = {k: _check_codec(v, f"codec.{k}", where) for k, v in codecs.items()}
+    if "column_scales" in quant:  # only when given: recipes without it keep their hash
+        mode = quant["column_scales"]
+        if mode not in ("auto", "off"):
+            raise RecipeError(f"{where}: key 'quant.column_scales' must be \"auto\" or "
+                              f"\"off\", got {mode!r}")
+        data["quant"]["column_scales"] = mode
+    if "column_min_ratio" in quant:
+        r = quant["column_min_ratio"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
+            raise RecipeError(f"{where}: key 'quant.column_min_ratio' must be a number in "
+                              f"(0, 1] (a fraction of the median column RMS), got {r!r}")
+        data["quant"]["column_min_ratio"] = float(r)
 
     bits = raw.get("bits", {})
     if not isinstance(bits, dict):

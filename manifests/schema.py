@@ -9,10 +9,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FORMAT_VERSION = 1
-# a repo holding trellis-coded tensors (docs/FORMAT.md, "Trellis code") is format 2: a
-# version-1 reader refuses it rather than decode trellis codes as Lloyd-Max levels
-TRELLIS_FORMAT_VERSION = 2
+FORMAT_VERSION = 1  # a repo of scalar codes only, no in_scales (and what recipe hashes carry)
+# version 2 (docs/FORMAT.md): a repo with trellis-coded tensors ("Trellis code") or with
+# per-input-column scales (`<prefix>.tq_in_scales`); a version-1 reader refuses it rather
+# than decode trellis codes as Lloyd-Max levels or compute without t
+VERSION_2 = 2
 READ_VERSIONS = (1, 2)  # what this turboquant reads
 TRELLIS_VERSION = 1  # the trellis's constants and steps (stages/trellis.py VERSION)
 CODECS = ("turboquant", "ternary", "trellis", "raw")  # the manifest's codec column
@@ -21,6 +22,7 @@ MANIFEST_FILE = "manifest.parquet"
 INDEX_FILE = "model.safetensors.index.json"
 CODES_SUFFIX = ".tq_codes"
 SCALES_SUFFIX = ".tq_scales"
+IN_SCALES_SUFFIX = ".tq_in_scales"
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -46,7 +48,7 @@ MANIFEST_SCHEMA = pa.schema(
     metadata={"format": QUANT_METHOD, "format_version": str(FORMAT_VERSION)},
 )
 COLUMNS = MANIFEST_SCHEMA.names
-# a format-2 manifest (trellis tensors) adds these, null on rows of other codecs
+# a format-2 manifest with trellis tensors adds these, null on rows of other codecs
 TRELLIS_FIELDS = [
     ("trellis_state_bits", pa.int8()),
     ("trellis_values", pa.int8()),
@@ -54,38 +56,53 @@ TRELLIS_FIELDS = [
     ("trellis_version", pa.int16()),
 ]
 TRELLIS_COLUMNS = [name for name, _ in TRELLIS_FIELDS]
-MANIFEST_SCHEMA_TRELLIS = pa.schema(
-    list(MANIFEST_SCHEMA) + [pa.field(n, t) for n, t in TRELLIS_FIELDS],
-    metadata={"format": QUANT_METHOD, "format_version": str(TRELLIS_FORMAT_VERSION)},
-)
+# and one with in_scales this column: whether the row stores `<prefix>.tq_in_scales` (a reader takes
+# a missing column as all false)
+IN_SCALES_COLUMN = pa.field("in_scales", pa.bool_())
 
 
-def format_version(codecs) -> int:
-    """The format version of a repo whose tensors have these codecs."""
-    return TRELLIS_FORMAT_VERSION if "trellis" in set(codecs) else FORMAT_VERSION
+def format_version(codecs=(), in_scales: bool = False) -> int:
+    """The format version of a repo whose tensors have these codecs, storing in_scales or
+    not: 2 with any trellis tensor or any in_scales, else 1."""
+    return VERSION_2 if in_scales or "trellis" in set(codecs) else FORMAT_VERSION
 
 
-def stored_names(name: str, codec: str) -> list[str]:
-    """Tensor names in the shards for a manifest row's `name` (codes+scales, or itself)."""
+def manifest_schema(trellis: bool, in_scales: bool) -> pa.Schema:
+    """The manifest's schema: version 1's columns, then the trellis columns and the
+    in_scales column where the repo has them (version 2)."""
+    if not (trellis or in_scales):
+        return MANIFEST_SCHEMA
+    fields = list(MANIFEST_SCHEMA) + [pa.field(n, t) for n, t in TRELLIS_FIELDS if trellis]
+    fields += [IN_SCALES_COLUMN] if in_scales else []
+    return pa.schema(fields, metadata={"format": QUANT_METHOD,
+                                       "format_version": str(VERSION_2)})
+
+
+def stored_names(name: str, codec: str, in_scales: bool = False) -> list[str]:
+    """Tensor names in the shards for a manifest row's `name` (codes+scales, and the
+    in_scales vector where the row has one; or the name itself)."""
     if codec == "raw":
         return [name]
     if codec not in CODECS:
         raise ValueError(f"tensor {name!r} has codec {codec!r}, which this turboquant does not "
                          f"read ({', '.join(CODECS)}): upgrade turboquant")
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return [base + CODES_SUFFIX, base + SCALES_SUFFIX]
+    names = [base + CODES_SUFFIX, base + SCALES_SUFFIX]
+    return names + [base + IN_SCALES_SUFFIX] if in_scales else names
 
 
 def write_manifest(rows: list[dict], path: str | os.PathLike) -> None:
     """Write rows (dicts with every column) as manifest.parquet, deterministically; with
-    the trellis columns where a row is trellis-coded (format 2)."""
-    trellis = format_version(r["codec"] for r in rows) == TRELLIS_FORMAT_VERSION
-    schema = MANIFEST_SCHEMA_TRELLIS if trellis else MANIFEST_SCHEMA
-    missing = [c for c in schema.names if rows and c not in rows[0]]
+    the trellis columns where a row is trellis-coded and the in_scales column where a row
+    stores in_scales (format 2)."""
+    trellis = any(r["codec"] == "trellis" for r in rows)
+    in_scales = any(r.get("in_scales") for r in rows)
+    schema = manifest_schema(trellis, in_scales)
+    missing = [c for c in schema.names if rows and c != "in_scales" and c not in rows[0]]
     if missing:
         raise ValueError(f"manifest rows lack columns {missing}")
-    table = pa.Table.from_pylist([{c: r[c] for c in schema.names} for r in rows],
-                                 schema=schema)
+    table = pa.Table.from_pylist([{c: bool(r.get(c)) if c == "in_scales" else r[c]
+                                   for c in schema.names} for r in rows], schema=schema)
     pq.write_table(table, str(path), compression="zstd", write_statistics=False)
 
 

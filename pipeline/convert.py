@@ -43,6 +43,7 @@ class ConvertOptions:
     lm_head_bits: int | str | None = None
     protect_layers: int | None = None
     model_seed: int | None = None
+    column_scales: str | None = None  # "auto" / "off": the recipe's [quant] column_scales
     revision: str | None = None
     workers: int = 1
     in_process: bool = False
@@ -63,7 +64,7 @@ class ConvertOptions:
         return {"bits": self.bits, "group_size": self.group_size, "expert_bits": self.expert_bits,
                 "down_proj_bits": self.down_proj_bits, "embeddings_bits": self.embeddings_bits,
                 "lm_head_bits": self.lm_head_bits, "protect_layers": self.protect_layers,
-                "model_seed": self.model_seed}
+                "model_seed": self.model_seed, "column_scales": self.column_scales}
 
 
 @dataclass

@@ -16,7 +16,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from turboquant.manifests.schema import CODES_SUFFIX, QUANT_METHOD, SCALES_SUFFIX
+from turboquant.manifests.schema import (CODES_SUFFIX, IN_SCALES_SUFFIX, QUANT_METHOD,
+                                         SCALES_SUFFIX)
 
 from . import published
 from .errors import ConversionError, SourceError
@@ -148,7 +149,7 @@ def _repo_weights(where: str, config: dict, headers) -> Inventory:
     tensors = {name: info for h in headers.values() for name, info in h.tensors.items()}
     out: list[Weight] = []
     for name, info in tensors.items():
-        if name.endswith(SCALES_SUFFIX):
+        if name.endswith((SCALES_SUFFIX, IN_SCALES_SUFFIX)):
             continue
         if not name.endswith(CODES_SUFFIX):
             out.append(Weight(name, info.nbytes, info.dtype, info.numel, layer=layer_of(name),
@@ -163,8 +164,9 @@ def _repo_weights(where: str, config: dict, headers) -> Inventory:
         bits = "ternary" if ov.get("codec") == "ternary" else ov.get("bits", bits0)
         group = ov.get("group_size", group0) or 64
         decoded = math.prod(scales.shape) * group  # rows x padded input
-        out.append(Weight(base + ".weight", info.nbytes + scales.nbytes, "TQ", decoded,
-                          decoded, bits, layer_of(name), expert_of(name)))
+        t = tensors.get(base + IN_SCALES_SUFFIX)  # format 2: the in_scales vector
+        out.append(Weight(base + ".weight", info.nbytes + scales.nbytes + (t.nbytes if t else 0),
+                          "TQ", decoded, decoded, bits, layer_of(name), expert_of(name)))
     summary = _recipe_summary(qc.get("recipe"), bits0, _expert_bits(out))
     return Inventory(where, "repo", config, out, recipe=summary)
 
@@ -270,7 +272,10 @@ def _weight(rec, name, shape, dtype, layer, num_layers, cache) -> Weight | str |
     if key not in cache:
         codes, scales = coded_shapes(out_f, padded, res.bits, gs)
         cache[key] = math.prod(codes) * 4 + math.prod(scales) * 2
-    return Weight(name, cache[key], "TQ", numel, out_f * padded, res.bits, layer, expert)
+    # the plan's in_scales (F16, (in,)), for the roles its column_scales policy covers
+    t_bytes = 2 * in_f if res.column_min_ratio is not None and expert is None else 0
+    return Weight(name, cache[key] + t_bytes, "TQ", numel, out_f * padded, res.bits, layer,
+                  expert)
 
 
 # ------------------------------------------------------------------------ summaries

@@ -107,6 +107,7 @@ def convert_flow(
     lm_head_bits: int | str | None = None,
     protect_layers: int | None = None,
     model_seed: int | None = None,
+    column_scales: str | None = None,
     revision: str | None = None,
     workers: int = 1,
     in_process: bool = False,

@@ -409,31 +409,49 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         whole = _as_float32(bits, item.source_dtype)
     elif pub is None:
         info, fd = reader.info(item), reader.fd(p.file)
-    codes_spec, scales_spec = item.stored
-    scales_parts: list[bytes] = []
-    err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
-    norm_rows: list[np.ndarray] = []
-    for r0 in range(0, out_f, rows):
-        r1 = min(out_f, r0 + rows)
+
+    def chunk(r0: int, r1: int, sums=None) -> np.ndarray | None:
+        """Rows r0..r1 as float32, checked finite, their raw bytes into the CRC; with
+        `sums` (stages.ColumnSums) only added to those (the pre-pass: no checks, no CRC,
+        bfloat16 summed from its bits)."""
         if whole is not None:
             x = whole[r0:r1]
         elif pub is not None:
             x = pub.rows(item.published, r0, r1)
         else:
             raw = read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file)
-            crc.update(raw)
+            if sums is not None and info.dtype == "BF16":
+                sums.add_bf16(raw.view("<u2").reshape(r1 - r0, in_f))
+                return None
+            if sums is None:
+                crc.update(raw)
             x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
+        if sums is not None:
+            sums.add(x)
+            return None
         check_finite(x, p.file, p.tensor, r0 * in_f)
+        return x
+
+    t = _in_scales(item, chunk, rows) if item.in_scales else None
+    code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
+    codes_spec, scales_spec = item.stored[:2]
+    scales_parts: list[bytes] = []
+    err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
+    norm_rows: list[np.ndarray] = []
+    for r0 in range(0, out_f, rows):
+        r1 = min(out_f, r0 + rows)
+        x = chunk(r0, r1)
         _check_parent()
         try:
             if item.trellis is None:
-                qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit)
+                qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit,
+                            in_scales=code_t)
             else:
                 state_bits, values, block = item.trellis
                 t_start = time.monotonic()
-                qt = encode(x, item.bits, item.group_size, seed=item.seed, codec="trellis",
-                            trellis_state_bits=state_bits, trellis_values=values,
-                            trellis_block=block,
+                qt = encode(x, item.bits, item.group_size, seed=item.seed, in_scales=code_t,
+                            codec="trellis", trellis_state_bits=state_bits,
+                            trellis_values=values, trellis_block=block,
                             trellis_rows=trellis.encoder if trellis else None)
                 if trellis is not None:
                     trellis.add(x.size, time.monotonic() - t_start)
@@ -457,8 +475,25 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         del qt, x
     for s in scales_parts:
         _emit(writer, sha, s)
+    if t is not None:  # FORMAT.md version 2: after the scales, inside the item's range
+        _emit(writer, sha, np.ascontiguousarray(t, dtype="<f2").tobytes())
     err2 = math.fsum(np.concatenate(err_rows))  # exact, so order and chunking do not matter
     norm2 = math.fsum(np.concatenate(norm_rows))
     if norm2 == 0.0:
         return 0.0 if err2 == 0.0 else math.inf
     return err2 / norm2
+
+
+def _in_scales(item: Item, chunk, rows: int) -> np.ndarray:
+    """The item's in_scales from a pre-pass over its rows (bounded memory: one chunk at a
+    time): each input column's sum of squares, then `stages.column_scales_from_sums`;
+    ones where no column is small (the weight is then coded exactly as without)."""
+    from turboquant.stages.scale import ColumnSums, column_scales_from_sums
+
+    out_f, in_f = item.shape
+    sums = ColumnSums(in_f)
+    for r0 in range(0, out_f, rows):
+        _check_parent()
+        chunk(r0, min(out_f, r0 + rows), sums)
+    t = column_scales_from_sums(sums.total(), out_f, min_ratio=item.column_min_ratio)
+    return np.ones(in_f, dtype=np.float16) if t is None else t

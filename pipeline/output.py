@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from turboquant.manifests.schema import FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
+from turboquant.manifests.schema import INDEX_FILE, MANIFEST_FILE, QUANT_METHOD
 
 from .errors import OutputError
 from .ledger import WORK
@@ -40,7 +40,7 @@ def run_record(plan: Plan, source: Source) -> dict:
     shards = [job.shard for job in plan.jobs]
     return {
         "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
+        "format_version": plan.format_version,
         "recipe": plan.recipe.name,
         "recipe_hash": plan.recipe_hash,
         "plan_hash": plan.plan_hash(),

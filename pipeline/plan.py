@@ -86,6 +86,13 @@ class Item:
     role: str | None = None
     published: Published | None = None  # read from FP8 / MXFP4 / int4 codes (published.py)
     trellis: tuple[int, int, int] | None = None  # trellis code: (state bits, values, block)
+    # stores in_scales (a third tensor, F16 (in,)): the job codes W / t, t from the whole
+    # tensor's column sums, ones where no column is under this ratio of the median
+    column_min_ratio: float | None = None
+
+    @property
+    def in_scales(self) -> bool:
+        return self.column_min_ratio is not None
 
     @property
     def byte_start(self) -> int:
@@ -167,8 +174,9 @@ class Plan:
 
     @property
     def format_version(self) -> int:
-        """2 where a tensor is trellis-coded, else 1 (docs/FORMAT.md)."""
-        return format_version(it.codec for it in self.items)
+        """2 where a tensor is trellis-coded or stores in_scales, else 1 (docs/FORMAT.md)."""
+        return format_version((it.codec for it in self.items),
+                              any(it.in_scales for it in self.items))
 
     def plan_hash(self) -> str:
         """sha256 over everything that decides the output bytes (layout and codecs) but the
@@ -185,6 +193,8 @@ class Plan:
                         h.update(repr(it.published).encode())
                     if it.trellis is not None:
                         h.update(repr(it.trellis).encode())
+                    if it.in_scales:
+                        h.update(repr(("in_scales", it.column_min_ratio)).encode())
         return h.hexdigest()
 
     def readers(self) -> dict[str, set[str]]:
@@ -450,11 +460,14 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
     gs = res.group_size
     padded = -(-in_f // gs) * gs
     codes, scales = coded_shapes(out_f, padded, res.bits, gs)
-    c_name, s_name = stored_names(name, res.codec)
-    stored = (Stored(c_name, "U32", codes), Stored(s_name, "F16", scales))
+    ratio = res.column_min_ratio if expert is None else None  # experts: TQSwitchLinear
+    names = stored_names(name, res.codec, ratio is not None)
+    stored = (Stored(names[0], "U32", codes), Stored(names[1], "F16", scales))
+    if ratio is not None:
+        stored += (Stored(names[2], "F16", (in_f,)),)
     seed = tensor_seed(rec.model_seed, rotation_key(name))
     return Item(name, piece, dtype, tuple(shape), res.codec, res.bits, gs, seed, padded, layer,
-                expert, stored, read, res.role, trellis=res.trellis)
+                expert, stored, read, res.role, trellis=res.trellis, column_min_ratio=ratio)
 
 
 def _units(items: list[tuple[tuple[int, int], Item]]) -> list[Unit]:
@@ -507,7 +520,8 @@ def _jobs(units: list[Unit], files: list[str], headers, min_bytes: int, max_byte
     if current:
         groups.append(current)
     n = len(groups)
-    version = format_version(it.codec for g in groups for u in g for it in u.items)
+    items = [it for g in groups for u in g for it in u.items]
+    version = format_version((it.codec for it in items), any(it.in_scales for it in items))
     jobs = []
     for i, g in enumerate(groups):
         shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"

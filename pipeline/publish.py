@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from turboquant.manifests.schema import INDEX_FILE, MANIFEST_FILE, QUANT_METHOD, READ_VERSIONS
+from turboquant.manifests.schema import (INDEX_FILE, MANIFEST_FILE, QUANT_METHOD,
+                                         READ_VERSIONS)
 
 from .errors import ConversionError, network_reason
 from .ledger import WORK, atomic_write
@@ -88,8 +89,8 @@ def check_folder(folder: Path) -> dict:
                            "publish the output folder of `turboquant convert`")
     if q.get("format_version") not in READ_VERSIONS:
         raise PublishError(f"{folder}: format version {q.get('format_version')!r}, this "
-                           "version of turboquant publishes versions "
-                           f"{', '.join(map(str, READ_VERSIONS))}")
+                           f"version of turboquant publishes versions "
+                           f"{' and '.join(map(str, READ_VERSIONS))}")
     work = folder / WORK
     if work.exists() and not (work / "complete").exists():
         raise PublishError(f"{folder}: the conversion is not finished ({WORK}/complete is "

@@ -74,6 +74,7 @@ def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
                     "layer": it.layer,
                     "expert": it.expert,
                     **trellis_fields(it.trellis),
+                    "in_scales": it.in_scales,
                 })
     return rows
 
@@ -104,6 +105,9 @@ def quantization_config(plan: Plan) -> dict:
             if it.codec == "trellis":
                 entry = {"codec": "trellis", **entry, **trellis_fields(it.trellis)}
             overrides[key] = entry
+    in_scales = any(it.in_scales for it in plan.items)
+    extra = {"in_scales": True, "column_min_ratio": plan.recipe.column_min_ratio} \
+        if in_scales else {}
     return {
         "quant_method": QUANT_METHOD,
         "format_version": plan.format_version,
@@ -114,6 +118,7 @@ def quantization_config(plan: Plan) -> dict:
         "group_size": group,
         "refit": plan.recipe.refit,
         "overrides": overrides,
+        **extra,
     }
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turboquant.manifests.schema import (READ_VERSIONS, TRELLIS_VERSION, INDEX_FILE, QUANT_METHOD,
+from turboquant.manifests.schema import (INDEX_FILE, QUANT_METHOD, READ_VERSIONS, TRELLIS_VERSION,
                                          read_manifest, stored_names)
 
 from . import published
@@ -127,7 +127,7 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
         h = headers.get(r["shard"])
         if h is None:
             continue
-        names = stored_names(r["name"], r["codec"])
+        names = stored_names(r["name"], r["codec"], bool(r.get("in_scales")))
         listed.update(names)
         infos = [h.tensors.get(n) for n in names]
         if any(i is None for i in infos):
@@ -177,18 +177,23 @@ def load_coded(repo: Path, row: dict, header):
 
     from turboquant.stages import QuantizedTensor, QuantSpec
 
-    c_name, s_name = stored_names(row["name"], row["codec"])
-    ci, si = header.tensors[c_name], header.tensors[s_name]
+    names = stored_names(row["name"], row["codec"], bool(row.get("in_scales")))
+    ci, si = header.tensors[names[0]], header.tensors[names[1]]
+    t = None
     with open(repo / row["shard"], "rb") as f:
         f.seek(ci.start)
         codes = np.frombuffer(f.read(ci.nbytes), dtype="<u4").reshape(ci.shape)
         f.seek(si.start)
         scales = np.frombuffer(f.read(si.nbytes), dtype="<f2").reshape(si.shape)
+        if len(names) == 3:
+            ti = header.tensors[names[2]]
+            f.seek(ti.start)
+            t = mx.array(np.frombuffer(f.read(ti.nbytes), dtype="<f2").reshape(ti.shape))
     bits = "ternary" if row["codec"] == "ternary" else row["bits"]
     out_f, in_f = row["shape"]
     spec = QuantSpec(bits, row["group_size"], int(row["seed"]), in_f, row["padded_in"],
                      True, **trellis_spec(row))
-    return QuantizedTensor(mx.array(codes), mx.array(scales), (out_f, in_f), spec)
+    return QuantizedTensor(mx.array(codes), mx.array(scales), (out_f, in_f), spec, in_scales=t)
 
 
 class _SourceReader:
@@ -305,6 +310,9 @@ def _check_decode(repo: Path, row: dict, header, src: _SourceReader | None,
                                 f"{tuple(ref.shape)}, the repo's {tuple(w.shape)} (another "
                                 "model?)")
             return
+        if qt.in_scales is not None:  # rel_mse is of W / t, what the codebook saw
+            t = np.asarray(qt.in_scales.astype(mx.float32))
+            ref, w = ref / t, w / mx.array(t)
         measured = _relative_error(ref, w)
         tol = match_tolerance(row["group_size"], row["shape"][1], recorded)
         if not abs(measured - recorded) <= tol:

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 from turboquant.manifests.schema import (
-    FORMAT_VERSION,
-    READ_VERSIONS,
     INDEX_FILE,
     MANIFEST_FILE,
     QUANT_METHOD,
+    READ_VERSIONS,
     stored_names,
 )
 
@@ -150,10 +149,11 @@ def _quant_config(f: _Folder) -> Check:
                      "`turboquant plan` or `turboquant convert` it)")
     version = qc.get("format_version")
     if version not in READ_VERSIONS:
-        hint = "upgrade turboquant" if isinstance(version, int) and version > FORMAT_VERSION \
+        newest = max(READ_VERSIONS)
+        hint = "upgrade turboquant" if isinstance(version, int) and version > newest \
             else "the repo is damaged or not written by turboquant"
         return Check("D002", "FAIL", f"format_version {version!r}, this turboquant reads "
-                     f"{FORMAT_VERSION}: {hint}")
+                     f"{' and '.join(map(str, READ_VERSIONS))}: {hint}")
     missing = [k for k in ("bits", "group_size", "recipe") if k not in qc]
     if missing:
         return Check("D002", "FAIL", f"quantization_config lacks {', '.join(missing)}")
@@ -285,7 +285,7 @@ def _manifest(f: _Folder) -> Check:
         if codec not in ("turboquant", "ternary", "raw"):
             problems.append(f"{name}: unknown codec {codec!r}")
             continue
-        names = stored_names(name, codec)
+        names = stored_names(name, codec, bool(r.get("in_scales")))
         listed.update(names)
         for n in names:
             if wm.get(n) != shard:

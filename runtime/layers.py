@@ -148,6 +148,7 @@ class TQLinear(_TQBase):
         group_size: int = 64,
         seed: int = 0,
         padded_in: int | None = None,
+        in_scales: bool = False,
     ):
         super().__init__()
         p = self._set_spec(input_dims, output_dims, bits, group_size, seed, padded_in)
@@ -155,6 +156,8 @@ class TQLinear(_TQBase):
         self.scales = mx.zeros((output_dims, p // group_size), dtype=mx.float16)
         if bias:
             self.bias = mx.zeros((output_dims,))
+        if in_scales:  # format 2: W = decode(codes, scales) * in_scales, column by column
+            self.in_scales = mx.ones((input_dims,), dtype=mx.float16)
         self.freeze()
         self._alone = LinearGroup([self])  # a plain attribute: read on every call
 
@@ -164,22 +167,27 @@ class TQLinear(_TQBase):
         out, inp = qt.shape
         s = qt.spec
         layer = cls(inp, out, bias is not None, bits=spec_bits(s), group_size=s.group_size,
-                    seed=s.seed, padded_in=s.padded_in)
+                    seed=s.seed, padded_in=s.padded_in, in_scales=qt.in_scales is not None)
         layer.codes, layer.scales = qt.codes, qt.scales
         if bias is not None:
             layer.bias = bias
+        if qt.in_scales is not None:
+            layer.in_scales = qt.in_scales
         return layer
 
     @property
     def weight(self) -> mx.array:
         """The dense decoded weight (out, in), float32. Materialises the whole matrix."""
-        return self._decode_rows(self["codes"], self["scales"])
+        w = self._decode_rows(self["codes"], self["scales"])
+        t = self.get("in_scales")
+        return w if t is None else w * t.astype(mx.float32)
 
     def member(self) -> kernels.Member:
         """This weight as a member of a kernel group (`kernels.tq_linear_group`)."""
         return kernels.Member(
             self["codes"], self["scales"], self.bits, self.group_size, self.input_dims,
             self.output_dims, self.padded_in, self.seed, self.get("bias"),
+            self.get("in_scales"),
         )
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -295,7 +303,8 @@ class LinearGroup:
             return False
         for m, layer in zip(self.members, self.layers):
             if (m.codes is not layer["codes"] or m.scales is not layer["scales"]
-                    or m.bias is not layer.get("bias")):
+                    or m.bias is not layer.get("bias")
+                    or m.in_scales is not layer.get("in_scales")):
                 return False
         return True
 

@@ -100,6 +100,7 @@ def load_model(path: str | Path, *, dtype=None, lazy: bool = False, expert_budge
     del plan  # drop the per-expert arrays: once stacked, each expert is held only once
     model.load_weights(list(weights.items()), strict=True)
     del weights
+    _drop_unit_scales(model)
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
@@ -324,6 +325,7 @@ def _kind(repo: Repo, path: str, rows: list[Row], module) -> str:
                 f"{repo.path}: experts of {path} differ in bits/group size/seed/shape; "
                 "one stacked layer needs one spec"
             )
+        _check_in_scales(repo, path, rows, "switch")
         return "switch"
     if len(rows) != 1:
         raise RepoError(
@@ -344,7 +346,16 @@ def _kind(repo: Repo, path: str, rows: list[Row], module) -> str:
         raise RepoError(
             f"{repo.path}: {names} has shape {shape}, {path} expects {tuple(w.shape)}"
         )
+    _check_in_scales(repo, path, rows, kind)
     return kind
+
+
+def _check_in_scales(repo: Repo, path: str, rows: list[Row], kind: str) -> None:
+    scaled = next((r.name for r in rows if r.in_scales), None)
+    if scaled is not None and kind != "linear":
+        raise RepoError(f"{repo.path}: tensor {scaled} has in_scales, which this runtime "
+                        f"reads for Linear layers only, not {path} (a {kind} layer); convert "
+                        "it with [quant] column_scales = \"off\"")
 
 
 # ---------------------------------------------------------------------------- dtype
@@ -389,7 +400,7 @@ def _swap_modules(model: nn.Module, plan: Plan, dtype, streamed=frozenset()) -> 
         elif kind == "switch":
             new = TQSwitchLinear(inp, out, len(rows), "bias" in old, **spec)
         elif kind == "linear":
-            new = TQLinear(inp, out, "bias" in old, **spec)
+            new = TQLinear(inp, out, "bias" in old, in_scales=r.in_scales, **spec)
         else:
             emb_dtype = dtype or _SOURCE_DTYPES.get(r.source_dtype, mx.float32)
             new = TQEmbedding(out, inp, dtype=emb_dtype, **spec)
@@ -413,7 +424,17 @@ def _weights(repo: Repo, plan: Plan, dtype, streamed=frozenset()) -> dict[str, m
             weights[f"{path}.scales"] = mx.stack(scales)
         else:
             weights[f"{path}.codes"], weights[f"{path}.scales"] = codes[0], scales[0]
+            if rows[0].in_scales:
+                weights[f"{path}.in_scales"] = arrays[rows[0].shard][f"{rows[0].base}.tq_in_scales"]
     return weights
+
+
+def _drop_unit_scales(model: nn.Module) -> None:
+    """A layer whose in_scales are all 1 (no column was small: the converter stored ones)
+    computes without them: the same values, no multiply."""
+    for _, m in model.named_modules():
+        if isinstance(m, TQLinear) and "in_scales" in m and bool(mx.all(m["in_scales"] == 1)):
+            del m["in_scales"]
 
 
 def _check_complete(model: nn.Module, weights: dict, repo: Repo) -> None:

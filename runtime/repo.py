@@ -20,6 +20,7 @@ from turboquant.manifests.schema import (
     QUANT_METHOD,
     READ_VERSIONS,
     TRELLIS_VERSION,
+    VERSION_2,
     stored_names,
 )
 from turboquant.manifests.schema import read_manifest as read_manifest_table
@@ -49,6 +50,7 @@ class Row:
     expert: int | None = None
     byte_start: int | None = None
     byte_end: int | None = None
+    in_scales: bool = False  # stores `P.tq_in_scales` (format version 2)
 
     @property
     def quantized(self) -> bool:
@@ -61,8 +63,9 @@ class Row:
 
     @property
     def stored(self) -> tuple[str, ...]:
-        """The tensor names this row occupies in the shards (codes, scales; or itself)."""
-        return tuple(stored_names(self.name, self.codec))
+        """The tensor names this row occupies in the shards (codes, scales, in_scales; or
+        itself)."""
+        return tuple(stored_names(self.name, self.codec, self.in_scales))
 
 
 @dataclass
@@ -216,8 +219,11 @@ def read_manifest(path: Path) -> list[Row]:
                 expert=_none(r.get("expert")),
                 byte_start=_none(r.get("byte_start")),
                 byte_end=_none(r.get("byte_end")),
+                in_scales=bool(r.get("in_scales")),
             )
         )
+        if rows[-1].in_scales and not rows[-1].quantized:
+            raise RepoError(f"{path}: tensor {r['name']} is kept raw but marked in_scales")
         if rows[-1].quantized and None in (rows[-1].bits, rows[-1].group_size,
                                            rows[-1].seed, rows[-1].padded_in):
             raise RepoError(
@@ -264,6 +270,11 @@ def open_repo(path: Path) -> Repo:
     if "weight_map" not in index:
         raise RepoError(f"{path}/{INDEX_FILE} has no weight_map")
     rows = read_manifest(path / MANIFEST_FILE)
+    scaled = next((r.name for r in rows if r.in_scales), None)
+    if scaled is not None and version < VERSION_2:
+        raise RepoError(f"{path}: tensor {scaled} has in_scales, which format_version "
+                        f"{version} does not have (config.json says {version}, the manifest "
+                        f"needs {VERSION_2}): the repo was edited; convert it again")
     repo = Repo(path=path, config=config, index=index, rows=rows)
     _check_shards(repo)
     _check_names(repo)

@@ -13,6 +13,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import fast_hadamard
+
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 _FP16_MAX = 65504.0
 
@@ -161,3 +163,63 @@ def column_scales(w, power: float = COLUMN_POWER,
         raise ValueError(f"expected a 2-D weight (out, in), got shape {a.shape}")
     sums = np.einsum("ij,ij->j", a, a)  # float32 sums: a scale needs no more
     return column_scales_from_sums(sums, a.shape[0], power, min_ratio)
+
+
+
+class ColumnSums:
+    """Each input column's sum of squares, over rows given a chunk at a time in order: the
+    input of column_scales_from_sums (the pipeline's pre-pass). Blocks of BLOCK rows are
+    summed in float32, the blocks in float64: the same sums however the rows are chunked,
+    with numba or without (the same float32 operations, in the same order)."""
+
+    BLOCK = 256
+
+    def __init__(self, n: int):
+        self.acc = np.zeros(n, dtype=np.float32)
+        self.sums = np.zeros(n, dtype=np.float64)
+        self.rows = 0
+
+    def add(self, x: np.ndarray) -> None:
+        """float32 rows (rows, n)."""
+        self._add(np.ascontiguousarray(x, dtype=np.float32), False)
+
+    def add_bf16(self, bits: np.ndarray) -> None:
+        """bfloat16 rows given as their raw uint16 bits (rows, n): no float32 copy."""
+        self._add(np.ascontiguousarray(bits, dtype=np.uint16), True)
+
+    def total(self) -> np.ndarray:
+        """The float64 sums of every row added so far."""
+        return self.sums + self.acc
+
+    def _add(self, rows: np.ndarray, bf16: bool) -> None:
+        if fast_hadamard.AVAILABLE:
+            fast_hadamard.compile_kernels()
+            _column_sums(rows, bf16, self.rows, self.BLOCK, self.acc, self.sums)
+        else:  # the kernel's steps, a row at a time
+            for i in range(rows.shape[0]):
+                v = (rows[i].astype(np.uint32) << 16).view(np.float32) if bf16 else rows[i]
+                self.acc += v * v
+                if (self.rows + i + 1) % self.BLOCK == 0:
+                    self.sums += self.acc
+                    self.acc[:] = 0.0
+        self.rows += rows.shape[0]
+
+
+@fast_hadamard._jit
+def _column_sums(rows, bf16, first, block, acc, sums):
+    count, n = rows.shape
+    word = np.empty(n, dtype=np.uint32)
+    value = word.view(np.float32)
+    for i in range(count):
+        if bf16:
+            for j in range(n):
+                word[j] = np.uint32(rows[i, j]) << np.uint32(16)
+        else:
+            for j in range(n):
+                value[j] = rows[i, j]
+        for j in range(n):
+            acc[j] += value[j] * value[j]
+        if (first + i + 1) % block == 0:
+            for j in range(n):
+                sums[j] += acc[j]
+                acc[j] = np.float32(0.0)

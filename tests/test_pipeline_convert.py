@@ -100,7 +100,9 @@ def test_dense_llama_end_to_end(tmp_path):
     by_name = {r["name"]: r for r in rows}
     assert by_name["model.layers.1.mlp.up_proj.weight"]["bits"] == 3
     assert by_name["model.layers.0.mlp.up_proj.weight"]["bits"] == 4  # protected layer
-    assert by_name["model.layers.1.mlp.up_proj.weight"]["bits_per_weight"] == 3.25
+    # codes and scales at 3.25, and the recipe's in_scales: 16 bits a column over out rows
+    up = by_name["model.layers.1.mlp.up_proj.weight"]
+    assert up["bits_per_weight"] == 3.25 + 16 / up["shape"][0]
     report = verify_repo(out, source=src, full=True)
     assert report.ok, report.text()
     assert report.checksums_ok == len(rows)
@@ -112,14 +114,15 @@ def test_dense_llama_end_to_end(tmp_path):
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     cfg = json.loads((out / "config.json").read_text())
     q = cfg["quantization_config"]
-    assert q["quant_method"] == "turboquant" and q["format_version"] == 1
+    # the recipe's column scales (column_scales = "auto"): format 2
+    assert q["quant_method"] == "turboquant" and q["format_version"] == 2 and q["in_scales"]
     assert q["recipe"] == "llama" and len(q["recipe_hash"]) == 64
     assert (q["bits"], q["group_size"]) == (3, 64)
     assert q["overrides"]["model.layers.0.mlp.up_proj"] == {"bits": 4, "group_size": 64}
     assert q["overrides"]["model.norm"] == {"codec": "raw"}
     assert cfg["hidden_size"] == DENSE["hidden"]
     table = pq.read_table(out / "manifest.parquet")
-    assert table.column_names == COLUMNS
+    assert table.column_names == [*COLUMNS, "in_scales"]
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: mlx\ntags:\n- turboquant\n- mlx\n- quantized\n")
     assert "Real bits per weight" in card

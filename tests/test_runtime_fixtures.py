@@ -315,7 +315,8 @@ def decoded_from_repo(path: Path) -> Written:
         bits = "ternary" if r["codec"] == "ternary" else r["bits"]
         spec = QuantSpec(bits, r["group_size"], r["seed"], r["shape"][1], r["padded_in"], True)
         qt = QuantizedTensor(
-            arrays[f"{base}.tq_codes"], arrays[f"{base}.tq_scales"], tuple(r["shape"]), spec
+            arrays[f"{base}.tq_codes"], arrays[f"{base}.tq_scales"], tuple(r["shape"]), spec,
+            in_scales=arrays[f"{base}.tq_in_scales"] if r.get("in_scales") else None,
         )
         written.quantized[r["name"]] = qt
         written.weights[r["name"]] = decode(qt)

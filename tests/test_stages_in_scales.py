@@ -149,3 +149,33 @@ def test_any_shape_round_trips_near_the_codebook(rows, cols, bits, group_size, s
     # and it codes better than nothing, in the basis the codebook saw
     wt = w / t.astype(np.float32)
     assert ((back / t.astype(np.float32) - wt) ** 2).sum() <= (wt**2).sum() * (1 + 1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 700), cols=st.integers(1, 96), cuts=st.lists(
+    st.integers(1, 699), max_size=4), seed=st.integers(0, 2**16), bf16=st.booleans())
+def test_column_sums_do_not_depend_on_chunks_or_numba(rows, cols, cuts, seed, bf16):
+    """The converter's pre-pass (stages.scale.ColumnSums): the same float64 sums however
+    the rows arrive, with or without numba, so reruns and resumes write the same t."""
+    from turboquant.stages import fast_hadamard
+    from turboquant.stages.scale import ColumnSums
+
+    x = (np.random.default_rng(seed).standard_normal((rows, cols)) * 3).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    values = (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def sums(pieces):
+        c = ColumnSums(cols)
+        for a in np.split(bits if bf16 else x, sorted({k for k in cuts if k < rows})):
+            c.add_bf16(a) if bf16 else c.add(a)
+        return c.total()
+
+    whole = sums(None)
+    np.testing.assert_allclose(whole, np.square((values if bf16 else x).astype(np.float64))
+                               .sum(axis=0), rtol=1e-5)
+    assert np.array_equal(sums(cuts), whole)
+    fast_hadamard.AVAILABLE, before = False, fast_hadamard.AVAILABLE
+    try:
+        assert np.array_equal(sums(cuts), whole)
+    finally:
+        fast_hadamard.AVAILABLE = before

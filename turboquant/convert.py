@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--protect-layers", type=int, metavar="N", help="first and last N decoder "
                    "layers at the recipe's protect bits (0: none)")
     r.add_argument("--model-seed", type=int, help="seed of all rotations (default 0)")
+    r.add_argument("--column-scales", choices=("auto", "off"), help="per-input-column scales "
+                   "of linear layers with small columns (format 2; docs/recipes.md)")
     s = p.add_argument_group("source")
     s.add_argument("--revision", help="Hub branch, tag or commit")
     s.add_argument("--delete-source", action="store_true", help="Hub source: delete each "
@@ -190,7 +192,8 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         group_size=args.group_size, expert_bits=args.expert_bits,
         down_proj_bits=args.down_proj_bits, embeddings_bits=args.embeddings_bits,
         lm_head_bits=args.lm_head_bits, protect_layers=args.protect_layers,
-        model_seed=args.model_seed, revision=args.revision, workers=args.workers,
+        model_seed=args.model_seed, column_scales=args.column_scales,
+        revision=args.revision, workers=args.workers,
         in_process=args.in_process, fresh=args.fresh, delete_source=args.delete_source,
         min_job_bytes=min_job, max_job_bytes=max_job,
         progress=not args.quiet and sys.stderr.isatty(), check_disk=not args.no_disk_check,
