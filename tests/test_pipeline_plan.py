@@ -26,7 +26,7 @@ def test_one_job_per_shard_and_layout_matches_header(tmp_path):
         pos = len(job.header)
         for unit in job.units:
             for it in unit.items:
-                names = stored_names(it.name, it.codec)
+                names = stored_names(it.name, it.codec, it.in_scales)  # llama: column scales
                 assert [s.name for s in it.stored] == names
                 for s in it.stored:
                     assert s.start == pos and header[s.name]["data_offsets"][0] == pos - len(job.header)
