@@ -18,8 +18,11 @@ Rows:
 - tq-b: the format-1 codec (plain rotation).
 - tq-b eq: the column-equalised codec (in_scales = column RMS, docs/quality.md) on every
   linear layer; the embedding / tied head stays plain.
-- tq-b trellis, tq-b eq trellis (asked for with --methods): the same with the trellis code
-  (`encode(codec="trellis")`, L=16, V=1; docs/FORMAT.md), the same bytes.
+- tq-b trellis, tq-b eq-s trellis (asked for with --methods): the same with the trellis
+  code (`encode(codec="trellis")`, L=16, V=1; docs/FORMAT.md), the same bytes. Suffixes:
+  "L12" sets the trellis's state bits; "on=v_proj+down_proj+o_proj" trellis-codes only those
+  classes and the rest with the scalar code ("tq eq-s trellis L12 on=v_proj+down_proj").
+  The "encode s" column is the seconds spent coding the row's matrices.
 - tq-repo-b: the user's path: the folder converted by `turboquant convert --bits b
   --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
   matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its layers on
@@ -140,10 +143,11 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
 
 
 def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: int = GROUP,
-               power: float | None = None, codec: str = "scalar"
+               power: float | None = None, codec: str = "scalar", state_bits: int | None = None
                ) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
-    equalise: False, True (every weight) or "small" (only weights with a small column)."""
+    equalise: False, True (every weight) or "small" (only weights with a small column);
+    state_bits: the trellis's L (None: the codec's default, 16)."""
     from turboquant.stages import column_scales, decode, encode, tensor_seed
     from turboquant.stages.scale import COLUMN_POWER, SMALL_COLUMN_RATIO
 
@@ -151,20 +155,29 @@ def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: i
     if equalise:
         t = column_scales(w, power or COLUMN_POWER, min_ratio=MIN_RATIO[0] or
                           SMALL_COLUMN_RATIO if equalise == "small" else None)
-    qt = encode(w, bits, group_size=group, seed=tensor_seed(0, name), in_scales=t, codec=codec)
+    kw = {} if state_bits is None else {"trellis_state_bits": state_bits}
+    qt = encode(w, bits, group_size=group, seed=tensor_seed(0, name), in_scales=t, codec=codec,
+                **kw)
     return decode(qt), qt.nbytes, qt.rel_mse
 
 
 def variant(method: str) -> tuple[str, dict]:
     """A main-table method and its options: "tq eq-s g32 e32 p0.75" is tq eq-s with linear
-    layers at group 32 (g), the embedding at group 32 (e), t = rms ** 0.75 (p)."""
+    layers at group 32 (g), the embedding at group 32 (e), t = rms ** 0.75 (p).
+    "trellis" codes with the trellis, "L12" at state bits 12 (L), "on=v_proj+down_proj" only
+    the named classes (the rest with the scalar code, same column scales)."""
     base, *opts = method.split(" ")
     if base == "tq" and opts and opts[0].startswith("eq"):
         base, opts = f"tq {opts[0]}", opts[1:]
     kw = {}
     for o in opts:
-        key = {"g": "group", "e": "embed_group", "p": "power"}[o[0]]
-        kw[key] = float(o[1:]) if o[0] == "p" else int(o[1:])
+        if o == "trellis":
+            kw["codec"] = "trellis"
+        elif o.startswith("on="):
+            kw["trellis_classes"] = o[3:].split("+")
+        else:
+            key = {"g": "group", "e": "embed_group", "p": "power", "L": "state_bits"}[o[0]]
+            kw[key] = float(o[1:]) if o[0] == "p" else int(o[1:])
     return base, kw
 
 
@@ -176,15 +189,17 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
         if method == "affine":
             out[n], b = affine(w, bits)
         else:
-            codec = "trellis" if method.endswith(" trellis") else "scalar"
-            base, kw = variant(method.removesuffix(" trellis"))
+            base, kw = variant(method)
             eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[base]
+            only = kw.get("trellis_classes")
+            codec = kw.get("codec", "scalar") if only is None or tensor_class(n) in only \
+                else "scalar"
             if tensor_class(n) == "embed":
                 out[n], b, _ = turboquant(w, bits, n, False, kw.get("embed_group", GROUP),
-                                          codec=codec)
+                                          codec=codec, state_bits=kw.get("state_bits"))
             else:
                 out[n], b, _ = turboquant(w, bits, n, eq, kw.get("group", GROUP),
-                                          kw.get("power"), codec)
+                                          kw.get("power"), codec, kw.get("state_bits"))
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
@@ -242,13 +257,20 @@ def fmt_row(label, r, base, peer=None, bpw=None):
     d = r["ppl"] - base
     ratio = f"{d / (peer['ppl'] - base):.2f}" if peer and peer["ppl"] > base else "-"
     b = "" if bpw is None else f"{bpw:6.3f}"
+    enc = f" {r['encode_s']:8.0f}" if "encode_s" in r else ""
     return (f"  {label:<14} {b:>6} {r['ppl']:9.3f} {d:+9.3f} {ratio:>9} {r['kl']:7.4f} "
-            f"{100 * r['top1']:6.1f}%")
+            f"{100 * r['top1']:6.1f}%{enc}")
 
 
 def head(first="method"):
     return (f"  {first:<14} {'bits/w':>6} {'ppl':>9} {'dppl':>9} {'/affine':>9} {'KL':>7} "
-            f"{'top-1':>7}")
+            f"{'top-1':>7} {'encode s':>8}")
+
+
+def scalar_peer(method: str) -> str:
+    """The same method with the scalar code everywhere: "tq eq-s trellis L12" -> "tq eq-s"."""
+    return " ".join(o for o in method.split(" ")
+                    if o != "trellis" and not o.startswith(("L", "on=")))
 
 
 def label(method: str, b: int) -> str:
@@ -275,11 +297,14 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
                                      results.get(("affine", b)), r["bpw"]))
                 print(lines[-1], file=sys.stderr, flush=True)
                 continue
+            t1 = time.perf_counter()
             ws, nbytes = quantized(ev, method, b, names)
+            encode_s = time.perf_counter() - t1
             ev.set(ws)
             del ws
             r = ev.run(rows)
             r["bpw"] = bits_per_weight(ev, names, nbytes)
+            r["encode_s"] = encode_s
             results[(method, b)] = r
             lines.append(fmt_row(label(method, b), r, src["ppl"], results.get(("affine", b)),
                                  r["bpw"]))
@@ -288,7 +313,9 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     checks = []
     for (method, b), tq in results.items():
         aim = {3: 0.7, 4: 0.8}.get(b)
-        if not method.startswith(("tq eq", "tq-repo")) or aim is None or ("affine", b) not in results:
+        trellis = "trellis" in method.split(" ")
+        if (not (method.startswith(("tq eq", "tq-repo")) or trellis) or aim is None
+                or ("affine", b) not in results):
             continue
         af = results[("affine", b)]
         ratio = (tq["ppl"] - src["ppl"]) / (af["ppl"] - src["ppl"])
@@ -298,6 +325,13 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
         checks.append(f"  {label(method, b)}: dppl {ratio:.2f} x affine-{b}'s (aim <= {aim}), "
                       f"ppl {tq['ppl'] - af['ppl']:+.3f} +- {se:.3f} (paired se over rows), "
                       f"bits/w {tq['bpw']:.3f} vs {af['bpw']:.3f}: {'PASS' if ok else 'FAIL'}")
+        sc = results.get((scalar_peer(method), b))
+        if trellis and b == 3 and sc is not None:  # issue 39: <= 0.6x scalar, <= 0.5x affine
+            r_sc = (tq["ppl"] - src["ppl"]) / (sc["ppl"] - src["ppl"])
+            ok = r_sc <= 0.6 and ratio <= 0.5 and tq["bpw"] <= min(sc["bpw"], af["bpw"])
+            checks.append(f"  {label(method, b)} (trellis aim): dppl {r_sc:.2f} x "
+                          f"{label(scalar_peer(method), b)}'s (aim <= 0.6), {ratio:.2f} x "
+                          f"affine-{b}'s (aim <= 0.5): {'PASS' if ok else 'FAIL'}")
     lines += ["", "aim (same rows, same run):", *checks]
     lines.append(f"  ({time.perf_counter() - t0:.0f} s)")
     return src

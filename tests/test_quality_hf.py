@@ -46,3 +46,18 @@ def test_tensor_classes_and_codec_bytes():
     assert plain == 64 * 256 * 3 // 8 + 64 * 4 * 2 and eq == plain + 2 * 256
     _, nbytes = quality_hf.affine(w, 3)
     assert nbytes == 64 * 256 * 3 // 8 + 2 * 2 * 64 * 4
+
+
+def test_trellis_options():
+    import mlx.core as mx
+    import numpy as np
+
+    base, kw = quality_hf.variant("tq eq-s trellis L12 on=v_proj+down_proj")
+    assert base == "tq eq-s" and kw == {"codec": "trellis", "state_bits": 12,
+                                        "trellis_classes": ["v_proj", "down_proj"]}
+    assert quality_hf.scalar_peer("tq eq-s trellis L12 on=v_proj+down_proj") == "tq eq-s"
+    w = mx.array(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32))
+    scalar, nbytes, e_scalar = quality_hf.turboquant(w, 3, "x", False)
+    _, t_bytes, e_trellis = quality_hf.turboquant(w, 3, "x", False, codec="trellis",
+                                                  state_bits=12)
+    assert t_bytes == nbytes and e_trellis < 0.7 * e_scalar
