@@ -206,7 +206,24 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 
 
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
-              "tq-repo rec": []}
+              "tq-repo rec": [],
+              "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
+                                  "--recipe", "{recipe}"]}
+
+
+def trellis_recipe(work: Path, state_bits: int = 12) -> Path:
+    """The llama recipe with the trellis code at `state_bits` for every coded weight (its
+    column scales as they are): what `tq-repo trellis` converts with."""
+    from turboquant.manifests.recipe import RECIPES_DIR
+
+    text = (RECIPES_DIR / "llama.toml").read_text()
+    if "\n[quant]\n" not in "\n" + text:
+        raise SystemExit("llama.toml has no [quant] table")
+    text = text.replace("[quant]\n", f'[quant]\ncodec = "trellis"\ntrellis_state_bits = {state_bits}\n', 1)
+    path = work / f"llama-trellis-L{state_bits}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 def tensor_bytes(folder: Path) -> int:
@@ -228,7 +245,8 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
 
     from turboquant.runtime import load
 
-    flags = [f.format(b=bits) for f in REPO_FLAGS[method]]
+    recipe = trellis_recipe(work) if "trellis" in method else None
+    flags = [f.format(b=bits, recipe=recipe) for f in REPO_FLAGS[method]]
     out = work / f"{src.name}-{method.replace(' ', '-')}-{bits}"
     cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q", "--fresh",
            "--bits", str(bits), *flags]

@@ -26,7 +26,8 @@ def test_main_and_mechanism_tables(tmp_path, capsys):
             and ": dppl" not in line}
     assert set(rows) == {"source", "affine-3", "tq-3", "tq-3 eq-s"}
     # no weight of the near-Gaussian reference model has a small column: eq-s is format 1
-    assert rows["tq-3 eq-s"][2:] == rows["tq-3"][1:]
+    # (bits/w, ppl, dppl, /affine, KL, top-1; not the encode seconds that may follow)
+    assert rows["tq-3 eq-s"][2:8] == rows["tq-3"][1:7]
     assert float(rows["tq-3"][1]) < float(rows["affine-3"][1])  # bits/w: 3.25 vs 3.5
     assert "tq-3 eq-s: dppl" in report and "v_proj" in report and "small-col" in report
     assert "reproduce: " in capsys.readouterr().out
@@ -61,3 +62,12 @@ def test_trellis_options():
     _, t_bytes, e_trellis = quality_hf.turboquant(w, 3, "x", False, codec="trellis",
                                                   state_bits=12)
     assert t_bytes == nbytes and e_trellis < 0.7 * e_scalar
+
+
+def test_the_trellis_repo_recipe_is_the_llama_recipe_with_the_trellis_code(tmp_path):
+    from turboquant.manifests.recipe import load_recipe
+
+    recipe = load_recipe(str(quality_hf.trellis_recipe(tmp_path, state_bits=12)))
+    res = recipe.resolve("model.layers.3.self_attn.v_proj.weight", 3, 10)
+    assert res.trellis == (12, 1, 256) and res.column_min_ratio is not None
+    assert "{recipe}" in quality_hf.REPO_FLAGS["tq-repo trellis"]
