@@ -39,8 +39,6 @@ import mlx.core as mx
 import numpy as np
 
 from turboquant.stages import trellis
-from turboquant.stages.scale import (group_energy_np, refit_sums_np, rms_from_energy_np,
-                                     scales_from_sums_np)
 from turboquant.stages.trellis import TrellisCode, TrellisRows
 
 from . import compiled
@@ -292,22 +290,14 @@ def encode_rows_gpu(code: TrellisCode, x: np.ndarray, group_size: int, block: in
                     valid: int | None = None) -> TrellisRows:
     """`stages.trellis.encode_rows(code, x, group_size, block, valid=valid)` with the Viterbi
     on the GPU: the same words, scales and errors. x (rows, n) rotated, padded rows."""
-    code.check_block(block)
-    x = np.asarray(x, dtype=np.float32)
-    rows, n = x.shape
-    if n % group_size or n % 32:
-        raise ValueError(f"row length {n} is not a multiple of group_size {group_size} and 32")
-    if not np.isfinite(x).all():
-        raise ValueError("rows hold NaN/Inf: the trellis codes finite weights only; keep "
-                         "this tensor in 16 bits or fix the checkpoint")
-    # as encode_rows: the group RMS and the gain, in the same float32 operations
-    g = x.reshape(rows, -1, group_size)
-    xt = np.ascontiguousarray(g.reshape(-1, group_size).T)
-    energy = group_energy_np(xt).reshape(rows, -1)
-    rms = rms_from_energy_np(energy, group_size, valid).astype(np.float32)
-    y = (g / np.where(rms > 0, rms, 1.0)[..., None]).reshape(rows, n) / np.float32(code.gain)
-    table = trellis.codebook(code)
-    # the row's blocks as items, full blocks and the shorter last one in a launch each
+    return trellis.encode_rows(code, x, group_size, block, valid=valid, paths=gpu_paths)
+
+
+def gpu_paths(code: TrellisCode, y: np.ndarray, block: int, table, exact: bool = False
+              ) -> np.ndarray:
+    """`stages.trellis.block_paths` on the GPU: the full blocks of every row in one launch,
+    the shorter last ones in another."""
+    rows, n = y.shape
     full = n // block
     paths = []
     if full:
@@ -316,21 +306,7 @@ def encode_rows_gpu(code: TrellisCode, x: np.ndarray, group_size: int, block: in
                      .reshape(rows, -1))
     if n % block:
         paths.append(encode_blocks_gpu(code, y[:, full * block:]))
-    steps = np.concatenate(paths, axis=1)  # (rows, n / V): every block's states in order
-    parts, values = [], []
-    for b0 in range(0, n, block):
-        path = steps[:, b0 // code.values:(b0 + min(block, n - b0)) // code.values]
-        parts.append(trellis.pack_bits(code, trellis.path_bits(code, path)))
-        values.append(table[path].reshape(rows, -1))
-    words = np.concatenate(parts, axis=1)
-    v = np.concatenate(values, axis=1).reshape(rows, -1, group_size)
-    if valid is not None and valid < n:
-        v.reshape(rows, n)[:, valid:] = 0.0
-    xq, qq = refit_sums_np(xt, np.ascontiguousarray(v.reshape(-1, group_size).T))
-    scales = scales_from_sums_np(xq, qq).reshape(rows, -1)
-    err = g.astype(np.float64) - scales.astype(np.float64)[..., None] * v
-    return TrellisRows(words, scales, (err * err).sum(axis=(1, 2)),
-                       (g.astype(np.float64) ** 2).sum(axis=(1, 2)))
+    return np.concatenate(paths, axis=1)
 
 
 OPS_PER_STATE = 10  # instructions a state and step: hash (IMAD, SHF, LOP3, DP4A), table

@@ -340,15 +340,24 @@ class TrellisRows:
     sq_norm: np.ndarray  # (rows,) float64: ||x||^2
 
 
+def block_paths(code: TrellisCode, y: np.ndarray, block: int, table, exact: bool = False
+                ) -> np.ndarray:
+    """The states (rows, n / V) of every block of the normalised rows y, one block after
+    another (the Viterbi here; a GPU encoder gives the same states)."""
+    return np.concatenate([encode_block(code, y[:, b0 : b0 + block], table, exact)
+                           for b0 in range(0, y.shape[1], block)], axis=1)
+
+
 def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 256,
                 exact: bool = False, gain: float | None = None, table=None,
-                valid: int | None = None) -> TrellisRows:
+                valid: int | None = None, paths=None) -> TrellisRows:
     """Code rotated, padded rows x (rows, n) (n % group_size == 0): the trellis's step in
     place of the scalar code's nearest levels. Blocks of `block` weights (the last one may
     be shorter: any multiple of 32), group RMS -> Viterbi -> least-squares scale refit.
     `valid`: the real row length (the rest is padding: left out of the RMS, decoded as 0).
     Scales and refit sums are scale.py's float32 in-order sums, as the scalar code's.
-    `gain`, `table`: other than the code's (the benchmark that chose them)."""
+    `gain`, `table`: other than the code's (the benchmark that chose them). `paths`: what
+    computes the blocks' states (`block_paths`'s signature; a GPU Viterbi)."""
     code.check_block(block)
     x = np.asarray(x, dtype=np.float32)
     rows, n = x.shape
@@ -364,9 +373,10 @@ def encode_rows(code: TrellisCode, x: np.ndarray, group_size: int, block: int = 
     gain = code.gain if gain is None else gain
     y = (g / np.where(rms > 0, rms, 1.0)[..., None]).reshape(rows, n) / np.float32(gain)
     table = codebook(code) if table is None else table
+    steps = (paths or block_paths)(code, y, block, table, exact)
     parts, values = [], []
     for b0 in range(0, n, block):
-        path = encode_block(code, y[:, b0 : b0 + block], table, exact)
+        path = steps[:, b0 // code.values : (b0 + min(block, n - b0)) // code.values]
         parts.append(pack_bits(code, path_bits(code, path)))
         values.append(table[path].reshape(rows, -1))  # = decode_words of the words (tests)
     words = np.concatenate(parts, axis=1)
