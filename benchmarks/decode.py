@@ -4,7 +4,9 @@
 heads of 128; `--layers` of its 48 decoder layers, 12 by default), the experts as
 `TQSwitchLinear` (a decode step's experts through the "gather_matmul" kernel: on CUDA one
 GEMV launch over the step's (token, expert) pairs) against mlx-lm's affine
-`QuantizedSwitchLinear`.
+`QuantizedSwitchLinear`. `--moe gpt-oss`: a gpt-oss-120b-shaped MoE (hidden 2880, 128
+experts of 2880, top 4, 64/8 heads of 64, sliding and full attention alternating, learned
+sinks; biases on the attention, router and experts), `--layers` of its 36.
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, MLP 14336, 32/8 heads, vocab
 128256) and random weights (speed does not depend on their values). Three variants are
@@ -36,7 +38,7 @@ import mlx.nn as nn
 import time
 
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen3_moe
+from mlx_lm.models import gpt_oss, llama, qwen3_moe
 from mlx_lm.sample_utils import make_sampler
 
 from turboquant.kernels import cuda, cuda_attend, dispatch
@@ -60,12 +62,22 @@ QWEN3_30B_A3B = dict(
     rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=40960,
 )
 
+GPT_OSS_120B = dict(
+    model_type="gpt_oss", hidden_size=2880, num_hidden_layers=12, intermediate_size=2880,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+    num_experts_per_tok=4, sliding_window=128, rope_theta=150000, rms_norm_eps=1e-5,
+    vocab_size=201088,
+)
+
 # --tiny: 2-layer models of the same families (smoke runs on the CPU)
 TINY_LLAMA = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 TINY_MOE = dict(num_hidden_layers=2, hidden_size=256, num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, vocab_size=512)
+TINY_GPT_OSS = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=128,
+                    num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, vocab_size=512, sliding_window=16)
 
 
 def _random_codes(lead: tuple, in_f: int, b: int) -> tuple[mx.array, mx.array]:
@@ -76,9 +88,21 @@ def _random_codes(lead: tuple, in_f: int, b: int) -> tuple[mx.array, mx.array]:
     return codes, scales
 
 
-def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
+def moe_model(moe) -> nn.Module:
+    """The --moe model of random weights: "gpt-oss" its shape, anything else true Qwen3's."""
+    if moe == "gpt-oss":
+        args = dict(GPT_OSS_120B)
+        args["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(args["num_hidden_layers"])]
+        return gpt_oss.Model(gpt_oss.ModelArgs.from_dict(args))
+    return qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(QWEN3_30B_A3B))
+
+
+def build(variant: str, bits: int = 3, moe=False) -> nn.Module:
+    """A model of random weights as `variant`; `moe`: False (the 8B Llama), True or "qwen3"
+    (the Qwen3-30B-A3B shape), "gpt-oss" (the gpt-oss-120b shape)."""
     if moe:
-        model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(QWEN3_30B_A3B))
+        model = moe_model(moe)
     else:
         model = llama.Model(llama.ModelArgs.from_dict(LLAMA3_8B))
     model.set_dtype(mx.bfloat16)
@@ -93,13 +117,14 @@ def build(variant: str, bits: int = 3, moe: bool = False) -> nn.Module:
             seed = hash(path) % 2**31
             if type(m).__name__ == "SwitchLinear":
                 n_experts, out_f, in_f = m.weight.shape
-                layer = TQSwitchLinear(in_f, out_f, n_experts, bits=b, group_size=64, seed=seed)
+                layer = TQSwitchLinear(in_f, out_f, n_experts, "bias" in m, bits=b,
+                                       group_size=64, seed=seed)
                 layer.codes, layer.scales = _random_codes((n_experts, out_f), in_f, b)
                 return layer
             if not isinstance(m, nn.Linear) or path == "lm_head":
                 return m
             out_f, in_f = m.weight.shape
-            layer = TQLinear(in_f, out_f, bits=b, group_size=64, seed=seed)
+            layer = TQLinear(in_f, out_f, "bias" in m, bits=b, group_size=64, seed=seed)
             layer.codes, layer.scales = _random_codes((out_f,), in_f, b)
             return layer
 
@@ -317,7 +342,8 @@ def main() -> None:
                     help="also print each variant's per-token time percentiles")
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test on CPU)")
-    ap.add_argument("--moe", action="store_true", help="a Qwen3-30B-A3B-shaped MoE instead")
+    ap.add_argument("--moe", nargs="?", const="qwen3", default=False, choices=["qwen3", "gpt-oss"],
+                    help="an MoE instead: the Qwen3-30B-A3B shape (the default) or gpt-oss-120b's")
     ap.add_argument("--layers", type=int, default=12, help="decoder layers of the --moe model")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the host side of decoding (first variant only), top 30 by own time")
@@ -339,9 +365,11 @@ def main() -> None:
     for b in (2, 3, 4):
         print(f"TQLinear {b}-bit, dispatched vs reference: max rel. diff {check_layer(b):.2e}")
     QWEN3_30B_A3B.update(num_hidden_layers=args.layers)
+    GPT_OSS_120B.update(num_hidden_layers=args.layers)
     if args.tiny:
         LLAMA3_8B.update(TINY_LLAMA)
         QWEN3_30B_A3B.update(TINY_MOE)
+        GPT_OSS_120B.update(TINY_GPT_OSS)
     results: dict[str, list[float]] = {}  # variant -> tokens/s of each of its rounds
     prefills: dict[str, list[float]] = {}  # variant -> prompt tokens/s of each round
     for i, variant in enumerate(args.variants.split(",")):

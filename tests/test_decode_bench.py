@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm.models import llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -105,3 +106,20 @@ def test_decode_ncu_profiles_only_the_steady_tokens_it_is_asked_for(monkeypatch)
     assert calls == []
     assert decode_ncu.decode_round(model, prompt, tokens=3, profiled=True) > 0
     assert calls == [True, False]
+
+
+def test_the_gpt_oss_shape_builds_its_experts_and_biased_layers_as_turboquant_layers(monkeypatch):
+    """`--moe gpt-oss`: every expert projection a TQSwitchLinear and every attention
+    projection a TQLinear, each keeping its bias, and the model decodes."""
+    from turboquant.runtime.layers import TQLinear, TQSwitchLinear
+
+    monkeypatch.setattr(decode, "GPT_OSS_120B", dict(decode.GPT_OSS_120B, **decode.TINY_GPT_OSS))
+    model = decode.build("tq3-single", moe="gpt-oss")
+    layer = model.model.layers[0]
+    experts = layer.mlp.experts
+    for proj in (experts.gate_proj, experts.up_proj, experts.down_proj):
+        assert isinstance(proj, TQSwitchLinear) and proj.bias.shape[0] == 8
+    for proj in (layer.self_attn.q_proj, layer.self_attn.o_proj):
+        assert isinstance(proj, TQLinear) and "bias" in proj
+    logits = model(mx.array([[1, 2, 3]]))
+    assert logits.shape == (1, 3, 512) and mx.all(mx.isfinite(logits)).item()
