@@ -77,8 +77,10 @@ def _existing_parent(path: Path) -> Path | None:
     return None
 
 
-def describe_os_error(e: OSError, path: str | os.PathLike | None = None) -> str:
-    """One line: the file, what the system said, and what to do."""
+def describe_os_error(e: OSError, path: str | os.PathLike | None = None,
+                      needed: int | None = None) -> str:
+    """One line: the file, what the system said, and what to do (for a full disk: the free
+    space, and the file's size when the writer knows it, `needed`)."""
     path = path or e.filename
     what = e.strerror or str(e)
     if path is None:
@@ -92,11 +94,14 @@ def describe_os_error(e: OSError, path: str | os.PathLike | None = None) -> str:
                     "does not exist yet")
         return f"{p}: not a folder; choose an output path that is a folder or does not exist yet"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = os.strerror(e.errno)  # pyarrow words it "Error writing bytes to file. Detail: ..."
         where = _existing_parent(p.parent) or p.parent
         try:
             free = f"{human_bytes(shutil.disk_usage(where).free)} free on that disk"
         except OSError:
             free = "free space unknown"
+        if needed is not None:
+            free = f"it needs {human_bytes(needed)}, {free}"
         return f"{p}: {what.lower()} while writing it ({free}); {_WHAT_TO_DO[e.errno]}"
     if e.errno in _WHAT_TO_DO:
         return f"{p}: {what.lower()}; {_WHAT_TO_DO[e.errno]}"
@@ -118,14 +123,15 @@ class OutputWriteError(OutputError, OSError):
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike):
-    """Within: an OSError names `path`, the free space where it matters, and what to do."""
+def writing(path: str | os.PathLike, needed: int | None = None):
+    """Within: an OSError names `path`, the free space where it matters (and the `needed`
+    bytes of the file, when known), and what to do."""
     try:
         yield
     except OutputWriteError:
         raise
     except OSError as e:
-        raise OutputWriteError(e.errno, describe_os_error(e, path)) from None
+        raise OutputWriteError(e.errno, describe_os_error(e, path, needed)) from None
 
 
 _NETWORK_ERROR_NAMES = {"ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError",

@@ -192,3 +192,43 @@ def test_which_errors_become_one_line():
                                     "tcp://10.0.0.1:8786 after 30 s")
     assert one_line_error(ValueError("a bug")) is None
     assert one_line_error(KeyError("x")) is None
+
+
+def _fill(folder: Path) -> None:
+    with open(folder / "filler", "wb") as f:  # fill the disk up
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+
+
+def test_a_full_disk_at_the_manifest_names_it_its_size_and_the_free_space(tmp_path):
+    """The repo files the run writes at the end, manifest.parquet first (pyarrow's own error
+    names no file): the file, the bytes it needs, the free space, what to do; no temporary
+    file left holding space; and after space is freed the finish writes the same bytes."""
+    from turboquant.cli import one_line_error
+    from turboquant.manifests.schema import MANIFEST_FILE
+    from turboquant.pipeline.convert import ConvertOptions, convert, validate
+    from turboquant.pipeline.errors import OutputWriteError
+    from turboquant.pipeline.repo import write_repo_files
+
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=16m", "tmpfs") as small:
+        opts = ConvertOptions(str(DENSE), str(small / "out"), in_process=True, progress=False,
+                              check_disk=False, min_job_bytes=0)
+        convert(opts)
+        out = small / "out"
+        manifest = (out / MANIFEST_FILE).read_bytes()
+        (out / MANIFEST_FILE).unlink()
+        _fill(small)
+        p = validate(opts)
+        with pytest.raises(OutputWriteError) as e:
+            write_repo_files(p.plan, p.work, p.source)
+        line = one_line_error(e.value)
+        assert line == str(e.value) and "\n" not in line
+        assert line.startswith(f"{out / MANIFEST_FILE}: no space left on device while "
+                               f"writing it (it needs {len(manifest) / 1000:.2f} KB, ")
+        assert " free on that disk); free some space" in line and "resumes" in line
+        assert not (out / (MANIFEST_FILE + ".tmp")).exists()
+        (small / "filler").unlink()
+        write_repo_files(p.plan, p.work, p.source)
+        assert (out / MANIFEST_FILE).read_bytes() == manifest
