@@ -172,6 +172,39 @@ def hub_unreachable(reason: str, what: str | None = None) -> str:
             "network connection (or HF_ENDPOINT), or give a local folder")
 
 
+class HubUnreachable(ConversionError):
+    """The Hub could not be reached (no network, a server down, HF_HUB_OFFLINE set): the
+    one line the CLI prints, raised to Python callers too (pipeline/sources.py)."""
+
+
+@contextlib.contextmanager
+def reaching_hub(repo_id: str):
+    """Within: a failure to reach the Hub becomes HubUnreachable naming the repo and what to
+    do, instead of the Hub client's own exception; anything else passes unchanged."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Hub client's network errors are many
+        reason = network_reason(e)
+        if reason is None:
+            raise
+        if _offline_mode(e):
+            raise HubUnreachable(f"HF_HUB_OFFLINE is set, so Hub repo {repo_id!r} cannot be "
+                                 "read; unset HF_HUB_OFFLINE, or give a local folder") from None
+        raise HubUnreachable(hub_unreachable(reason, repo_id)) from None
+
+
+def _offline_mode(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(c.__name__ == "OfflineModeIsEnabled" for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def spawned_worker_hint() -> str:
     """Why worker processes die at once when convert() runs from a script without a
     `__main__` guard; empty when this process is not such a script."""

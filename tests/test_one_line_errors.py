@@ -113,8 +113,19 @@ def test_hub_id_without_network(tmp_path, command, status):
     assert r.returncode == status
     line = _one_line(r.stderr)
     assert line.startswith(f"turboquant {command}: error: cannot reach the Hugging Face Hub at "
-                           f"{endpoint} (")
+                           f"{endpoint} to read Hub repo 'someorg/somemodel' (")
     assert line.endswith("check the network connection (or HF_ENDPOINT), or give a local folder")
+
+
+@pytest.mark.parametrize("command, status", [("convert", 1), ("plan", 2)])
+def test_hub_id_with_hf_hub_offline(tmp_path, command, status):
+    args = [command, "someorg/somemodel"] + ([str(tmp_path / "out")] if command == "convert"
+                                             else [])
+    r = _turboquant(*args, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == status
+    assert _one_line(r.stderr) == (f"turboquant {command}: error: HF_HUB_OFFLINE is set, so Hub "
+                                   "repo 'someorg/somemodel' cannot be read; unset "
+                                   "HF_HUB_OFFLINE, or give a local folder")
 
 
 def test_plan_into_a_closed_pipe_is_quiet():
