@@ -109,7 +109,8 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
         try:
             if info.dtype in FP8 and (name.endswith(".weight") or len(info.shape) == 3):
                 pub = _fp8(name, f, info, where, qc)
-            elif name.endswith("_blocks") and len(info.shape) >= 3 and info.shape[-1] == 16:
+            elif name.endswith("_blocks") and (info.dtype == "U8" or (
+                    len(info.shape) >= 3 and info.shape[-1] == 16)):
                 pub = _mxfp4(name, f, info, where)
             elif name.endswith(".weight_packed"):
                 pub = _int4(name, f, info, where, qc)
@@ -133,6 +134,13 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
             have = f"is {where[weight][1].dtype}" if weight in where else "is missing"
             out.problems.append(f"{f}: tensor {name!r}: an FP8 block scale whose weight "
                                 f"{weight!r} {have}: the checkpoint is incomplete or mixed")
+            out.refused.add(name)
+        elif name.endswith("_scales") and info.dtype == "U8" and name not in out.partners \
+                and name not in out.refused:
+            blocks = name[: -len("_scales")] + "_blocks"
+            have = "is not MXFP4" if blocks in where else "is missing"
+            out.problems.append(f"{f}: tensor {name!r}: MXFP4 scales whose blocks {blocks!r} "
+                                f"{have}: the checkpoint is incomplete or mixed")
             out.refused.add(name)
     return out
 
@@ -253,8 +261,9 @@ def _mxfp4(name, f, info, where) -> Published:
     if info.dtype != "U8" or len(shape) not in (3, 4) or shape[-1] != dequant.MXFP4_BLOCK // 2 \
             or sinfo.dtype != "U8" or tuple(sinfo.shape) != tuple(shape[:-1]):
         raise _Refused(f"MXFP4 blocks are U8 (..., out, groups, 16) with U8 scales "
-                       f"(..., out, groups); the scales {scale.tensor!r} are {sinfo.dtype} "
-                       f"{list(sinfo.shape)}: the checkpoint is not in the gpt-oss layout")
+                       f"(..., out, groups); these are {info.dtype} {list(shape)}, the scales "
+                       f"{scale.tensor!r} {sinfo.dtype} {list(sinfo.shape)}: the checkpoint "
+                       "is not in the gpt-oss layout")
     in_f = shape[-2] * dequant.MXFP4_BLOCK
     # stacked experts (E, out, G, 16) read as (E, in, out), the layout of the BF16 release
     logical = (shape[0], in_f, shape[1]) if len(shape) == 4 else (shape[0], in_f)

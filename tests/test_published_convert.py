@@ -250,6 +250,63 @@ def test_a_block_scale_without_its_fp8_weight_is_refused(dense, tmp_path):
     assert "weight 'model.embed_tokens.weight' is F32" in str(e.value)
 
 
+# the [[unsupported]] entries deepseek_v2.toml and gpt_oss.toml held until 2026-12-05
+REMOVED_UNSUPPORTED = {"deepseek_v2": r"\.weight_scale_inv$",
+                       "gpt_oss": r"_blocks$|\.experts\.\w+_scales$"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "mxfp4", "int4"])
+def test_no_tensor_the_plan_sees_can_match_the_removed_unsupported_entries(dense, gpt_oss,
+                                                                         tmp_path, fmt):
+    """What the recipes' [[unsupported]] patterns were tested against: the tensors the
+    pairing yields. Partners and scales are read with their weight (or refused by the
+    pairing), codes tensors become their logical names: no name is left to match."""
+    import re
+
+    from turboquant.pipeline.published import pair
+    from turboquant.pipeline.safetensors_io import read_header
+
+    src = gpt_oss if fmt == "mxfp4" else dense
+    publish(src, tmp_path / "pub", tmp_path / "copy", fmt, scales_apart=True)
+    for folder in (tmp_path / "pub", tmp_path / "copy"):
+        headers = {p.name: read_header(p, p.name) for p in folder.glob("*.safetensors")}
+        pairing = pair(headers, json.loads((folder / "config.json").read_text()))
+        assert not pairing.problems
+        seen = [t.name for f, h in headers.items() for t in pairing.tensors(f, h)]
+        assert seen
+        for pattern in REMOVED_UNSUPPORTED.values():
+            assert not [n for n in seen if re.search(pattern, n)], pattern
+
+
+@pytest.mark.parametrize("what", ["scales-without-blocks", "blocks-not-mxfp4"])
+def test_mxfp4_tensors_the_pairing_cannot_read_are_refused_whatever_the_recipe(
+        gpt_oss, tmp_path, what):
+    """An orphan MXFP4 `_scales` (its blocks missing) or U8 `_blocks` not shaped (..., 16)
+    never reach a recipe: the pairing names the file and tensor, as it does for an orphan
+    weight_scale_inv (the gpt_oss recipe once refused them as 'not supported yet')."""
+    from safetensors.numpy import load_file
+
+    publish(gpt_oss, tmp_path / "pub", tmp_path / "copy", "mxfp4", scales_apart=True)
+    f = tmp_path / "pub" / "scales.safetensors"
+    tensors = list(load_file(f).items())
+    if what == "scales-without-blocks":
+        name = "model.layers.1.mlp.experts.spare_proj_scales"
+        tensors.append((name, np.full((3, 8, 2), 127, np.uint8)))
+        want = f"tensor {name!r}: MXFP4 scales whose blocks"
+    else:
+        name = "model.layers.1.mlp.experts.spare_proj_blocks"
+        tensors.append((name, np.zeros((3, 32), np.uint8)))
+        want = f"tensor {name!r} (U8 [3, 32]): MXFP4 blocks without"
+    write_tensors(f, tensors)
+    index = json.loads((tmp_path / "pub" / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = f.name
+    (tmp_path / "pub" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as e:
+        run(tmp_path / "pub", tmp_path / "out")
+    assert len(e.value.problems) == 1, str(e.value)
+    assert want in e.value.problems[0] and "not supported yet" not in str(e.value)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4", "int4"])
 def test_verify_recomputes_errors_against_the_published_source(dense, gpt_oss, tmp_path, fmt):
     from turboquant.pipeline.verify import verify_repo
