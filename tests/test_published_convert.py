@@ -403,3 +403,32 @@ def test_stacked_fp8_experts_convert_to_the_bytes_of_their_float32_copy(tmp_path
     assert len(stacked) == 2 * 4 * 2  # layers x experts x (gate, up)
     report = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
     assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("zero_point", [False, True], ids=["symmetric", "zero-point"])
+def test_stacked_int4_experts_convert_to_the_bytes_of_their_float32_copy(tmp_path, zero_point):
+    """Qwen3.5-MoE's fused experts stacked (E, 2 x I, H) pack-quantized as int4 (X_packed,
+    group scales, zero points packed along rows): dequantized one expert at a time, split
+    into gate and up, coded; the same bytes as converting the float32 copy, and `verify
+    --source` recomputes every split row from the int4 codes."""
+    import mlx.core as mx
+    from arch_checkpoints import write_arch_checkpoint
+
+    from turboquant.pipeline.verify import verify_repo
+
+    src = tmp_path / "src"
+    write_arch_checkpoint(src, "qwen3_5_moe")
+    weights = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(src / "model.safetensors"),
+                        {k: v.astype(mx.float32) for k, v in weights.items()})
+    publish(src, tmp_path / "pub", tmp_path / "copy", "int4", scales_apart=True,
+            zero_point=zero_point)
+    run(tmp_path / "pub", tmp_path / "pub-tq", group_size=32)
+    run(tmp_path / "copy", tmp_path / "copy-tq", group_size=32)
+    rows = assert_same_repo(tmp_path / "pub-tq", tmp_path / "copy-tq", "I4")
+    stacked = [r for r in rows if r["source_name"].endswith(".experts.gate_up_proj")]
+    assert len(stacked) == 2 * 4 * 2  # layers x experts x (gate, up)
+    assert {r["source_name"] for r in rows if r["source_name"].endswith(".experts.down_proj")}
+    report = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
+    assert report.ok, report.text()
+    assert {n for n, _, m in report.decoded if m is not None} >= {r["name"] for r in stacked}
