@@ -140,7 +140,7 @@ class WorkDir:
         """Append one line to events.jsonl (what happened; for people and tests)."""
         line = json.dumps({"t": round(time.time(), 3), "event": event, "pid": os.getpid(),
                            **fields}, sort_keys=True)
-        with open(self.events_file, "a") as f:
+        with writing(self.events_file, len(line) + 1), open(self.events_file, "a") as f:
             f.write(line + "\n")
 
     def events(self) -> list[dict]:

@@ -206,11 +206,12 @@ def test_which_errors_become_one_line():
 
 
 def _fill(folder: Path) -> None:
-    with open(folder / "filler", "wb") as f:  # fill the disk up
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+    """Fill the disk up to its last byte (unbuffered: nothing is left to flush at close)."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            with contextlib.suppress(OSError):
+                while f.write(b"\0" * size):
+                    pass
 
 
 def test_a_full_disk_at_the_manifest_names_it_its_size_and_the_free_space(tmp_path):
@@ -243,3 +244,20 @@ def test_a_full_disk_at_the_manifest_names_it_its_size_and_the_free_space(tmp_pa
         (small / "filler").unlink()
         write_repo_files(p.plan, p.work, p.source)
         assert (out / MANIFEST_FILE).read_bytes() == manifest
+
+
+def test_a_full_disk_at_the_last_event_names_events_jsonl(tmp_path):
+    """The run's last line in .turboquant/events.jsonl (`run_done`) on a full disk: named,
+    like every other file the run writes (a write() error carries no file name of its own)."""
+    from turboquant.pipeline.errors import OutputWriteError
+    from turboquant.pipeline.ledger import WorkDir
+
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as small:
+        work = WorkDir(small / "out")
+        work.make()
+        work.events_file.write_bytes(b" " * 4095 + b"\n")  # a full page: the next needs one more
+        _fill(small)
+        with pytest.raises(OutputWriteError) as e:
+            work.event("run_done", run=1)
+        assert str(e.value).startswith(f"{work.events_file}: no space left on device while "
+                                       "writing it (it needs ")
