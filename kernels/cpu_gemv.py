@@ -32,6 +32,7 @@ import numpy as np
 
 from turboquant.stages import trellis
 from turboquant.stages.fast_hadamard import AVAILABLE
+from turboquant.stages.fast_trellis import state_value as _state_value  # the one hash
 
 ROWS_PER_TASK = 16  # rows one parallel task decodes (one levels buffer each)
 _MUL, _ADD = (np.array(trellis.MUL, dtype=np.uint64), np.array(trellis.ADD, dtype=np.uint64))
@@ -77,13 +78,8 @@ def _trellis_row(words, params, out):
             if shift > 0:
                 hi = np.uint64(words[first + (start // 32 + 1) % nwords]) << np.uint64(32 - shift)
                 lo = lo | hi
-            state = lo & mask
             j = i % v
-            h = (state * np.uint64(_MUL[j]) + np.uint64(_ADD[j])) & np.uint64(0xFFFFFFFF)
-            h = h ^ (h >> np.uint64(16))
-            total = ((h & np.uint64(255)) + ((h >> np.uint64(8)) & np.uint64(255))
-                     + ((h >> np.uint64(16)) & np.uint64(255)) + (h >> np.uint64(24)))
-            out[b0 + i] = (np.float32(total) - np.float32(_BYTESUM_MEAN)) / np.float32(_BYTESUM_STD)
+            out[b0 + i] = _state_value(lo & mask, _MUL[j], _ADD[j], _BYTESUM_MEAN, _BYTESUM_STD)
 
 
 def _decode_row(words, bits, book, out):
@@ -214,6 +210,7 @@ def _compiled():
             scope = globals()
             opts = dict(cache=True, nogil=True, error_model="numpy")
             scope["_half_to_float"] = numba.njit(**opts)(_half_to_float)
+            scope["_state_value"] = numba.njit(**opts)(_state_value)
             scope["_trellis_row"] = numba.njit(**opts)(_trellis_row)
             scope["_decode_row"] = numba.njit(**opts)(_decode_row)
             scope["_rows_times_x"] = numba.njit(fastmath=True, **opts)(_rows_times_x)

@@ -96,12 +96,9 @@ def get_for(op: str, bits, device_backend: str | None = None) -> Callable:
     reference) where `bits` is a TrellisBits."""
     if not reference.is_trellis(bits):
         return get(op, device_backend)
-    if op not in _REFERENCE:
-        raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
-    name = device_backend or backend()
-    if name in EAGER_BACKENDS and _GRAPH_ONLY.on:
+    name = _backend_for(op, device_backend)
+    if name is None:
         return _REFERENCE[op]
-    _load_backend(name)
     return _TRELLIS.get((name, op), _REFERENCE[op])
 
 
@@ -185,12 +182,9 @@ def graph_only():
 
 def get(op: str, device_backend: str | None = None) -> Callable:
     """The kernel for `op` on the current (or given) backend, else the reference."""
-    if op not in _REFERENCE:
-        raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
-    name = device_backend or backend()
-    if name in EAGER_BACKENDS and _GRAPH_ONLY.on:
+    name = _backend_for(op, device_backend)
+    if name is None:
         return _REFERENCE[op]
-    _load_backend(name)
     wrapped = _WRAPPED.get((name, op))
     if wrapped is None:
         fn = _TABLE.get((name, op))
@@ -198,6 +192,18 @@ def get(op: str, device_backend: str | None = None) -> Callable:
             return _REFERENCE[op]
         wrapped = _WRAPPED[(name, op)] = _with_fallback(fn, _REFERENCE[op])
     return wrapped
+
+
+def _backend_for(op: str, device_backend: str | None) -> str | None:
+    """`get`'s and `get_for`'s prologue: the backend whose kernels may serve `op`, loaded;
+    None where the reference must run (an eager backend while a graph is being built)."""
+    if op not in _REFERENCE:
+        raise ValueError(f"unknown kernel op {op!r}: one of {ops()}")
+    name = device_backend or backend()
+    if name in EAGER_BACKENDS and _GRAPH_ONLY.on:
+        return None
+    _load_backend(name)
+    return name
 
 
 def _with_fallback(fn: Callable, ref: Callable) -> Callable:

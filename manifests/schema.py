@@ -91,8 +91,9 @@ def stored_names(name: str, codec: str, in_scales: bool = False) -> list[str]:
     return names + [base + IN_SCALES_SUFFIX] if in_scales else names
 
 
-def write_manifest(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write rows (dicts with every column) as manifest.parquet, deterministically; with
+def write_manifest(rows: list[dict], path: str | os.PathLike | pa.NativeFile) -> None:
+    """Write rows (dicts with every column) as manifest.parquet (a path, or a pyarrow
+    stream such as a BufferOutputStream), deterministically; with
     the trellis columns where a row is trellis-coded and the in_scales column where a row
     stores in_scales (format 2)."""
     trellis = any(r["codec"] == "trellis" for r in rows)
@@ -103,7 +104,8 @@ def write_manifest(rows: list[dict], path: str | os.PathLike) -> None:
         raise ValueError(f"manifest rows lack columns {missing}")
     table = pa.Table.from_pylist([{c: bool(r.get(c)) if c == "in_scales" else r[c]
                                    for c in schema.names} for r in rows], schema=schema)
-    pq.write_table(table, str(path), compression="zstd", write_statistics=False)
+    where = path if isinstance(path, pa.NativeFile) else str(path)
+    pq.write_table(table, where, compression="zstd", write_statistics=False)
 
 
 def read_manifest(repo: str | os.PathLike) -> pa.Table:

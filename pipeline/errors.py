@@ -77,8 +77,10 @@ def _existing_parent(path: Path) -> Path | None:
     return None
 
 
-def describe_os_error(e: OSError, path: str | os.PathLike | None = None) -> str:
-    """One line: the file, what the system said, and what to do."""
+def describe_os_error(e: OSError, path: str | os.PathLike | None = None,
+                      needed: int | None = None) -> str:
+    """One line: the file, what the system said, and what to do (for a full disk: the free
+    space, and the file's size when the writer knows it, `needed`)."""
     path = path or e.filename
     what = e.strerror or str(e)
     if path is None:
@@ -92,11 +94,14 @@ def describe_os_error(e: OSError, path: str | os.PathLike | None = None) -> str:
                     "does not exist yet")
         return f"{p}: not a folder; choose an output path that is a folder or does not exist yet"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = os.strerror(e.errno)  # pyarrow words it "Error writing bytes to file. Detail: ..."
         where = _existing_parent(p.parent) or p.parent
         try:
             free = f"{human_bytes(shutil.disk_usage(where).free)} free on that disk"
         except OSError:
             free = "free space unknown"
+        if needed is not None:
+            free = f"it needs {human_bytes(needed)}, {free}"
         return f"{p}: {what.lower()} while writing it ({free}); {_WHAT_TO_DO[e.errno]}"
     if e.errno in _WHAT_TO_DO:
         return f"{p}: {what.lower()}; {_WHAT_TO_DO[e.errno]}"
@@ -118,14 +123,15 @@ class OutputWriteError(OutputError, OSError):
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike):
-    """Within: an OSError names `path`, the free space where it matters, and what to do."""
+def writing(path: str | os.PathLike, needed: int | None = None):
+    """Within: an OSError names `path`, the free space where it matters (and the `needed`
+    bytes of the file, when known), and what to do."""
     try:
         yield
     except OutputWriteError:
         raise
     except OSError as e:
-        raise OutputWriteError(e.errno, describe_os_error(e, path)) from None
+        raise OutputWriteError(e.errno, describe_os_error(e, path, needed)) from None
 
 
 _NETWORK_ERROR_NAMES = {"ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError",
@@ -164,6 +170,39 @@ def hub_unreachable(reason: str, what: str | None = None) -> str:
     target = f" to read Hub repo {what!r}" if what else ""
     return (f"cannot reach the Hugging Face Hub at {endpoint}{target} ({reason}); check the "
             "network connection (or HF_ENDPOINT), or give a local folder")
+
+
+class HubUnreachable(ConversionError):
+    """The Hub could not be reached (no network, a server down, HF_HUB_OFFLINE set): the
+    one line the CLI prints, raised to Python callers too (pipeline/sources.py)."""
+
+
+@contextlib.contextmanager
+def reaching_hub(repo_id: str):
+    """Within: a failure to reach the Hub becomes HubUnreachable naming the repo and what to
+    do, instead of the Hub client's own exception; anything else passes unchanged."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Hub client's network errors are many
+        reason = network_reason(e)
+        if reason is None:
+            raise
+        if _offline_mode(e):
+            raise HubUnreachable(f"HF_HUB_OFFLINE is set, so Hub repo {repo_id!r} cannot be "
+                                 "read; unset HF_HUB_OFFLINE, or give a local folder") from None
+        raise HubUnreachable(hub_unreachable(reason, repo_id)) from None
+
+
+def _offline_mode(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(c.__name__ == "OfflineModeIsEnabled" for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def spawned_worker_hint() -> str:

@@ -86,6 +86,9 @@ class Inventory:
     source_parameters: int = 0  # the model's weights (FP8 / MXFP4 / int4 scales not counted)
     source_bytes: int = 0  # tensor data in the source shards
     pairing: published.Pairing | None = field(default=None, repr=False)
+    # (mlx-lm's reading of the tensors, or None,) once derived: it depends on the config and
+    # the tensors only, so `reproject` reuses it (a 1T release's takes ~7 s each time)
+    architecture: tuple | None = field(default=None, repr=False)
 
     @property
     def dtype(self) -> str:
@@ -133,7 +136,8 @@ def reproject(inv: Inventory, **overrides) -> Inventory:
     if inv.kind != "source":
         raise ConversionError("only a source checkpoint can be projected through a recipe")
     args = {**inv.recipe_args, **overrides}
-    out = _projected(inv.source, inv.config, inv.headers, inv.recipe_arg, args)
+    out = _projected(inv.source, inv.config, inv.headers, inv.recipe_arg, args,
+                     inv.architecture, inv.pairing)
     out.files, out.tensors, out.headers = inv.files, inv.tensors, inv.headers
     out.source_parameters, out.source_bytes = inv.source_parameters, inv.source_bytes
     return out
@@ -174,17 +178,23 @@ def _repo_weights(where: str, config: dict, headers) -> Inventory:
 # ------------------------------------------------------------------------ source projection
 
 
-def _projected(where: str, config: dict, headers, recipe: str | None, overrides: dict
-               ) -> Inventory:
-    """The conversion plan's per-tensor decisions (pipeline/plan.py), sizes only."""
-    rec = bind_to_tensors(choose_recipe(config, recipe, overrides), config, headers)
+def _projected(where: str, config: dict, headers, recipe: str | None, overrides: dict,
+               architecture: tuple | None = None,
+               pairing: published.Pairing | None = None) -> Inventory:
+    """The conversion plan's per-tensor decisions (pipeline/plan.py), sizes only;
+    `architecture` and `pairing`: what an earlier projection of these headers derived."""
+    rec = choose_recipe(config, recipe, overrides)
+    if architecture is None:
+        rec = bind_to_tensors(rec, config, headers)
+    elif rec.architecture is None and architecture[0] is not None:
+        rec = rec.bind(architecture[0])
     num_layers = num_layers_of(config)
     problems: list[str] = []
     out: list[Weight] = []
     seen: set[str] = set()
     coded_bytes: dict[tuple, int] = {}
     decided: dict[tuple, Weight | str | None] = {}
-    pairing = published.pair(headers, config)
+    pairing = pairing or published.pair(headers, config)
     problems += pairing.problems
     for f, h in headers.items():
         for info in pairing.tensors(f, h):
@@ -217,7 +227,8 @@ def _projected(where: str, config: dict, headers, recipe: str | None, overrides:
                                       w.layer, expert_of(name)))
     summary = _recipe_summary(rec.name, rec.bits, _expert_bits(out))
     return Inventory(where, "source", config, out, recipe=summary, recipe_args=overrides,
-                     problems=problems, recipe_arg=recipe, pairing=pairing)
+                     problems=problems, recipe_arg=recipe, pairing=pairing,
+                     architecture=(rec.architecture,))
 
 
 def _split(info, split, f: str, problems: list[str]) -> list[tuple[str, tuple]]:

@@ -63,7 +63,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with writing(path), open(tmp, "wb") as f:
+    with writing(path, len(data)), _removed_on_failure(tmp), open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -73,12 +73,24 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def atomic_copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
-    with open(src, "rb") as fi, writing(dst), open(tmp, "wb") as fo:
+    with open(src, "rb") as fi, writing(dst, os.fstat(fi.fileno()).st_size), \
+            _removed_on_failure(tmp), open(tmp, "wb") as fo:
         while chunk := fi.read(1 << 22):
             fo.write(chunk)
         fo.flush()
         os.fsync(fo.fileno())
     os.replace(tmp, dst)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path):
+    """A temporary file a failed write leaves (a full disk) is removed: it holds space."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 @dataclass
@@ -128,7 +140,7 @@ class WorkDir:
         """Append one line to events.jsonl (what happened; for people and tests)."""
         line = json.dumps({"t": round(time.time(), 3), "event": event, "pid": os.getpid(),
                            **fields}, sort_keys=True)
-        with open(self.events_file, "a") as f:
+        with writing(self.events_file, len(line) + 1), open(self.events_file, "a") as f:
             f.write(line + "\n")
 
     def events(self) -> list[dict]:

@@ -268,6 +268,15 @@ def bind_to_tensors(rec: Recipe, config: dict, headers: dict) -> Recipe:
     for h in headers.values():
         for info in h.tensors.values():
             tensors.setdefault(info.name, (tuple(info.shape), info.dtype))
+    # int4 pack-quantized weights by their logical names (X.weight, stacked X), as mlx-lm's
+    # model names them; FP8 and MXFP4 keep their names and the architecture reads their
+    # scales (which keeps the digests, hence the recipe hashes, of their conversions)
+    packed = any(n.endswith("_packed") for n in tensors)  # pairing 1M tensors costs ~2 s
+    for name, pub in (published.pair(headers, config).published.items() if packed else ()):
+        if pub.format == "int4":
+            for t in (pub.tensor, *(q.tensor for q in pub.partners)):
+                tensors.pop(t, None)
+            tensors[name] = (pub.shape, "F32")
     try:
         return bind_architecture(rec, config, tensors)
     except RecipeError as e:

@@ -109,9 +109,11 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
         try:
             if info.dtype in FP8 and (name.endswith(".weight") or len(info.shape) == 3):
                 pub = _fp8(name, f, info, where, qc)
-            elif name.endswith("_blocks") and len(info.shape) >= 3 and info.shape[-1] == 16:
+            elif name.endswith("_blocks") and (info.dtype == "U8" or (
+                    len(info.shape) >= 3 and info.shape[-1] == 16)):
                 pub = _mxfp4(name, f, info, where)
-            elif name.endswith(".weight_packed"):
+            elif name.endswith(".weight_packed") or (name.endswith("_packed") and len(
+                    info.shape) == 3):  # `X_packed`: experts stacked as Qwen3.5's `X`
                 pub = _int4(name, f, info, where, qc)
         except _Refused as e:
             out.problems.append(f"{f}: tensor {name!r} ({info.dtype} {list(info.shape)}): {e}")
@@ -133,6 +135,13 @@ def pair(headers: dict[str, SafetensorsHeader], config: dict) -> Pairing:
             have = f"is {where[weight][1].dtype}" if weight in where else "is missing"
             out.problems.append(f"{f}: tensor {name!r}: an FP8 block scale whose weight "
                                 f"{weight!r} {have}: the checkpoint is incomplete or mixed")
+            out.refused.add(name)
+        elif name.endswith("_scales") and info.dtype == "U8" and name not in out.partners \
+                and name not in out.refused:
+            blocks = name[: -len("_scales")] + "_blocks"
+            have = "is not MXFP4" if blocks in where else "is missing"
+            out.problems.append(f"{f}: tensor {name!r}: MXFP4 scales whose blocks {blocks!r} "
+                                f"{have}: the checkpoint is incomplete or mixed")
             out.refused.add(name)
     return out
 
@@ -253,8 +262,9 @@ def _mxfp4(name, f, info, where) -> Published:
     if info.dtype != "U8" or len(shape) not in (3, 4) or shape[-1] != dequant.MXFP4_BLOCK // 2 \
             or sinfo.dtype != "U8" or tuple(sinfo.shape) != tuple(shape[:-1]):
         raise _Refused(f"MXFP4 blocks are U8 (..., out, groups, 16) with U8 scales "
-                       f"(..., out, groups); the scales {scale.tensor!r} are {sinfo.dtype} "
-                       f"{list(sinfo.shape)}: the checkpoint is not in the gpt-oss layout")
+                       f"(..., out, groups); these are {info.dtype} {list(shape)}, the scales "
+                       f"{scale.tensor!r} {sinfo.dtype} {list(sinfo.shape)}: the checkpoint "
+                       "is not in the gpt-oss layout")
     in_f = shape[-2] * dequant.MXFP4_BLOCK
     # stacked experts (E, out, G, 16) read as (E, in, out), the layout of the BF16 release
     logical = (shape[0], in_f, shape[1]) if len(shape) == 4 else (shape[0], in_f)
@@ -263,10 +273,14 @@ def _mxfp4(name, f, info, where) -> Published:
 
 
 def _int4(name, f, info, where, qc) -> Published:
+    """A pack-quantized int4 weight: `X.weight_packed` (out, in / 8), or experts stacked
+    (E, out, in / 8) as `X.weight_packed` or `X_packed`, with `..._scale` (E,) out, groups,
+    optional `..._zero_point` (E,) ceil(out / 8), groups and `..._shape`."""
     base = name[: -len("packed")]
     bits = _int_bits(qc)
-    if info.dtype != "I32" or len(info.shape) != 2:
-        raise _Refused("pack-quantized weights are I32 (out, in / 8) matrices")
+    if info.dtype != "I32" or len(info.shape) not in (2, 3):
+        raise _Refused("pack-quantized weights are I32 (out, in / 8) matrices or stacked "
+                       "experts (E, out, in / 8)")
     if bits != 4:
         raise _Refused(f"pack-quantized with {bits}-bit values: only 4-bit is read; convert "
                        "a BF16 copy of the model")
@@ -276,27 +290,32 @@ def _int4(name, f, info, where, qc) -> Published:
                        "incomplete (check its index)")
     scale, sinfo = found
     _check_float(sinfo, scale)
-    out_f, in_f = info.shape[0], info.shape[1] * 8
-    if len(sinfo.shape) != 2 or sinfo.shape[0] != out_f or in_f % sinfo.shape[1]:
+    lead = tuple(info.shape[:-2])  # (E,) for stacked experts
+    out_f, in_f = info.shape[-2], info.shape[-1] * 8
+    stacked = f"{lead[0]} experts of " if lead else ""
+    if len(sinfo.shape) != len(info.shape) or tuple(sinfo.shape[:-2]) != lead \
+            or sinfo.shape[-2] != out_f or in_f % sinfo.shape[-1]:
         raise _Refused(f"its scale {scale.tensor!r} has shape {list(sinfo.shape)}; a group "
-                       f"scale of a {out_f}x{in_f} weight is (out, in / group size)")
+                       f"scale of {stacked}a {out_f}x{in_f} weight is "
+                       f"({'E, ' if lead else ''}out, in / group size)")
+    groups = sinfo.shape[-1]
     partners = [scale]
     read = info.nbytes + sinfo.nbytes
     zp = _find(where, base + "zero_point", "zero_point")
     if zp:
         zinfo = zp[1]
-        if zinfo.dtype != "I32" or tuple(zinfo.shape) != (math.ceil(out_f / 8), sinfo.shape[1]):
+        if zinfo.dtype != "I32" or tuple(zinfo.shape) != lead + (math.ceil(out_f / 8), groups):
             raise _Refused(f"its zero point {zp[0].tensor!r} is {zinfo.dtype} "
                            f"{list(zinfo.shape)}; packed int4 zero points are I32 "
-                           f"(ceil(out / 8), groups)")
+                           f"({'E, ' if lead else ''}ceil(out / 8), groups)")
         partners.append(zp[0])
         read += zinfo.nbytes
     shp = _find(where, base + "shape", "shape")
     if shp:
         partners.append(shp[0])
         read += shp[1].nbytes
-    group = in_f // sinfo.shape[1]
-    return Published("int4", "I32", f, name, (out_f, in_f), tuple(partners), (1, group), read)
+    return Published("int4", "I32", f, name, lead + (out_f, in_f), tuple(partners),
+                     (1, in_f // groups), read)
 
 
 def _int_bits(qc: dict) -> int:
@@ -393,8 +412,9 @@ class PublishedReader:
         key = (pub.file, pub.tensor, e)
         if key != self._key:
             self._expert = None  # free before reading the next one
-            if pub.format == "fp8" and len(pub.shape) == 3:
-                self._expert = self._fp8_expert(pub, e)
+            if pub.format in ("fp8", "int4") and len(pub.shape) == 3:
+                read = self._fp8_expert if pub.format == "fp8" else self._int4_expert
+                self._expert = read(pub, e)
                 self._key = key
                 return self._expert
             if pub.format != "mxfp4" or len(pub.shape) != 3:
@@ -421,7 +441,28 @@ class PublishedReader:
             s = s.reshape(sinfo.shape[1:])
         return dequant.dequant_fp8(q.reshape(out_f, in_f), s, pub.dtype, pub.block)
 
+    def _int4_expert(self, pub: Published, e: int) -> np.ndarray:
+        """Expert e (out, in) of stacked int4 experts: its rows of the codes, scales and
+        zero points, nothing of the other experts."""
+        self._check_shape(pub)
+        _, out_f, in_f = pub.shape
+        width = self._info(pub.file, pub.tensor).shape[-1]
+        packed = self._read((pub.file, pub.tensor), e * out_f * width, out_f * width)
+        scale = pub.partner("scale")
+        groups = self._info(scale.file, scale.tensor).shape[-1]
+        s = self._floats(scale, e * out_f * groups, out_f * groups).reshape(out_f, groups)
+        zp = None
+        zpart = pub.partner("zero_point")
+        if zpart is not None:
+            zrows = math.ceil(out_f / 8)
+            zp = self._read(zpart, e * zrows * groups, zrows * groups).view("<i4")
+            zp = zp.reshape(zrows, groups)
+        return dequant.dequant_int4_expert(packed.view("<i4").reshape(out_f, width), s, in_f,
+                                           zp)
+
     def _check_shape(self, pub: Published) -> None:
+        """A `weight_shape` partner agrees with the codes (for stacked experts it may give
+        the whole (E, out, in) or one expert's (out, in))."""
         p = pub.partner("shape")
         if p is None:
             return
@@ -429,7 +470,7 @@ class PublishedReader:
         raw = self._read(p, 0, info.numel)
         dtype = {4: "<i4", 8: "<i8"}.get(info.itemsize)
         have = tuple(int(v) for v in raw.view(dtype)) if dtype else None
-        if have != pub.shape:
+        if have != pub.shape and (len(pub.shape) != 3 or have != pub.shape[1:]):
             raise SourceError(p.file, f"says the weight is {list(have or ())}, but its packed "
                               f"codes and scales make {list(pub.shape)}: only weights whose "
                               "input size is a multiple of 8 are read", p.tensor)

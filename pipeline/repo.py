@@ -79,6 +79,16 @@ def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
     return rows
 
 
+def manifest_bytes(rows: list[dict]) -> bytes:
+    """manifest.parquet's bytes, built in memory (a few hundred bytes a tensor), so that
+    its write is one atomic_write: the file is named, with its size, if the disk is full."""
+    import pyarrow as pa
+
+    buf = pa.BufferOutputStream()
+    write_manifest(rows, buf)
+    return buf.getvalue().to_pybytes()
+
+
 def trellis_fields(trellis: tuple[int, int, int] | None) -> dict:
     """The manifest's (and an override's) trellis columns: null unless trellis-coded."""
     if trellis is None:
@@ -141,9 +151,7 @@ def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
     """Write manifest, index, config, tokenizer files and model card; mark complete."""
     out = work.output
     rows = manifest_rows(plan, work)
-    tmp = out / (MANIFEST_FILE + ".tmp")
-    write_manifest(rows, tmp)
-    tmp.replace(out / MANIFEST_FILE)
+    atomic_write(out / MANIFEST_FILE, manifest_bytes(rows))  # a full disk: named, one line
     crash_point("repo_manifest")
 
     weight_map = {s.name: job.shard for job in plan.jobs for u in job.units for it in u.items

@@ -16,7 +16,7 @@ import re
 import threading
 from pathlib import Path
 
-from .errors import ConversionError, SourceError
+from .errors import ConversionError, SourceError, reaching_hub
 from .safetensors_io import SafetensorsHeader, header_length, parse_header, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -230,7 +230,8 @@ class HubSource(Source):
         if delete_after and self.download_dir is None:
             raise ConversionError("deleting source shards needs a download folder of our own")
         try:
-            info = self.api.model_info(repo_id, revision=revision, files_metadata=True)
+            with reaching_hub(repo_id):
+                info = self.api.model_info(repo_id, revision=revision, files_metadata=True)
         except RepositoryNotFoundError:
             raise ConversionError(f"Hub repo {repo_id!r} not found (check the id, HF_TOKEN and "
                                   "HF_ENDPOINT)") from None
@@ -254,7 +255,9 @@ class HubSource(Source):
     def _small(self, name: str) -> Path:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(self.repo_id, name, revision=self.commit, token=self.token))
+        with reaching_hub(self.repo_id):
+            return Path(hf_hub_download(self.repo_id, name, revision=self.commit,
+                                        token=self.token))
 
     def config(self) -> dict:
         if "config.json" not in self._siblings:
@@ -286,7 +289,8 @@ class HubSource(Source):
         url = hf_hub_url(self.repo_id, file, revision=self.commit)
         headers = build_hf_headers(token=self.token)
         headers["Range"] = f"bytes={start}-{end - 1}"
-        r = get_session().get(url, headers=headers, follow_redirects=True)
+        with reaching_hub(self.repo_id):
+            r = get_session().get(url, headers=headers, follow_redirects=True)
         if r.status_code not in (200, 206):
             raise SourceError(file, f"range request failed with HTTP {r.status_code}")
         data = r.content
@@ -330,7 +334,9 @@ class HubSource(Source):
         from huggingface_hub import hf_hub_download
 
         kw = {"local_dir": str(self.download_dir)} if self.download_dir else {}
-        p = Path(hf_hub_download(self.repo_id, file, revision=self.commit, token=self.token, **kw))
+        with reaching_hub(self.repo_id):
+            p = Path(hf_hub_download(self.repo_id, file, revision=self.commit, token=self.token,
+                                     **kw))
         if p.stat().st_size != self._size(file):
             raise SourceError(file, f"downloaded {p.stat().st_size} bytes, the Hub says "
                                     f"{self._size(file)}: the download is truncated")

@@ -6,7 +6,11 @@
 3. a sample of coded tensors (or all, with `full`) is decoded: finite, and its error is
    compared with the recorded `rel_mse` - recomputed against the source weights when the
    source checkpoint is given (within `match_tolerance`), else checked against the codec's
-   bounds.
+   bounds;
+4. with the source given and the conversion's ledger in the repo (`.turboquant/jobs/`), the
+   CRC-32 the job recorded of each tensor's source bytes (`source_crc32`) is compared with
+   the given source's: the sampled tensors and as many kept raw ones (every tensor with
+   `full`). Published FP8 / MXFP4 / int4 tensors record none (their errors are checked).
 
 How close a recomputation can be. The converter records rel_mse from encode's per-group
 float32 sums (||x||^2, <x, q>, <q, q> over `group_size` rotated weights, in order) combined in
@@ -36,6 +40,7 @@ import json
 import os
 import math
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,10 +50,10 @@ from turboquant.manifests.schema import (INDEX_FILE, QUANT_METHOD, READ_VERSIONS
                                          read_manifest, stored_names)
 
 from . import published
-from .ledger import sha256_file_range
+from .ledger import WORK, sha256_file_range
 from .plan import cut_piece, split_piece_of
 from .errors import SourceError
-from .safetensors_io import read_float32, read_header
+from .safetensors_io import read_float32, read_header, read_raw
 
 # Upper bounds on rel_mse for Gaussian-like weights: the Lloyd-Max MSE of each codebook
 # (0.1175, 0.0345, 0.0095; ternary 0.190) with head-room for fp16 scales and small groups.
@@ -72,6 +77,7 @@ class VerifyReport:
     rows: int = 0
     shards: int = 0
     checksums_ok: int = 0
+    source_crcs: int | None = None  # source CRCs compared (None: no source or no ledger)
     decoded: list[tuple[str, float, float | None]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -82,6 +88,8 @@ class VerifyReport:
     def text(self) -> str:
         lines = [f"{self.repo}: {self.rows} tensors in {self.shards} shards, "
                  f"{self.checksums_ok} checksums ok, {len(self.decoded)} decoded"]
+        if self.source_crcs is not None:
+            lines.append(f"  source CRC-32 compared for {self.source_crcs} tensors")
         for name, recorded, measured in self.decoded[:10]:
             m = "" if measured is None else f", recomputed {measured:.6f}"
             lines.append(f"  {name}: rel_mse recorded {recorded:.6f}{m}")
@@ -157,7 +165,60 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
     src = _SourceReader(Path(source), q.get("recipe")) if source else None
     for r in chosen:
         _check_decode(repo, r, headers[r["shard"]], src, rep)
+    if src is not None:
+        raw = [r for r in rows if r["codec"] == "raw"]
+        kept = raw if full else random.Random(seed).sample(raw, min(sample, len(raw)))
+        _check_source_crcs(repo, chosen + kept, src, rep)
     return rep
+
+
+def recorded_source_crcs(repo: Path) -> dict[str, str] | None:
+    """Each tensor's `source_crc32` from the repo's job ledgers (None: no ledger there, e.g.
+    a repo downloaded from the Hub)."""
+    ledgers = sorted((repo / WORK / "jobs").glob("*.ledger.jsonl"))
+    if not ledgers:
+        return None
+    crcs = {}
+    for path in ledgers:
+        for line in path.read_bytes().split(b"\n")[:-1]:  # a torn last line is not a record
+            for item in json.loads(line).get("items", []):
+                if "source_crc32" in item:
+                    crcs[item["name"]] = item["source_crc32"]
+    return crcs
+
+
+def _check_source_crcs(repo: Path, rows: list[dict], src: "_SourceReader",
+                       rep: VerifyReport) -> None:
+    try:
+        recorded = recorded_source_crcs(repo)
+    except (OSError, ValueError) as e:
+        rep.problems.append(f"{repo / WORK / 'jobs'}: cannot read the job ledgers: {e}")
+        return
+    if recorded is None:
+        return
+    rep.source_crcs = 0
+    for r in rows:
+        want = recorded.get(r["name"])
+        if want is None or r.get("source_dtype") in published.LABELS:
+            continue
+        try:
+            got = src.crc32(r)
+        except SourceError as e:
+            if f"source {src.folder}: {e}" not in rep.problems:  # once per broken file
+                rep.problems.append(f"source {src.folder}: {e}")
+            continue
+        if got is None:
+            if not any(r["name"] in p for p in rep.problems):
+                rep.problems.append(f"{r['name']!r}: cannot locate {r['source_name']!r} in the "
+                                    f"source {src.folder} (another model?)")
+            continue
+        rep.source_crcs += 1
+        if got != want:
+            rep.problems.append(f"{src.folder / r['source_shard']}: tensor {r['source_name']!r}: "
+                                f"CRC-32 {got}, the ledger recorded {want} when {r['name']!r} "
+                                "was converted: the repo was not converted from this source "
+                                "(or the source changed since); give the source it was "
+                                "converted from, or convert again with --fresh")
 
 
 def trellis_spec(row: dict) -> dict:
@@ -256,6 +317,34 @@ class _SourceReader:
             per = info.numel // info.shape[0]
             x = read_float32(fd, info, piece.expert * per, per, f).reshape(info.shape[1:])
             return cut_piece(x, piece)
+        finally:
+            os.close(fd)
+
+    def crc32(self, row: dict) -> str | None:
+        """CRC-32 of the source bytes a row was converted from, as the job read them (a
+        whole tensor: its byte range; a split piece: its raw values, cut); None if absent."""
+        f = row["source_shard"]
+        info = self._header(f).tensors.get(row["source_name"])
+        if info is None:
+            return None
+        fd = os.open(self.folder / f, os.O_RDONLY)
+        try:
+            if row["source_name"] == row["name"]:
+                crc, step = 0, max(1, (1 << 24) // info.itemsize)
+                for start in range(0, info.numel, step):
+                    crc = zlib.crc32(read_raw(fd, info, start, min(step, info.numel - start), f),
+                                     crc)
+                return f"{crc:08x}"
+            recipe = self._split_recipe()
+            if recipe is None or row["expert"] is None:
+                return None
+            piece = split_piece_of(recipe, f, row["source_name"], row["name"], row["expert"])
+            if piece is None:
+                return None
+            per = info.numel // info.shape[0]
+            raw = read_raw(fd, info, piece.expert * per, per, f)
+            bits = raw.view({1: np.uint8, 2: "<u2", 4: "<u4", 8: "<u8"}[info.itemsize])
+            return f"{zlib.crc32(cut_piece(bits.reshape(info.shape[1:]), piece)):08x}"
         finally:
             os.close(fd)
 

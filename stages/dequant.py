@@ -10,7 +10,8 @@ same bytes. Bit layouts:
 - FP4 E2M1 (MXFP4 elements): s ee m, bias 1: 0, 0.5, 1, 1.5, 2, 3, 4, 6; two a byte, low
   nibble first. E8M0 (MXFP4 scales): 2^(e - 127), 255 is NaN.
 - int4 pack-quantized (compressed-tensors): eight 4-bit values per int32, value j at bits
-  4j, stored as q + 8 for q in [-8, 7].
+  4j, stored as q + 8 for q in [-8, 7]. Experts stacked (E, out, in / 8), with scales
+  (E, out, groups) and zero points (E, ceil(out / 8), groups), decode one expert at a time.
 """
 
 from __future__ import annotations
@@ -117,3 +118,18 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, cols: int,
     if zero_point is not None:
         q = q - np.asarray(zero_point, dtype=np.int32)[:, :, None]
     return (q.astype(np.float32) * s[:, :, None]).reshape(rows, cols)
+
+
+def dequant_int4_expert(packed: np.ndarray, scale: np.ndarray, cols: int,
+                        zero_point: np.ndarray | None = None) -> np.ndarray:
+    """One expert of stacked int4 pack-quantized experts -> float32 (out, cols).
+
+    `packed` (out, ceil(cols / 8)) int32, `scale` (out, groups): the expert's slices of the
+    stacked (E, out, ...) tensors; `zero_point` its (ceil(out / 8), groups) int32 slice,
+    still packed along the output axis (eight rows a word), or None (symmetric).
+    """
+    zp = None
+    if zero_point is not None:
+        out_f = np.asarray(packed).shape[0]
+        zp = unpack_int4(np.asarray(zero_point), axis=0)[:out_f]
+    return dequant_int4(packed, scale, cols, zp)

@@ -8,7 +8,8 @@ and writes two checkpoints with the same shards and tensor order:
   stacked experts `X.experts.gate_up_proj` (E, out, in) get `X_scale_inv` (E, r, c)),
   FP8 E5M2 or E4M3 with per-channel / per-tensor scales and an `input_scale` (`fp8-channel`,
   `fp8-tensor`), MXFP4 stacked experts (`mxfp4`, gpt-oss), or compressed-tensors int4
-  pack-quantized (`int4`, Kimi K2 Thinking), with the config's `quantization_config`;
+  pack-quantized (`int4`, Kimi K2 Thinking; stacked experts `X` (E, out, in) get
+  `X_packed`, `X_scale`, `X_zero_point`, `X_shape`), with the config's `quantization_config`;
 - `copy`: every quantized tensor replaced by its dequantized float32 values, computed here
   independently of turboquant.stages.dequant (ml_dtypes for FP8 and FP4, plain numpy for
   E8M0 and the int4 words).
@@ -195,6 +196,16 @@ def _quantize(name, w, fmt, block, fp8_dtype, zero_point):
         return [(name, np.stack([c for c, _, _ in each])),
                 (name + "_scale_inv", np.stack([s for _, s, _ in each]))], \
             np.stack([d for _, _, d in each])
+    if fmt == "int4" and w.ndim == 3 and name.endswith(STACKED):
+        # experts stacked (E, out, in) pack-quantized: X_packed, X_scale (E, out, groups),
+        # X_zero_point (E, ceil(out / 8), groups), X_shape (E, out, in)
+        each = [int4_pack(x, zero_point=zero_point) for x in w]
+        parts = [(name + "_packed", np.stack([p for p, _, _, _ in each])),
+                 (name + "_scale", np.stack([s for _, s, _, _ in each]))]
+        if zero_point:
+            parts.append((name + "_zero_point", np.stack([z for _, _, z, _ in each])))
+        parts.append((name + "_shape", np.array(w.shape, np.int32)))
+        return parts, np.stack([d for _, _, _, d in each])
     if not name.endswith(LINEAR):
         return None, None
     base = name[: -len("weight")]

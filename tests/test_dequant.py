@@ -124,3 +124,28 @@ def test_int4_zero_points_unpack_along_rows(seed, rows, groups):
     words = _int4_words(padded.T).T
     assert words.shape == (math.ceil(rows / 8), groups)
     np.testing.assert_array_equal(dequant.unpack_int4(words, axis=0)[:rows], zp)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), experts=st.integers(1, 4), rows=st.integers(1, 20),
+       words=st.integers(1, 6), group=st.sampled_from([8, 16, 32]), zero=st.booleans())
+def test_int4_stacked_experts_one_at_a_time(seed, experts, rows, words, group, zero):
+    """Stacked (E, out, in / 8) int4 experts, scales (E, out, groups), zero points packed
+    along rows (E, ceil(out / 8), groups): each expert's slices decode to (q - zp) * s,
+    computed here with numpy from the unpacked values."""
+    rng = np.random.default_rng(seed)
+    cols = words * 8
+    group = group if cols % group == 0 else cols
+    q = rng.integers(-8, 8, size=(experts, rows, cols))
+    scale = rng.uniform(1e-3, 1, size=(experts, rows, cols // group)).astype(np.float32)
+    zp = rng.integers(-8, 8, size=scale.shape) if zero else np.zeros(scale.shape, np.int64)
+    packed = np.stack([_int4_words(q[e]) for e in range(experts)])
+    zwords = np.stack([_int4_words(np.pad(zp[e], ((0, -rows % 8), (0, 0))).T).T
+                       for e in range(experts)])
+    assert packed.shape == (experts, rows, words)
+    assert zwords.shape == (experts, math.ceil(rows / 8), cols // group)
+    for e in range(experts):
+        want = (q[e] - np.repeat(zp[e], group, axis=1)).astype(np.float32) * np.repeat(
+            scale[e], group, axis=1)
+        got = dequant.dequant_int4_expert(packed[e], scale[e], cols, zwords[e] if zero else None)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes()

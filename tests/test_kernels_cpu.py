@@ -276,3 +276,21 @@ def test_trellis_gemv_matches_the_reference(bits, lvt, group_size, rows, cols, t
     via = dispatch.tq_linear(x, codes, scales, tb, group_size, rows, padded)
     np.testing.assert_allclose(np.asarray(via), np.asarray(want), rtol=2e-4, atol=2e-4)
     assert dispatch.get_for("matvec", tb, "cpu") is dispatch._TRELLIS[("cpu", "matvec")]
+
+
+def test_get_and_get_for_share_one_prologue():
+    """An unknown op, the graph-only rule and the backend's loading are one code path for
+    plain and trellis weights alike (dispatch._backend_for)."""
+    from turboquant.stages.trellis import TrellisBits
+
+    tb = TrellisBits(3, 12, 1, 256)
+    for call in (lambda: dispatch.get("nope", "cpu"), lambda: dispatch.get_for("nope", tb, "cpu"),
+                 lambda: dispatch.get_for("nope", 3, "cpu")):
+        with pytest.raises(ValueError, match="unknown kernel op 'nope'"):
+            call()
+    with dispatch.graph_only():  # an eager backend gives way to the reference for both
+        assert dispatch.get("matvec", "cpu") is dispatch._REFERENCE["matvec"]
+        assert dispatch.get_for("matvec", tb, "cpu") is dispatch._REFERENCE["matvec"]
+    assert dispatch._backend_for("matvec", "cpu") == "cpu"
+    with dispatch.graph_only():
+        assert dispatch._backend_for("matvec", "cpu") is None

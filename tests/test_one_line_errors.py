@@ -113,8 +113,19 @@ def test_hub_id_without_network(tmp_path, command, status):
     assert r.returncode == status
     line = _one_line(r.stderr)
     assert line.startswith(f"turboquant {command}: error: cannot reach the Hugging Face Hub at "
-                           f"{endpoint} (")
+                           f"{endpoint} to read Hub repo 'someorg/somemodel' (")
     assert line.endswith("check the network connection (or HF_ENDPOINT), or give a local folder")
+
+
+@pytest.mark.parametrize("command, status", [("convert", 1), ("plan", 2)])
+def test_hub_id_with_hf_hub_offline(tmp_path, command, status):
+    args = [command, "someorg/somemodel"] + ([str(tmp_path / "out")] if command == "convert"
+                                             else [])
+    r = _turboquant(*args, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == status
+    assert _one_line(r.stderr) == (f"turboquant {command}: error: HF_HUB_OFFLINE is set, so Hub "
+                                   "repo 'someorg/somemodel' cannot be read; unset "
+                                   "HF_HUB_OFFLINE, or give a local folder")
 
 
 def test_plan_into_a_closed_pipe_is_quiet():
@@ -192,3 +203,61 @@ def test_which_errors_become_one_line():
                                     "tcp://10.0.0.1:8786 after 30 s")
     assert one_line_error(ValueError("a bug")) is None
     assert one_line_error(KeyError("x")) is None
+
+
+def _fill(folder: Path) -> None:
+    """Fill the disk up to its last byte (unbuffered: nothing is left to flush at close)."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            with contextlib.suppress(OSError):
+                while f.write(b"\0" * size):
+                    pass
+
+
+def test_a_full_disk_at_the_manifest_names_it_its_size_and_the_free_space(tmp_path):
+    """The repo files the run writes at the end, manifest.parquet first (pyarrow's own error
+    names no file): the file, the bytes it needs, the free space, what to do; no temporary
+    file left holding space; and after space is freed the finish writes the same bytes."""
+    from turboquant.cli import one_line_error
+    from turboquant.manifests.schema import MANIFEST_FILE
+    from turboquant.pipeline.convert import ConvertOptions, convert, validate
+    from turboquant.pipeline.errors import OutputWriteError
+    from turboquant.pipeline.repo import write_repo_files
+
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=16m", "tmpfs") as small:
+        opts = ConvertOptions(str(DENSE), str(small / "out"), in_process=True, progress=False,
+                              check_disk=False, min_job_bytes=0)
+        convert(opts)
+        out = small / "out"
+        manifest = (out / MANIFEST_FILE).read_bytes()
+        (out / MANIFEST_FILE).unlink()
+        _fill(small)
+        p = validate(opts)
+        with pytest.raises(OutputWriteError) as e:
+            write_repo_files(p.plan, p.work, p.source)
+        line = one_line_error(e.value)
+        assert line == str(e.value) and "\n" not in line
+        assert line.startswith(f"{out / MANIFEST_FILE}: no space left on device while "
+                               f"writing it (it needs {len(manifest) / 1000:.2f} KB, ")
+        assert " free on that disk); free some space" in line and "resumes" in line
+        assert not (out / (MANIFEST_FILE + ".tmp")).exists()
+        (small / "filler").unlink()
+        write_repo_files(p.plan, p.work, p.source)
+        assert (out / MANIFEST_FILE).read_bytes() == manifest
+
+
+def test_a_full_disk_at_the_last_event_names_events_jsonl(tmp_path):
+    """The run's last line in .turboquant/events.jsonl (`run_done`) on a full disk: named,
+    like every other file the run writes (a write() error carries no file name of its own)."""
+    from turboquant.pipeline.errors import OutputWriteError
+    from turboquant.pipeline.ledger import WorkDir
+
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as small:
+        work = WorkDir(small / "out")
+        work.make()
+        work.events_file.write_bytes(b" " * 4095 + b"\n")  # a full page: the next needs one more
+        _fill(small)
+        with pytest.raises(OutputWriteError) as e:
+            work.event("run_done", run=1)
+        assert str(e.value).startswith(f"{work.events_file}: no space left on device while "
+                                       "writing it (it needs ")

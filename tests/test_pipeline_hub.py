@@ -62,3 +62,67 @@ def test_convert_from_a_hub_repo(hub_server, tmp_path):
 def test_unknown_hub_repo_is_a_clear_error(hub_server, tmp_path):
     with pytest.raises(ConversionError, match="Hub repo 'test-user/nope' not found"):
         validate(_opts("test-user/nope", tmp_path / "out"))
+
+
+def _uploaded(hub_server, tmp_path, repo="test-user/tiny-dense"):
+    from checkpoints import write_llama_checkpoint
+
+    src = write_llama_checkpoint(tmp_path / "src", layers=1, hidden=64, intermediate=128,
+                                 vocab=128, shards=1)
+    api = hub_server.api()
+    api.create_repo(repo)
+    api.upload_folder(repo_id=repo, folder_path=str(src))
+    return repo
+
+
+@pytest.mark.parametrize("how", ["server-stopped", "HF_HUB_OFFLINE"])
+def test_python_api_gives_the_clis_one_line_when_the_hub_is_unreachable(hub_server, tmp_path,
+                                                                       how):
+    """HubSource (and convert/validate through it) raise HubUnreachable, a ConversionError
+    whose message is the CLI's line: the repo, the endpoint and what to do; never the Hub
+    client's own exception."""
+    from turboquant.pipeline.errors import HubUnreachable
+    from turboquant.pipeline.sources import HubSource
+
+    repo = _uploaded(hub_server, tmp_path)
+    if how == "server-stopped":
+        url = hub_server.url
+        hub_server.stop()
+        want = (f"cannot reach the Hugging Face Hub at {url} to read Hub repo "
+                f"{repo!r} (", "check the network connection (or HF_ENDPOINT), or give a "
+                "local folder")
+        offline = None
+    else:
+        want = (f"HF_HUB_OFFLINE is set, so Hub repo {repo!r} cannot be read; ",
+                "unset HF_HUB_OFFLINE, or give a local folder")
+        offline = hub_server.offline()
+        offline.__enter__()
+    try:
+        for call in (lambda: HubSource(repo), lambda: validate(_opts(repo, tmp_path / "o")),
+                     lambda: convert(_opts(repo, tmp_path / "o"))):
+            with pytest.raises(HubUnreachable) as e:
+                call()
+            line = str(e.value)
+            assert isinstance(e.value, ConversionError) and "\n" not in line
+            assert line.startswith(want[0]) and line.endswith(want[1]), line
+            assert e.value.__cause__ is None and e.value.__suppress_context__
+    finally:
+        if offline is not None:
+            offline.__exit__(None, None, None)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_hub_unreachable_mid_run_is_the_same_line(hub_server, tmp_path):
+    """Metadata read, then the server goes away before the shards download: the job's
+    error is the same one line (it crosses the worker boundary as a ConversionError)."""
+    import pickle
+
+    from turboquant.pipeline.errors import HubUnreachable
+    from turboquant.pipeline.sources import HubSource
+
+    repo = _uploaded(hub_server, tmp_path)
+    source = HubSource(repo)
+    hub_server.stop()
+    with pytest.raises(HubUnreachable, match=f"to read Hub repo {repo!r}") as e:
+        source.local_path(source.shard_files()[0])
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)

@@ -148,6 +148,41 @@ def test_reproject_changes_only_the_recipe(tmp_path):
     assert sum(w.nbytes for w in two.weights) < sum(w.nbytes for w in inv.weights)
 
 
+@pytest.mark.parametrize("style,recipe", [("qwen3_moe", "default"), ("deepseek_v2", None)],
+                         ids=["generic", "family"])
+def test_reproject_reuses_the_architecture_and_pairing_and_equals_the_plan(
+        tmp_path, monkeypatch, style, recipe):
+    """`plan`'s suggestions reproject a checkpoint four times: mlx-lm's reading of the
+    tensors (derive) and the published pairing are made once (a 1T release spent ~85% of
+    its `plan` redoing them), and every reprojection still equals the conversion plan."""
+    from turboquant.manifests import architecture
+    from turboquant.pipeline import fit_weights
+
+    src = write_moe_checkpoint(tmp_path / "m", style=style, layers=3, hidden=64,
+                               intermediate=64, first_dense_layers=1)
+    calls = {"derive": 0, "pair": 0}
+    derive, pair = architecture.derive, fit_weights.published.pair
+
+    def counted(name, fn):
+        def call(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(architecture, "derive", counted("derive", derive))
+    monkeypatch.setattr(fit_weights.published, "pair", counted("pair", pair))
+    inv = inventory(LocalSource(src), recipe=recipe)
+    first = dict(calls)
+    options = [{"expert_bits": 2}, {"expert_bits": "ternary"}, {"bits": 3, "expert_bits": 2}]
+    again = [reproject(inv, **opt) for opt in options]
+    assert calls == first, (first, calls)  # nothing derived or paired again
+    monkeypatch.setattr(architecture, "derive", derive)
+    monkeypatch.setattr(fit_weights.published, "pair", pair)
+    for opt, inv2 in zip(options, again):
+        want = _stored_bytes(build_plan(LocalSource(src), recipe=recipe, overrides=opt))
+        assert {w.name: w.nbytes for w in inv2.weights} == want, opt
+
+
 def test_converted_repo_projects_like_its_source(tmp_path):
     src = write_moe_checkpoint(tmp_path / "src", layers=3, hidden=64, intermediate=64)
     out = tmp_path / "out"

@@ -250,6 +250,63 @@ def test_a_block_scale_without_its_fp8_weight_is_refused(dense, tmp_path):
     assert "weight 'model.embed_tokens.weight' is F32" in str(e.value)
 
 
+# the [[unsupported]] entries deepseek_v2.toml and gpt_oss.toml held until 2026-12-05
+REMOVED_UNSUPPORTED = {"deepseek_v2": r"\.weight_scale_inv$",
+                       "gpt_oss": r"_blocks$|\.experts\.\w+_scales$"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "mxfp4", "int4"])
+def test_no_tensor_the_plan_sees_can_match_the_removed_unsupported_entries(dense, gpt_oss,
+                                                                         tmp_path, fmt):
+    """What the recipes' [[unsupported]] patterns were tested against: the tensors the
+    pairing yields. Partners and scales are read with their weight (or refused by the
+    pairing), codes tensors become their logical names: no name is left to match."""
+    import re
+
+    from turboquant.pipeline.published import pair
+    from turboquant.pipeline.safetensors_io import read_header
+
+    src = gpt_oss if fmt == "mxfp4" else dense
+    publish(src, tmp_path / "pub", tmp_path / "copy", fmt, scales_apart=True)
+    for folder in (tmp_path / "pub", tmp_path / "copy"):
+        headers = {p.name: read_header(p, p.name) for p in folder.glob("*.safetensors")}
+        pairing = pair(headers, json.loads((folder / "config.json").read_text()))
+        assert not pairing.problems
+        seen = [t.name for f, h in headers.items() for t in pairing.tensors(f, h)]
+        assert seen
+        for pattern in REMOVED_UNSUPPORTED.values():
+            assert not [n for n in seen if re.search(pattern, n)], pattern
+
+
+@pytest.mark.parametrize("what", ["scales-without-blocks", "blocks-not-mxfp4"])
+def test_mxfp4_tensors_the_pairing_cannot_read_are_refused_whatever_the_recipe(
+        gpt_oss, tmp_path, what):
+    """An orphan MXFP4 `_scales` (its blocks missing) or U8 `_blocks` not shaped (..., 16)
+    never reach a recipe: the pairing names the file and tensor, as it does for an orphan
+    weight_scale_inv (the gpt_oss recipe once refused them as 'not supported yet')."""
+    from safetensors.numpy import load_file
+
+    publish(gpt_oss, tmp_path / "pub", tmp_path / "copy", "mxfp4", scales_apart=True)
+    f = tmp_path / "pub" / "scales.safetensors"
+    tensors = list(load_file(f).items())
+    if what == "scales-without-blocks":
+        name = "model.layers.1.mlp.experts.spare_proj_scales"
+        tensors.append((name, np.full((3, 8, 2), 127, np.uint8)))
+        want = f"tensor {name!r}: MXFP4 scales whose blocks"
+    else:
+        name = "model.layers.1.mlp.experts.spare_proj_blocks"
+        tensors.append((name, np.zeros((3, 32), np.uint8)))
+        want = f"tensor {name!r} (U8 [3, 32]): MXFP4 blocks without"
+    write_tensors(f, tensors)
+    index = json.loads((tmp_path / "pub" / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = f.name
+    (tmp_path / "pub" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as e:
+        run(tmp_path / "pub", tmp_path / "out")
+    assert len(e.value.problems) == 1, str(e.value)
+    assert want in e.value.problems[0] and "not supported yet" not in str(e.value)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4", "int4"])
 def test_verify_recomputes_errors_against_the_published_source(dense, gpt_oss, tmp_path, fmt):
     from turboquant.pipeline.verify import verify_repo
@@ -346,3 +403,32 @@ def test_stacked_fp8_experts_convert_to_the_bytes_of_their_float32_copy(tmp_path
     assert len(stacked) == 2 * 4 * 2  # layers x experts x (gate, up)
     report = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
     assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("zero_point", [False, True], ids=["symmetric", "zero-point"])
+def test_stacked_int4_experts_convert_to_the_bytes_of_their_float32_copy(tmp_path, zero_point):
+    """Qwen3.5-MoE's fused experts stacked (E, 2 x I, H) pack-quantized as int4 (X_packed,
+    group scales, zero points packed along rows): dequantized one expert at a time, split
+    into gate and up, coded; the same bytes as converting the float32 copy, and `verify
+    --source` recomputes every split row from the int4 codes."""
+    import mlx.core as mx
+    from arch_checkpoints import write_arch_checkpoint
+
+    from turboquant.pipeline.verify import verify_repo
+
+    src = tmp_path / "src"
+    write_arch_checkpoint(src, "qwen3_5_moe")
+    weights = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(src / "model.safetensors"),
+                        {k: v.astype(mx.float32) for k, v in weights.items()})
+    publish(src, tmp_path / "pub", tmp_path / "copy", "int4", scales_apart=True,
+            zero_point=zero_point)
+    run(tmp_path / "pub", tmp_path / "pub-tq", group_size=32)
+    run(tmp_path / "copy", tmp_path / "copy-tq", group_size=32)
+    rows = assert_same_repo(tmp_path / "pub-tq", tmp_path / "copy-tq", "I4")
+    stacked = [r for r in rows if r["source_name"].endswith(".experts.gate_up_proj")]
+    assert len(stacked) == 2 * 4 * 2  # layers x experts x (gate, up)
+    assert {r["source_name"] for r in rows if r["source_name"].endswith(".experts.down_proj")}
+    report = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
+    assert report.ok, report.text()
+    assert {n for n, _, m in report.decoded if m is not None} >= {r["name"] for r in stacked}

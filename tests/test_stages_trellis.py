@@ -215,6 +215,25 @@ def test_state_values_follow_the_documented_formula():
     assert digest == "c4e6e0a7d156533eab1e142e5ccfb62df18de9de87506574d408280141389847"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "numba"])
+def test_the_scalar_state_value_compiled_code_uses_is_the_codebook(compiled):
+    """fast_trellis.state_value, the one hash compiled code calls (kernels/cpu_gemv.py),
+    gives trellis.codebook's float32 bits for every state of L = 12 and both values."""
+    fn = fast_trellis.state_value
+    if compiled:
+        if not fast_trellis.AVAILABLE:
+            pytest.skip("numba is not installed")
+        import numba
+
+        fn = numba.njit(fn)
+    code = TrellisCode(12, 2, 2)
+    table = trellis.codebook(code)
+    got = np.array([[fn(s, trellis.MUL[j], trellis.ADD[j], trellis.BYTESUM_MEAN,
+                        trellis.BYTESUM_STD) for j in range(2)] for s in range(1 << 12)],
+                   dtype=np.float32)
+    assert got.tobytes() == table.tobytes()
+
+
 def test_zero_groups_decode_to_zero_and_non_finite_rows_are_refused():
     code = TrellisCode(8, 2, 1)
     x = gaussian(5, 2, 128)

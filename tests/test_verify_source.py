@@ -71,6 +71,7 @@ def test_clean_conversions_verify_against_their_source(tmp_path, encode_path, mo
     assert report.ok, report.text()
     rows = {r["name"]: r for r in pq.read_table(out / "manifest.parquet").to_pylist()}
     assert len(report.decoded) == sum(r["codec"] != "raw" for r in rows.values())
+    assert report.source_crcs == len(rows)  # every tensor's source bytes, raw ones too
     gaps = []
     for name, recorded, measured in report.decoded:
         r = rows[name]
@@ -198,6 +199,7 @@ def test_rows_of_generic_splits_verify_and_a_moved_piece_fails(tmp_path, model_t
     report = verify_repo(out, source=src, full=True)
     assert report.ok, report.text()
     assert {n for n, _, m in report.decoded if m is not None} >= {r["name"] for r in split}
+    assert report.source_crcs == len(rows)  # each piece's CRC as the job read it
 
     # expert 2's up rows of layer 1 move by 10% in the source: only that row disagrees
     source = next(r["source_name"] for r in split if r["name"] == row)
@@ -212,3 +214,63 @@ def test_rows_of_generic_splits_verify_and_a_moved_piece_fails(tmp_path, model_t
     assert not report.ok
     bad = [p for p in report.problems if "rel_mse recomputed" in p]
     assert len(bad) == 1 and repr(row) in bad[0], report.text()
+
+
+def _rewrite_tensor(src: Path, name: str, change) -> str:
+    """Apply `change` to the raw bytes (uint8) of source tensor `name`; its shard's name."""
+    for f in sorted(src.glob("*.safetensors")):
+        info = read_header(f).tensors.get(name)
+        if info is None:
+            continue
+        with open(f, "r+b") as fh:
+            fh.seek(info.start)
+            raw = bytearray(fh.read(info.end - info.start))
+            change(raw)
+            fh.seek(info.start)
+            fh.write(bytes(raw))
+        return f.name
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("tensor,codec", [
+    ("model.layers.1.post_attention_layernorm.weight", "raw"),
+    ("model.layers.0.self_attn.o_proj.weight", "coded"),
+])
+def test_a_source_whose_bytes_differ_fails_its_crc_naming_file_and_tensor(converted, tmp_path,
+                                                                          tensor, codec):
+    """A kept raw tensor has no error to recompute, and one flipped low bit of a coded
+    weight moves rel_mse far less than its tolerance: the ledger's CRC sees both."""
+    src, out = converted
+    alt = tmp_path / "alt"
+    shutil.copytree(src, alt)
+
+    def flip(raw):
+        raw[10] ^= 0x01  # the lowest mantissa bit of one bf16 value
+
+    shard = _rewrite_tensor(alt, tensor, flip)
+    report = verify_repo(out, source=alt, full=True)
+    assert not report.ok, report.text()
+    assert len(report.problems) == 1, report.text()
+    assert "CRC-32" in report.problems[0]
+    assert f"{alt / shard}: tensor {tensor!r}" in report.problems[0]
+    assert "not converted from this source" in report.problems[0]
+    if codec == "coded":  # the recomputed error alone would have passed it
+        assert tensor in {n for n, _, m in report.decoded if m is not None}
+
+
+def test_a_repo_without_its_ledger_skips_the_crcs(converted, tmp_path):
+    """A repo downloaded from the Hub has no .turboquant/: only the errors are compared."""
+    src, clean = converted
+    out = tmp_path / "out"
+    shutil.copytree(clean, out, ignore=shutil.ignore_patterns(".turboquant"))
+    report = verify_repo(out, source=src, full=True)
+    assert report.ok and report.source_crcs is None, report.text()
+    assert "source CRC-32" not in report.text()
+
+
+def test_verify_cli_shows_the_crc_count(converted, capsys):
+    from turboquant import verify
+
+    src, out = converted
+    assert verify.main([str(out), "--source", str(src), "--sample", "2"]) == 0
+    assert "source CRC-32 compared for 4 tensors" in capsys.readouterr().out

@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --memory-gb must be positive", file=sys.stderr)
         return 2
     from turboquant.manifests.recipe import RecipeError
-    from turboquant.pipeline.errors import (ConversionError, SourceError, hub_unreachable,
-                                            network_reason)
+    from turboquant.pipeline.errors import (ConversionError, HubUnreachable, SourceError,
+                                            hub_unreachable, network_reason)
     from turboquant.pipeline.fit import project, this_machine
     from turboquant.pipeline.fit_model import ShapeError
     from turboquant.pipeline.fit_weights import inventory
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             args.context = default_context(inv.config)
         proj = project(inv, args.context, machine, dtype=args.dtype, kv_bits=args.kv_bits,
                        prefill_step=args.prefill_step)
+    except HubUnreachable as e:  # the same line as the other commands' network errors
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     except (ConversionError, SourceError, RecipeError, ShapeError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
