@@ -300,47 +300,50 @@ class _SourceReader:
         """The source weight (out, in) as float32, or None if it cannot be located."""
         if row.get("source_dtype") in published.LABELS:
             return self._published_weight(row)
-        f = row["source_shard"]
-        info = self._header(f).tensors.get(row["source_name"])
-        if info is None:
+        found = self._located(row)
+        if found is None:
             return None
+        f, info, piece = found
         fd = os.open(self.folder / f, os.O_RDONLY)
         try:
-            if row["source_name"] == row["name"]:
-                return read_float32(fd, info, 0, info.numel, f).reshape(info.shape)
-            recipe = self._split_recipe()
-            if recipe is None or row["expert"] is None:
-                return None
-            piece = split_piece_of(recipe, f, row["source_name"], row["name"], row["expert"])
             if piece is None:
-                return None
+                return read_float32(fd, info, 0, info.numel, f).reshape(info.shape)
             per = info.numel // info.shape[0]
             x = read_float32(fd, info, piece.expert * per, per, f).reshape(info.shape[1:])
             return cut_piece(x, piece)
         finally:
             os.close(fd)
 
-    def crc32(self, row: dict) -> str | None:
-        """CRC-32 of the source bytes a row was converted from, as the job read them (a
-        whole tensor: its byte range; a split piece: its raw values, cut); None if absent."""
+    def _located(self, row: dict):
+        """(shard, header entry, split piece or None for a whole tensor) of a row's source,
+        or None when the source does not hold it."""
         f = row["source_shard"]
         info = self._header(f).tensors.get(row["source_name"])
         if info is None:
             return None
+        if row["source_name"] == row["name"]:
+            return f, info, None
+        recipe = self._split_recipe()
+        if recipe is None or row["expert"] is None:
+            return None
+        piece = split_piece_of(recipe, f, row["source_name"], row["name"], row["expert"])
+        return None if piece is None else (f, info, piece)
+
+    def crc32(self, row: dict) -> str | None:
+        """CRC-32 of the source bytes a row was converted from, as the job read them (a
+        whole tensor: its byte range; a split piece: its raw values, cut); None if absent."""
+        found = self._located(row)
+        if found is None:
+            return None
+        f, info, piece = found
         fd = os.open(self.folder / f, os.O_RDONLY)
         try:
-            if row["source_name"] == row["name"]:
+            if piece is None:
                 crc, step = 0, max(1, (1 << 24) // info.itemsize)
                 for start in range(0, info.numel, step):
                     crc = zlib.crc32(read_raw(fd, info, start, min(step, info.numel - start), f),
                                      crc)
                 return f"{crc:08x}"
-            recipe = self._split_recipe()
-            if recipe is None or row["expert"] is None:
-                return None
-            piece = split_piece_of(recipe, f, row["source_name"], row["name"], row["expert"])
-            if piece is None:
-                return None
             per = info.numel // info.shape[0]
             raw = read_raw(fd, info, piece.expert * per, per, f)
             bits = raw.view({1: np.uint8, 2: "<u2", 4: "<u4", 8: "<u8"}[info.itemsize])
