@@ -10,12 +10,13 @@ nvcc builds for sm_90 from the kernel text `kernels/cuda_trellis.py` generates.
 Codebooks (`--books`): `v1` is the format's (stages/trellis.py, trellis version 1: a
 multiply-add, a shift-xor, the sum of the four bytes); the others are candidates for a
 cheaper one, measured here only (no converter writes them):
-- `mad`: v1 without the shift-xor, h = S * MUL + ADD and the sum of its four bytes;
+- `mad`: v1 without the shift-xor, h = S * MUL + ADD and the sum of its four bytes: trellis
+  version 2 (`TrellisCode(..., version=2)`, decoded by every kernel, written by none yet);
 - `tri`: a byte difference of v1's hash, (byte0 - byte1) / STD for value 0 and
   (byte2 - byte3) / STD for value 1 (triangular values, two from one hash).
 Their MSE comes from the encoder's own reconstruction with the candidate's table
-(`stages.trellis.encode_rows(table=...)`); their SASS from v1's kernel text with the value
-steps replaced (`mad` only: the `tri` GEMV needs a half2 kernel not written yet).
+(`stages.trellis.encode_rows(table=...)`); `mad`'s SASS from the GEMV's text at version 2
+(`tri` has no kernel: it would need a half2 GEMV).
 
 The instruction count is the longest innermost loop's (the GEMV's chunk loop: 32 weights of each of
 ROWS rows an iteration) divided by its weights, at 28672x8192 (the issue's GEMV shape; ROWS
@@ -68,13 +69,8 @@ def book(name: str, code: TrellisCode) -> np.ndarray:
         return trellis.codebook(code)
     s = np.arange(1 << code.state_bits, dtype=np.uint32)
     out = np.empty((len(s), code.values), dtype=np.float32)
-    if name == "mad":
-        for j in range(code.values):
-            h = s * np.uint32(trellis.MUL[j]) + np.uint32(trellis.ADD[j])
-            total = (h & 0xFF) + ((h >> 8) & 0xFF) + ((h >> 16) & 0xFF) + (h >> 24)
-            out[:, j] = (total.astype(np.float32) - np.float32(trellis.BYTESUM_MEAN)) \
-                / np.float32(trellis.BYTESUM_STD)
-        return out
+    if name == "mad":  # trellis version 2
+        return trellis.codebook(TrellisCode(code.state_bits, code.bits, code.values, 2))
     if name == "tri":
         h = s * np.uint32(trellis.MUL[0]) + np.uint32(trellis.ADD[0])
         h ^= h >> np.uint32(16)
@@ -192,16 +188,13 @@ def trellis_source(code: TrellisCode, name: str) -> tuple[str, int]:
     from cuda_source import MLX_DEFAULT_HEADER, kernel_source
 
     rows = cuda_trellis.rows_per_warp_for(GEMV_OUT)
+    if name not in ("v1", "mad"):
+        raise ValueError(f"no kernel text for codebook {name!r}")
+    version = 2 if name == "mad" else 1
+    code = TrellisCode(code.state_bits, code.bits, code.values, version)
     body = cuda_trellis.gemv_source(code, BLOCK, GROUP, GEMV_IN, GEMV_OUT, mx.float32,
                                     mx.float32, rows)
-    head = cuda_trellis.header()
-    if name == "mad":
-        centred = head.index("tq_trellis_centred")
-        xor = head.index("  h ^= h >> 16;\n", centred)
-        head = head[:xor] + head[xor + len("  h ^= h >> 16;\n"):]
-    elif name != "v1":
-        raise ValueError(f"no kernel text for codebook {name!r}")
-    src = MLX_DEFAULT_HEADER + head + kernel_source(
+    src = MLX_DEFAULT_HEADER + cuda_trellis.header() + kernel_source(
         "tq_trellis_gemv", ["x", "codes", "scales"], ["out"], body,
         [mx.float32, mx.uint32, mx.float16], [mx.float32], [])
     return src, 32 * rows
