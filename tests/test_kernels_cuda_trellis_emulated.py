@@ -162,9 +162,11 @@ def test_the_benchmark_runs(emulated, monkeypatch, capsys, tmp_path):
     bench.trellis_main(str(tmp_path / "trellis.json"), encode=True)
     out = capsys.readouterr().out
     assert "trellis3_linear" in out and "slice identical" in out
+    assert "trellis3v2_V2" in out  # version 2 and V=2 timed beside version 1 at V=1
     import json
 
     results = json.loads((tmp_path / "trellis.json").read_text())
     assert [r["slice_identical"] for r in results["encode"]] == [True] * 3
     assert results["gemv"][0]["shape"] == "64x256"
     assert all(c["decode_exact"] and c["gemv"] < 1e-5 for c in results["check"].values())
+    assert "3 v2" in results["check"] and "trellis3v2_single" in results["gemv"][0]
