@@ -12,6 +12,7 @@ the last column is its relative difference from the decoded error.
     .venv/bin/python benchmarks/codec.py            # ~1 minute on a 2-core CPU
     TURBOQUANT_NO_NUMBA=1 .venv/bin/python benchmarks/codec.py   # encode without numba
     .venv/bin/python benchmarks/codec.py --trellis  # trellis candidates vs Lloyd-Max (~6 min)
+    .venv/bin/python benchmarks/codec.py --trellis-candidates  # + CPU GEMV and SASS a weight
 
 --trellis measures the trellis code of stages/trellis.py instead (see trellis_main).
 """
@@ -98,6 +99,12 @@ def affine_row(w: mx.array, bits: int, group_size: int, repeats: int, columns) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--trellis-candidates" in argv:  # its own options: trellis_candidates.py --help
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import trellis_candidates
+
+        return trellis_candidates.main([a for a in argv if a != "--trellis-candidates"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
@@ -105,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", default="2,3,4,ternary", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trellis-candidates", action="store_true",
+                        help="the candidates table (L, V, k, codebook: MSE, encode speed, CPU "
+                        "GEMV, SASS instructions a weight): benchmarks/trellis_candidates.py")
     parser.add_argument("--trellis", action="store_true",
                         help="measure trellis codes (L, V, k) against Lloyd-Max and 4^-b")
     parser.add_argument("--trellis-rows", type=int, default=256,

@@ -354,7 +354,8 @@ def _time_loop(label: str, call, per_eval: int, evals: int) -> None:
 TRELLIS_SHAPES = [(28672, 8192), (4096, 4096)]
 
 
-def trellis_operands(out_f: int, in_f: int, bits: int, state_bits: int = 16, seed: int = 0):
+def trellis_operands(out_f: int, in_f: int, bits: int, state_bits: int = 16, seed: int = 0,
+                     values: int = 1, version: int = 1):
     """Random trellis-coded rows (any words are a valid code) and float16 scales, group 64."""
     from turboquant.stages.trellis import TrellisCode
 
@@ -362,7 +363,12 @@ def trellis_operands(out_f: int, in_f: int, bits: int, state_bits: int = 16, see
     words = mx.array(rng.integers(0, 2**32, size=(out_f, in_f * bits // 32), dtype=np.uint64)
                      .astype(np.uint32))
     scales = mx.array((rng.random((out_f, in_f // 64)) * 0.02 + 0.01).astype(np.float16))
-    return TrellisCode(state_bits, bits), words, scales
+    return TrellisCode(state_bits, bits, values, version), words, scales
+
+
+# the trellis GEMV's variants timed beside version 1 at V=1 (the writers' code): name suffix
+# -> (V, trellis version); version 2 (no shift-xor) waits on these timings to be written
+TRELLIS_VARIANTS = {"_V2": (2, 1), "v2": (1, 2), "v2_V2": (2, 2)}
 
 
 def trellis_check(out_f: int = 512, in_f: int = 1024) -> dict:
@@ -371,14 +377,15 @@ def trellis_check(out_f: int = 512, in_f: int = 1024) -> dict:
     from turboquant.stages import trellis
 
     errs = {}
-    for bits in (2, 3, 4):
-        code, words, scales = trellis_operands(out_f, in_f, bits, seed=bits)
+    for bits, version in ((2, 1), (3, 1), (4, 1), (3, 2)):
+        code, words, scales = trellis_operands(out_f, in_f, bits, seed=bits, version=version)
         w = trellis.decode_rows(code, np.array(words), np.array(scales), 64, 256)
         x = np.random.default_rng(bits).standard_normal((1, in_f)).astype(np.float32)
         want = x.astype(np.float64) @ w.T.astype(np.float64)
         got = np.array(cuda_trellis.matvec(mx.array(x), words, scales, code, 256, 64, out_f, in_f))
         tile = np.array(cuda_trellis.dequantize(words, scales, code, 256, 64, in_f, mx.float32))
-        errs[bits] = {"gemv": float(np.abs(got - want).max() / np.abs(want).max()),
+        errs[bits if version == 1 else f"{bits} v{version}"] = {
+                      "gemv": float(np.abs(got - want).max() / np.abs(want).max()),
                       "decode_exact": bool(np.array_equal(tile, w))}
     return errs
 
@@ -411,6 +418,13 @@ def bench_trellis_gemv(out_f: int, in_f: int, bits: int = 3) -> dict:
                                                        group_size=64, bits=bits),
         f"tq{bits}": lambda i: call(xp, *ops[i % len(ops)]),
         f"trellis{bits}": lambda i: tcall(inputs=[xf, *tops[i % len(tops)]])[0],
+    }
+    for suffix, (values, version) in TRELLIS_VARIANTS.items():  # the same words
+        other = type(code)(code.state_bits, bits, values, version)
+        run = cuda_trellis.gemv_launch(other, 256, 64, in_f, out_f, mx.float32, 1)
+        methods[f"trellis{bits}{suffix}"] = \
+            lambda i, run=run: run(inputs=[xf, *tops[i % len(tops)]])[0]
+    methods |= {
         f"trellis{bits}_linear": lambda i: cuda_trellis.linear(x, *tops[i % len(tops)], code, 256,
                                                                64, out_f, in_f, seed=1),
     }
@@ -474,7 +488,10 @@ def trellis_main(json_path: str | None, encode: bool = True) -> None:
     print("trellis kernels vs decode_rows:", results["check"], flush=True)
     print(f"microseconds per GEMV, 3 bits, one rotated token ({PER_EVAL} per eval, weights "
           "streamed from HBM); trellis_linear includes the input's rotation")
-    names = ["affine3", "tq3", "trellis3", "trellis3_linear"]
+    variants = ["trellis3"] + [f"trellis3{s}" for s in TRELLIS_VARIANTS]
+    names = ["affine3", "tq3", *variants, "trellis3_linear"]
+    print("trellis3: L=16 V=1 version 1 (the writers' code); _V2: 2 values a step; v2: trellis "
+          "version 2 (no shift-xor); the ratios: each trellis GEMV over tq3")
     print(f"{'shape':>12} {'mode':>9} " + " ".join(f"{n:>15}" for n in names)
           + "  trellis/tq3")
     for out_f, in_f in TRELLIS_SHAPES:
@@ -483,7 +500,8 @@ def trellis_main(json_path: str | None, encode: bool = True) -> None:
         for mode in ("single", "pipelined"):
             print(f"{r['shape']:>12} {mode:>9} "
                   + " ".join(f"{r[f'{n}_{mode}'] * 1e6:15.1f}" for n in names)
-                  + f"  {r[f'trellis3_{mode}'] / r[f'tq3_{mode}']:10.2f}", flush=True)
+                  + "  " + " ".join(f"{r[f'{v}_{mode}'] / r[f'tq3_{mode}']:.2f}"
+                                    for v in variants), flush=True)
         print(f"{'':>12} {'rows/warp':>9} " + " ".join(
             f"{n}: {r[f'trellis3_rows{n}'] * 1e6:.1f}" for n in (1, 2, 4)), flush=True)
     if encode:

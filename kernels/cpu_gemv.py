@@ -14,8 +14,9 @@ prefill's many:
   of the 96 (code 21 straddles words 1 and 2); ternary: 20 base-3 trits a word, least
   significant first;
 - trellis codes (docs/FORMAT.md, "Trellis code"; width -1, the "codebook" then the code's
-  [L, k, V, T]): each weight's value computed from the L-bit window of its block's bit
-  circle (two words), a multiply-add, a shift-xor and a byte sum, as decode_words_mx;
+  [L, k, V, T, version]): each weight's value computed from the L-bit window of its block's
+  bit circle (two words), a multiply-add, a shift-xor (version 1 only) and a byte sum, as
+  decode_words_mx;
 - float16 scales are read as their bits and widened in the kernel (no float32 copy kept);
 - sums in float32; the dot products may be reordered (fast-math), so results equal the
   reference to float32 rounding, not bit for bit.
@@ -60,9 +61,11 @@ def _half_to_float(h):
 
 
 def _trellis_row(words, params, out):
-    """Values of one trellis-coded row into out (padded_in,); params [L, k, V, T]."""
+    """Values of one trellis-coded row into out (padded_in,); params [L, k, V, T, version]
+    (version 2: no shift-xor)."""
     n = out.shape[0]
     state_bits, k, v, block = int(params[0]), int(params[1]), int(params[2]), int(params[3])
+    mix = int(params[4]) == 1
     kv = k * v
     mask = np.uint64((1 << state_bits) - 1)
     for b0 in range(0, n, block):
@@ -79,12 +82,13 @@ def _trellis_row(words, params, out):
                 hi = np.uint64(words[first + (start // 32 + 1) % nwords]) << np.uint64(32 - shift)
                 lo = lo | hi
             j = i % v
-            out[b0 + i] = _state_value(lo & mask, _MUL[j], _ADD[j], _BYTESUM_MEAN, _BYTESUM_STD)
+            out[b0 + i] = _state_value(lo & mask, _MUL[j], _ADD[j], _BYTESUM_MEAN, _BYTESUM_STD,
+                                       mix)
 
 
 def _decode_row(words, bits, book, out):
     """Levels of one packed row into out (padded_in,); bits -1: a trellis row (book holds
-    its [L, k, V, T])."""
+    its [L, k, V, T, version])."""
     n = out.shape[0]
     if bits == -1:
         _trellis_row(words, book, out)
@@ -238,9 +242,11 @@ def _operands(x, codes, scales):
 
 def _code_args(book, bits, group_size) -> tuple:
     """(codebook float32, width (0 for ternary), group size): the kernels' last inputs; for
-    a trellis code (a TrellisBits) the "codebook" is its [L, k, V, T] and the width -1."""
+    a trellis code (a TrellisBits) the "codebook" is its [L, k, V, T, version] and the
+    width -1."""
     if hasattr(bits, "state_bits"):
-        params = np.array([bits.state_bits, bits.bits, bits.values, bits.block], np.float32)
+        params = np.array([bits.state_bits, bits.bits, bits.values, bits.block, bits.version],
+                          np.float32)
         return params, -1, int(group_size)
     return (np.ascontiguousarray(book, dtype=np.float32), 0 if bits == "ternary" else int(bits),
             int(group_size))

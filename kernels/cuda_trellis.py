@@ -7,7 +7,8 @@ sum of h's four bytes, centred and divided by BYTESUM_STD (`stages.trellis`). A 
 on a chunk of 32 consecutive weights of a row: its k words plus the word before them (the
 block's last word for a block's first chunk: the stream is a circle), so every state of the
 chunk lies in two registers at a shift known when the kernel is compiled (the loop over the
-32 weights is unrolled): a funnel shift, a mask, a multiply-add, a shift-xor and one dp4a a
+32 weights is unrolled): a funnel shift, a mask, a multiply-add, a shift-xor (version 1;
+`TrellisCode.version` 2 has none) and one dp4a a
 weight (its accumulator the bits of the float 2^23, so the sum comes out as the float
 2^23 + s), a subtraction of 2^23 + 510 (exact) and a multiply-add with the activation. A
 chunk never straddles a group (groups are multiples of 32), so its sum is scaled once;
@@ -76,18 +77,21 @@ __device__ __forceinline__ float tq_div_rn(float a, float b) {
 #endif
 }
 
-// The byte sum of state s's value j (0 or 1): multiply-add, shift-xor, byte sum.
+// The byte sum of state s's value j (0 or 1): multiply-add, shift-xor (trellis version 1;
+// version 2 has none), byte sum.
+template <int VER>
 __device__ __forceinline__ uint32_t tq_trellis_sum(uint32_t s, int j) {
   uint32_t h = j ? s * TQ_MUL1 + TQ_ADD1 : s * TQ_MUL0 + TQ_ADD0;
-  h ^= h >> 16;
+  if (VER == 1) h ^= h >> 16;
   return tq_bytesum(h);
 }
 
 // The byte sum of state s's value j minus 510, as a float, exactly: dp4a adds the bytes to
 // the bits of the float 2^23, which are then the bits of 2^23 + sum (sum < 2^23).
+template <int VER>
 __device__ __forceinline__ float tq_trellis_centred(uint32_t s, int j) {
   uint32_t h = j ? s * TQ_MUL1 + TQ_ADD1 : s * TQ_MUL0 + TQ_ADD0;
-  h ^= h >> 16;
+  if (VER == 1) h ^= h >> 16;
 #ifdef __CUDA_ARCH__
   const uint32_t bits = __dp4a(h, 0x01010101u, 0x4B000000u);
 #else
@@ -176,8 +180,8 @@ _GEMV = r"""
         for (int j = 0; j < 32; j += 2) {
           const uint32_t s0 = tq_trellis_state<BITS, STATE, VALUES>(c, j);
           const uint32_t s1 = tq_trellis_state<BITS, STATE, VALUES>(c, j + 1);
-          p0 += tq_trellis_centred(s0, j % VALUES) * xv[j];
-          p1 += tq_trellis_centred(s1, (j + 1) % VALUES) * xv[j + 1];
+          p0 += tq_trellis_centred<VERSION>(s0, j % VALUES) * xv[j];
+          p1 += tq_trellis_centred<VERSION>(s1, (j + 1) % VALUES) * xv[j + 1];
         }
         acc[r] += (p0 + p1) * __half2float(scales[(size_t)row * NSCALES + g]);
       }
@@ -207,7 +211,7 @@ _DECODE = r"""
   #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const uint32_t st = tq_trellis_state<BITS, STATE, VALUES>(c, j);
-    const float centred = static_cast<float>((int)tq_trellis_sum(st, j % VALUES) - 510);
+    const float centred = static_cast<float>((int)tq_trellis_sum<VERSION>(st, j % VALUES) - 510);
     v[j] = (OutT)(tq_div_rn(centred, STD) * s);
   }
   uint4* dst = reinterpret_cast<uint4*>(out + (size_t)row * PADDED + chunk * 32);
@@ -229,7 +233,7 @@ def code_constants(code: TrellisCode, block: int, group_size: int, padded_in: in
     """The constants a trellis kernel's source is specialised with."""
     check(code, block, group_size, padded_in)
     return [("BITS", code.bits), ("STATE", code.state_bits), ("VALUES", code.values),
-            ("BLOCK", block), ("GS", group_size), ("PADDED", padded_in),
+            ("VERSION", code.version), ("BLOCK", block), ("GS", group_size), ("PADDED", padded_in),
             ("WORDS", padded_in * code.bits // 32)]
 
 
@@ -419,7 +423,8 @@ def emulate_chunk_sums(code: TrellisCode, block: int, row: np.ndarray, chunk: in
             s |= (c[wi + 1] << (32 - sh)) & 0xFFFFFFFF
         s &= (1 << code.state_bits) - 1
         h = (s * trellis.MUL[j % code.values] + trellis.ADD[j % code.values]) & 0xFFFFFFFF
-        h ^= h >> 16
+        if code.version == 1:
+            h ^= h >> 16
         out.append(sum((h >> (8 * i)) & 0xFF for i in range(4)))
     return out
 

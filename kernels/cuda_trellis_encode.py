@@ -172,13 +172,14 @@ __device__ __forceinline__ float tq_mul_rn(float a, float b) {
 // A state's squared distance to the step's values: dist holds REP copies of each byte
 // sum's distance side by side (copy `slot`), value j's table after value j - 1's; summed
 // in value order from the first, as the reference.
-template <int V, int R>
+template <int V, int R, int VER>
 __device__ __forceinline__ float tq_trellis_cost_v(uint32_t s, const float* dist, int slot) {
-  float d = dist[tq_trellis_sum(s, 0) * R + slot];
-  if (V == 2) d = d + dist[(1024 + tq_trellis_sum(s, 1)) * R + slot];
+  float d = dist[tq_trellis_sum<VER>(s, 0) * R + slot];
+  if (V == 2) d = d + dist[(1024 + tq_trellis_sum<VER>(s, 1)) * R + slot];
   return d;
 }
-#define tq_trellis_cost(s, dist, slot) tq_trellis_cost_v<VALUES, REP>((s), (dist), (slot))
+#define tq_trellis_cost(s, dist, slot) \
+  tq_trellis_cost_v<VALUES, REP, VERSION>((s), (dist), (slot))
 
 // Where cost x of a set lives: its 16-byte unit u at u ^ ((u >> 3) & 7), so the 8 lanes of
 // a phase reading 16-byte units 1, 2 or 4 apart meet 8 different bank quads.
@@ -216,7 +217,7 @@ def source(code: TrellisCode, steps: int, shift: int, closed: bool) -> str:
     """The pass's body with its constants: `shift` rolls the block (the free pass over the
     half-rotated block), `closed` constrains the circle to the `closing` input."""
     constants = [("BITS", code.bits), ("STATE", code.state_bits), ("VALUES", code.values),
-                 ("STEPS", steps), ("SHIFT", shift), ("CLOSED", closed),
+                 ("VERSION", code.version), ("STEPS", steps), ("SHIFT", shift), ("CLOSED", closed),
                  ("THREADS", threads_for(code)), ("REP", copies_for(code))]
     std = f"  constexpr float STD = {_float(trellis.BYTESUM_STD)};\n"
     return constants_source(constants) + std + _SOURCE

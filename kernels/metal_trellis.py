@@ -29,10 +29,13 @@ def header() -> str:
                    for name, values in (("MUL", trellis.MUL), ("ADD", trellis.ADD))
                    for j, v in enumerate(values))
     return defs + f"#define TQ_INV_STD {_float(1.0 / trellis.BYTESUM_STD)}\n" + """
-// The byte sum of state s's value j (0 or 1): multiply-add, shift-xor, four bytes.
-inline uint tq_trellis_sum(uint s, uint j) {
+// The byte sum of state s's value j (0 or 1): multiply-add, shift-xor (trellis version 1;
+// version 2 has none), four bytes.
+inline uint tq_trellis_sum(uint s, uint j, int version) {
     uint h = j ? s * TQ_MUL1 + TQ_ADD1 : s * TQ_MUL0 + TQ_ADD0;
-    h ^= h >> 16;
+    if (version == 1) {
+        h ^= h >> 16;
+    }
     return (h & 0xffu) + ((h >> 8) & 0xffu) + ((h >> 16) & 0xffu) + (h >> 24);
 }
 """
@@ -68,7 +71,7 @@ SOURCE = """
                 s |= c[wi + 1u] << (32u - sh);
             }
             s &= (1u << uint(STATE)) - 1u;
-            float v = float(int(tq_trellis_sum(s, j % uint(VALUES))) - 510);
+            float v = float(int(tq_trellis_sum(s, j % uint(VALUES), int(VERSION))) - 510);
             part += v * float(xrow[col + j]);
         }
         acc += float(srow[col / uint(GSIZE)]) * part;
@@ -91,7 +94,7 @@ def template(code: TrellisCode, block: int, group_size: int, padded_in: int,
     """The kernel's template arguments."""
     check(code, block, group_size, padded_in)
     return [("T", dtype), ("BITS", code.bits), ("STATE", code.state_bits),
-            ("VALUES", code.values), ("BLOCK", block), ("GSIZE", group_size),
+            ("VALUES", code.values), ("VERSION", code.version), ("BLOCK", block), ("GSIZE", group_size),
             ("KDIM", padded_in), ("NROWS", out_features),
             ("NWORDS", padded_in * code.bits // 32)]
 

@@ -243,14 +243,16 @@ class Recipe:
 
         bits: default bits of attention, dense MLP and shared experts (clears their
         per-role entries); expert_bits, down_proj_bits, embeddings_bits, lm_head_bits;
-        group_size; model_seed; protect_layers (first and last N); protect_bits.
+        group_size; model_seed; protect_layers (first and last N); protect_bits;
+        codec ("scalar" or "trellis": every coded role, clearing the per-role and per-rule
+        codecs) and trellis_state_bits (L of the trellis-coded weights).
         """
         data = copy.deepcopy(self.data)
         where = f"{self.source} (command-line override)"
         ov = {k: v for k, v in overrides.items() if v is not None}
         known = {"bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_head_bits",
                  "group_size", "model_seed", "protect_layers", "protect_bits", "refit",
-                 "column_scales"}
+                 "column_scales", "codec", "trellis_state_bits"}
         for k in ov:
             if k not in known:
                 raise RecipeError(f"{where}: unknown override {k!r}")
@@ -272,12 +274,35 @@ class Recipe:
             data["quant"]["refit"] = bool(ov["refit"])
         if "column_scales" in ov:
             data["quant"]["column_scales"] = ov["column_scales"]  # validate() checks it
+        if "codec" in ov:
+            _override_codec(data, _check_codec(ov["codec"], "--codec", where))
+        if "trellis_state_bits" in ov:
+            if "trellis" not in _codecs_named(data):
+                raise RecipeError(f"{where}: --trellis-state-bits sets the state of "
+                                  "trellis-coded weights and this recipe codes none: add "
+                                  "--codec trellis")
+            data["quant"]["trellis_state_bits"] = _check_int(
+                ov["trellis_state_bits"], "--trellis-state-bits", where, 8, 20)
         if "protect_layers" in ov:
             n = _check_int(ov["protect_layers"], "--protect-layers", where, 0, 1 << 20)
             data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
         if "protect_bits" in ov:
             data["protect"]["bits"] = _check_bits(ov["protect_bits"], "--protect-bits", where)
         return Recipe(validate(data, where), self.source, self.architecture)
+
+
+def _override_codec(data: dict, codec: str) -> None:
+    """`--codec`: one code for every coded role. Scalar leaves no codec key at all (and no
+    trellis parameter), so the recipe hashes as one that never named a codec."""
+    data.pop("codec", None)
+    for rule in data["rules"]:
+        rule.pop("codec", None)
+    if codec == "trellis":
+        data["quant"]["codec"] = "trellis"
+        return
+    data["quant"].pop("codec", None)
+    for key in TRELLIS_DEFAULTS:
+        data["quant"].pop(key, None)
 
 
 # ------------------------------------------------------------------------ loading

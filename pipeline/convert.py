@@ -44,6 +44,8 @@ class ConvertOptions:
     protect_layers: int | None = None
     model_seed: int | None = None
     column_scales: str | None = None  # "auto" / "off": the recipe's [quant] column_scales
+    codec: str | None = None  # "scalar" / "trellis": every coded role's code
+    trellis_state_bits: int | None = None  # L of the trellis-coded weights
     revision: str | None = None
     workers: int = 1
     in_process: bool = False
@@ -64,7 +66,8 @@ class ConvertOptions:
         return {"bits": self.bits, "group_size": self.group_size, "expert_bits": self.expert_bits,
                 "down_proj_bits": self.down_proj_bits, "embeddings_bits": self.embeddings_bits,
                 "lm_head_bits": self.lm_head_bits, "protect_layers": self.protect_layers,
-                "model_seed": self.model_seed, "column_scales": self.column_scales}
+                "model_seed": self.model_seed, "column_scales": self.column_scales,
+                "codec": self.codec, "trellis_state_bits": self.trellis_state_bits}
 
 
 @dataclass

@@ -108,6 +108,8 @@ def convert_flow(
     protect_layers: int | None = None,
     model_seed: int | None = None,
     column_scales: str | None = None,
+    codec: str | None = None,
+    trellis_state_bits: int | None = None,
     revision: str | None = None,
     workers: int = 1,
     in_process: bool = False,

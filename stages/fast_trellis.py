@@ -29,13 +29,15 @@ _KERNEL: list = []
 _LAYOUTS: dict = {}
 
 
-def state_value(state, mul, add, mean, std):
+def state_value(state, mul, add, mean, std, mix=True):
     """Value j of a trellis state, one at a time (docs/FORMAT.md, "Trellis code"): the
     definition compiled code uses (kernels/cpu_gemv.py njit-s it), equal to
     trellis.state_values, the vectorized one. state < 2^L as an integer; mul, add the code's
-    MUL[j], ADD[j]; mean, std its BYTESUM_MEAN, BYTESUM_STD. Returns a float32."""
+    MUL[j], ADD[j]; mean, std its BYTESUM_MEAN, BYTESUM_STD; mix: the shift-xor of trellis
+    version 1 (version 2 has none). Returns a float32."""
     h = (np.uint64(state) * np.uint64(mul) + np.uint64(add)) & np.uint64(0xFFFFFFFF)
-    h = h ^ (h >> np.uint64(16))
+    if mix:
+        h = h ^ (h >> np.uint64(16))
     total = ((h & np.uint64(255)) + ((h >> np.uint64(8)) & np.uint64(255))
              + ((h >> np.uint64(16)) & np.uint64(255)) + (h >> np.uint64(24)))
     return (np.float32(total) - np.float32(mean)) / np.float32(std)

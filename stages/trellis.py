@@ -14,7 +14,8 @@ The code, for k bits per weight, V weights per step and a state of L bits:
 - a state's V values are computed, not looked up: for value j,
   h = (S * MUL[j] + ADD[j]) mod 2^32; h ^= h >> 16; v = (bytesum(h) - 510) / BYTESUM_STD,
   the sum of four uniform bytes being close to a Gaussian (Irwin-Hall, variance 1, tails at
-  +-3.45). On a GPU that is a multiply-add, a shift-xor and one dp4a.
+  +-3.45). On a GPU that is a multiply-add, a shift-xor and one dp4a. Version 2 (a
+  candidate, `TrellisCode.version`) leaves out the shift-xor: h = S * MUL[j] + ADD[j].
 - the values are scaled by the group's stored float16 scale: w = scale * v(S_t)_j.
 
 Encode (Viterbi) minimises ||y / gain - v||^2 over tail-biting paths, y the rows divided by
@@ -63,6 +64,10 @@ BYTESUM_STD = float(np.sqrt(4 * (256**2 - 1) / 12))  # 147.80...
 # the MSE is flat within ~1% from 1.0 to 1.1, lowest near 1.0 at 2 bits and 1.1 at 3-4 bits)
 GAIN = {1: 1.0, 2: 1.0, 3: 1.1, 4: 1.1}
 VERSION = 1  # docs/FORMAT.md's trellis version: the constants above and the steps below
+# version 2: the same without the shift-xor (h = S * MUL + ADD, then the byte sum): two GPU
+# instructions a weight fewer, a candidate until a GPU run times both; writers keep VERSION
+# (benchmarks/trellis_candidates.py, trellis-candidates-cpu-2026-12.txt)
+VERSIONS = (1, 2)
 # the code the converter writes unless a recipe says otherwise (L, V, T)
 STATE_BITS, VALUES, BLOCK = 16, 1, 256
 
@@ -74,8 +79,11 @@ class TrellisCode:
     state_bits: int
     bits: int
     values: int = 1
+    version: int = VERSION  # 2: the codebook without the shift-xor
 
     def __post_init__(self):
+        if self.version not in VERSIONS:
+            raise ValueError(f"trellis version must be one of {VERSIONS}, got {self.version}")
         if self.values not in (1, 2):
             raise ValueError(f"values per step must be 1 or 2, got {self.values}")
         if self.bits not in (1, 2, 3, 4):
@@ -118,16 +126,18 @@ class TrellisBits:
     state_bits: int = STATE_BITS
     values: int = VALUES
     block: int = BLOCK
+    version: int = VERSION
 
     def __post_init__(self):
         self.code.check_block(self.block)
 
     @property
     def code(self) -> TrellisCode:
-        return TrellisCode(self.state_bits, self.bits, self.values)
+        return TrellisCode(self.state_bits, self.bits, self.values, self.version)
 
     def __str__(self) -> str:
-        return f"trellis-{self.bits} (L={self.state_bits}, V={self.values}, T={self.block})"
+        v = f", version {self.version}" if self.version != VERSION else ""
+        return f"trellis-{self.bits} (L={self.state_bits}, V={self.values}, T={self.block}{v})"
 
 
 def state_values(code: TrellisCode, states, mul=MUL, add=ADD) -> np.ndarray:
@@ -137,7 +147,8 @@ def state_values(code: TrellisCode, states, mul=MUL, add=ADD) -> np.ndarray:
     out = np.empty(s.shape + (code.values,), dtype=np.float32)
     for j in range(code.values):
         h = s * np.uint32(mul[j]) + np.uint32(add[j])  # mod 2^32
-        h ^= h >> np.uint32(16)
+        if code.version == 1:
+            h ^= h >> np.uint32(16)
         total = (h & 0xFF) + ((h >> 8) & 0xFF) + ((h >> 16) & 0xFF) + (h >> 24)
         out[..., j] = (total.astype(np.float32) - np.float32(BYTESUM_MEAN)) / np.float32(
             BYTESUM_STD
@@ -325,7 +336,8 @@ def decode_words_mx(code: TrellisCode, words, block: int = 256):
     mul = mx.array(np.array(MUL, dtype=np.uint32)[j])
     add = mx.array(np.array(ADD, dtype=np.uint32)[j])
     h = state * mul + add
-    h = h ^ (h >> 16)
+    if code.version == 1:
+        h = h ^ (h >> 16)
     total = (h & 0xFF) + ((h >> 8) & 0xFF) + ((h >> 16) & 0xFF) + (h >> 24)
     return (total.astype(mx.float32) - BYTESUM_MEAN) / mx.array(BYTESUM_STD, dtype=mx.float32)
 

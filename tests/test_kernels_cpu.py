@@ -255,14 +255,17 @@ def test_prefill_runs_the_kernel_but_leaves_the_heads_logits_lazy(tmp_path, kind
     cols=st.integers(1, 400),
     tokens=st.integers(1, 4),
     seed=st.integers(0, 2**31 - 1),
+    version=st.sampled_from([1, 2]),
 )
-def test_trellis_gemv_matches_the_reference(bits, lvt, group_size, rows, cols, tokens, seed):
+def test_trellis_gemv_matches_the_reference(bits, lvt, group_size, rows, cols, tokens, seed,
+                                            version):
     """Trellis rows (random words: every bit pattern is a stream) through the compiled GEMV
-    and through the dispatch, against the reference's decode_words_mx."""
+    and through the dispatch, against the reference's decode_words_mx (trellis versions 1
+    and 2)."""
     from turboquant.stages.trellis import TrellisBits
 
     state_bits, values, block = lvt
-    tb = TrellisBits(bits, state_bits, values, block)
+    tb = TrellisBits(bits, state_bits, values, block, version)
     padded = -(-cols // group_size) * group_size  # blocks of `block`, the last one shorter
     rng = np.random.default_rng(seed)
     words = padded * bits // 32

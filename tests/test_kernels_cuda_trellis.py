@@ -39,9 +39,10 @@ def reference_rows(code, words, scales, group_size, block) -> np.ndarray:
 
 
 def check_matvec(bits: int, state_bits: int, values: int, out_f: int, padded: int, block: int,
-                 group_size: int = 64, tokens: int = 1, dtype=mx.float32, rows_per_warp=None):
+                 group_size: int = 64, tokens: int = 1, dtype=mx.float32, rows_per_warp=None,
+                 version: int = 1):
     """`matvec` against decode_rows + a float64 product (relative to the output's scale)."""
-    code = TrellisCode(state_bits, bits, values)
+    code = TrellisCode(state_bits, bits, values, version)
     words, scales = random_rows(code, out_f, padded, group_size, seed=bits * 100 + padded)
     x = np.random.default_rng(7).standard_normal((tokens, padded)).astype(np.float32)
     y = cuda_trellis.matvec(mx.array(x).astype(dtype), mx.array(words), mx.array(scales), code,
@@ -58,9 +59,9 @@ def check_matvec(bits: int, state_bits: int, values: int, out_f: int, padded: in
 
 
 def check_dequantize(bits: int, state_bits: int, values: int, rows: int, padded: int,
-                     block: int, group_size: int = 32):
+                     block: int, group_size: int = 32, version: int = 1):
     """The tile decode: float32 exactly decode_rows, fp16/bf16 its values rounded once."""
-    code = TrellisCode(state_bits, bits, values)
+    code = TrellisCode(state_bits, bits, values, version)
     words, scales = random_rows(code, rows, padded, group_size, seed=bits + padded)
     want = trellis.decode_rows(code, words, scales, group_size, block)
     for dtype in cuda_trellis.OUT_DTYPES:

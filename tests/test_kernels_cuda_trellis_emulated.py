@@ -55,6 +55,15 @@ def test_the_gemv(emulated, bits, state_bits, values, block):
                      rows_per_warp=2)
 
 
+@pytest.mark.parametrize("bits, state_bits, values, block", [(3, 16, 1, 256), (4, 9, 2, 64)])
+def test_version_2_the_gemv_and_the_tile_decode(emulated, bits, state_bits, values, block):
+    """Trellis version 2 (no shift-xor): the same kernels with VERSION 2 give its reference
+    (a kernel that kept the shift-xor would give version 1's values)."""
+    gpu.check_matvec(bits, state_bits, values, 40, 320, block, group_size=32, tokens=2,
+                     rows_per_warp=2, version=2)
+    gpu.check_dequantize(bits, state_bits, values, 5, 320, block, version=2)
+
+
 def test_the_gemv_in_bf16(emulated):
     gpu.check_matvec(3, 16, 1, 16, 256, 256, dtype=mx.bfloat16, rows_per_warp=1)
 
@@ -79,8 +88,8 @@ def _sources():
     """Every kernel of this module at the shapes the runtime and the benchmark use."""
     out = []
     for bits in (2, 3, 4):
-        for values, state_bits in ((1, 16), (2, 16)):
-            code = TrellisCode(state_bits, bits, values)
+        for values, state_bits, version in ((1, 16, 1), (2, 16, 1), (1, 16, 2), (2, 16, 2)):
+            code = TrellisCode(state_bits, bits, values, version)
             body = cuda_trellis.gemv_source(code, 256, 64, 8192, 28672, mx.float32, mx.float32)
             out.append(("gemv", body, ["x", "codes", "scales"],
                         [mx.float32, mx.uint32, mx.float16], mx.float32))
@@ -107,6 +116,10 @@ def test_the_sources_compile_with_nvcc(tmp_path):
     (8, 2, 1, 64), (10, 3, 1, 96), (10, 4, 1, 64), (10, 2, 2, 64), (9, 3, 2, 64)])
 def test_the_viterbi_paths(emulated, state_bits, bits, values, block):
     enc.check_blocks(state_bits, bits, values, 4, block, seed=state_bits + bits)
+
+
+def test_version_2_the_viterbi_paths(emulated):
+    enc.check_blocks(10, 3, 1, 4, 96, seed=5, version=2)
 
 
 @pytest.mark.parametrize("state_bits, bits, values", [(8, 3, 1), (10, 2, 1), (10, 4, 2)])
@@ -149,9 +162,11 @@ def test_the_benchmark_runs(emulated, monkeypatch, capsys, tmp_path):
     bench.trellis_main(str(tmp_path / "trellis.json"), encode=True)
     out = capsys.readouterr().out
     assert "trellis3_linear" in out and "slice identical" in out
+    assert "trellis3v2_V2" in out  # version 2 and V=2 timed beside version 1 at V=1
     import json
 
     results = json.loads((tmp_path / "trellis.json").read_text())
     assert [r["slice_identical"] for r in results["encode"]] == [True] * 3
     assert results["gemv"][0]["shape"] == "64x256"
     assert all(c["decode_exact"] and c["gemv"] < 1e-5 for c in results["check"].values())
+    assert "3 v2" in results["check"] and "trellis3v2_single" in results["gemv"][0]

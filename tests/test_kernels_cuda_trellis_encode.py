@@ -30,9 +30,10 @@ def sample_rows(rows: int, n: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def check_blocks(state_bits: int, bits: int, values: int, rows: int, block: int, seed: int = 0):
+def check_blocks(state_bits: int, bits: int, values: int, rows: int, block: int, seed: int = 0,
+                 version: int = 1):
     """`encode_blocks_gpu` gives `trellis.encode_block`'s paths."""
-    code = TrellisCode(state_bits, bits, values)
+    code = TrellisCode(state_bits, bits, values, version)
     y = sample_rows(rows, block, seed) / np.float32(code.gain)
     want = trellis.encode_block(code, y)
     got = enc.encode_blocks_gpu(code, y)

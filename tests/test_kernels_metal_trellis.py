@@ -107,3 +107,17 @@ def test_metal_trellis_gemv_matches_the_reference(bits, state_bits, values, bloc
                                  64, 300, 4160)
     want = _want(code, x, words, scales, 64, block)
     assert np.abs(np.array(y) - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler to emulate the kernel source")
+@pytest.mark.parametrize("bits, state_bits, values, block", [(3, 16, 1, 256), (4, 12, 2, 128)])
+def test_metal_trellis_version_2_computes_the_reference_product(tmp_path, bits, state_bits,
+                                                                values, block):
+    """Trellis version 2 (no shift-xor): the same source, its VERSION argument 2."""
+    code = TrellisCode(state_bits, bits, values, version=2)
+    x, words, scales = _case(code, 12, 320, 32)
+    y = _emulate(tmp_path, code, x, words, scales, 32, block)
+    want = _want(code, x, words, scales, 32, block)
+    assert np.abs(y - want).max() / np.abs(want).max() < 1e-5
+    v1 = _want(TrellisCode(state_bits, bits, values), x, words, scales, 32, block)
+    assert np.abs(y - v1).max() / np.abs(v1).max() > 0.1  # another codebook

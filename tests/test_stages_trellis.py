@@ -292,3 +292,38 @@ def test_mlx_window_decode_equals_the_reference(code, seed, sizes):
     want = trellis.decode_words(code, words, block)
     got = np.array(trellis.decode_words_mx(code, words, block))
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+DIGEST_V2 = "2e1fd915c32efd2df0ffa55f3a954bb72f4db7479730dae203592417abdc85b2"  # L=16, V=2
+
+
+def test_version_2_values_follow_the_documented_formula():
+    """Trellis version 2 (docs/FORMAT.md): version 1's steps without the shift-xor."""
+    h = (1 * 0xA4B9361B + 0x5ADBDCC7) % 2**32
+    value = trellis.state_values(TrellisCode(16, 2, 1, version=2), [1])[0, 0]
+    want = np.float32(sum(h.to_bytes(4, "little")))
+    assert value == (want - np.float32(510)) / np.float32(trellis.BYTESUM_STD)
+    table = trellis.codebook(TrellisCode(16, 2, 2, version=2))
+    assert not np.array_equal(table, trellis.codebook(TrellisCode(16, 2, 2)))
+    assert abs(table.mean()) < 0.01 and abs(table.std() - 1) < 0.01
+    digest = hashlib.sha256(table.tobytes()).hexdigest()
+    assert digest == DIGEST_V2
+    with pytest.raises(ValueError, match="trellis version must be one of"):
+        TrellisCode(16, 2, 1, version=3)
+
+
+@given(st.sampled_from([TrellisCode(8, 2, 1, 2), TrellisCode(9, 3, 1, 2),
+                        TrellisCode(8, 2, 2, 2), TrellisCode(12, 4, 1, 2)]),
+       seeds, st.sampled_from([32, 64]))
+@settings(max_examples=12, deadline=None)
+def test_version_2_round_trips_and_decodes_in_mlx(code, seed, group_size):
+    """Encode with version 2's codebook, decode through the reference and decode_words_mx:
+    the encoder's own reconstruction, bit for bit."""
+    x = gaussian(seed, 3, 256)
+    rows = trellis.encode_rows(code, x, group_size, block=128)
+    x_hat = trellis.decode_rows(code, rows.words, rows.scales, group_size, block=128)
+    err = ((x.astype(np.float64) - x_hat) ** 2).sum(axis=1)
+    np.testing.assert_allclose(err, rows.sq_error, rtol=1e-4)
+    assert np.array_equal(np.array(trellis.decode_words_mx(code, rows.words, 128)),
+                          trellis.decode_words(code, rows.words, 128))
+    assert (err / (x.astype(np.float64) ** 2).sum(axis=1)).max() < 0.4 / 2 ** (code.bits - 1)

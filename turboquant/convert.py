@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model-seed", type=int, help="seed of all rotations (default 0)")
     r.add_argument("--column-scales", choices=("auto", "off"), help="per-input-column scales "
                    "of linear layers with small columns (format 2; docs/recipes.md)")
+    r.add_argument("--codec", choices=("scalar", "trellis"), help="the code of every coded "
+                   "weight: scalar (Lloyd-Max levels) or trellis (about half the weight error "
+                   "at the same bits, a Viterbi search per row at conversion; docs/recipes.md)")
+    r.add_argument("--trellis-state-bits", type=int, metavar="L", help="state bits of the "
+                   "trellis code, 8-20 (more: lower error, slower conversion; default the "
+                   "recipe's, else 16)")
     s = p.add_argument_group("source")
     s.add_argument("--revision", help="Hub branch, tag or commit")
     s.add_argument("--delete-source", action="store_true", help="Hub source: delete each "
@@ -193,6 +199,7 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         down_proj_bits=args.down_proj_bits, embeddings_bits=args.embeddings_bits,
         lm_head_bits=args.lm_head_bits, protect_layers=args.protect_layers,
         model_seed=args.model_seed, column_scales=args.column_scales,
+        codec=args.codec, trellis_state_bits=args.trellis_state_bits,
         revision=args.revision, workers=args.workers,
         in_process=args.in_process, fresh=args.fresh, delete_source=args.delete_source,
         min_job_bytes=min_job, max_job_bytes=max_job,
