@@ -393,6 +393,7 @@ def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) ->
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
                  refit: bool, trellis: _TrellisProgress | None = None) -> float:
     from turboquant.stages import encode
+    from turboquant.stages.fast_convert import bf16_to_float32
 
     out_f, in_f = item.shape
     chunk = CHUNK_ELEMENTS if item.trellis is None else min(CHUNK_ELEMENTS,
@@ -425,6 +426,11 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
                 return None
             if sums is None:
                 crc.update(raw)
+            if sums is None and info.dtype == "BF16":  # widened and checked in one pass
+                x, finite = bf16_to_float32(raw.view("<u2").reshape(r1 - r0, in_f))
+                if not finite:
+                    check_finite(x, p.file, p.tensor, r0 * in_f)  # names the first
+                return x
             x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
         if sums is not None:
             sums.add(x)
