@@ -11,7 +11,9 @@ needs only MLX. `model_module` imports the model's own module and nothing else:
 - where mlx-lm's package is not imported yet, it is entered in `sys.modules` with its
   `__init__` deferred: the first attribute anyone asks of the package itself
   (`mlx_lm.load`, `from mlx_lm import generate`, `mlx_lm.__version__`) runs the real
-  `__init__` then, so code that uses the package later sees the whole of it.
+  `__init__` then, so code that uses the package later sees the whole of it; its modules
+  (`mlx_lm.utils`, `mlx_lm.generate`) import as they would, with the one setting the
+  `__init__` makes first (TRANSFORMERS_NO_ADVISORY_WARNINGS) already made.
 
 Where the tables cannot be read (a release that moved them), mlx-lm's `_get_classes` is
 used as before: slower, never wrong.
@@ -88,6 +90,9 @@ def _defer_package_init() -> None:
             raise AttributeError(f"module 'mlx_lm' has no attribute {name!r}") from None
 
     pkg.__getattr__ = __getattr__
+    # what the package's __init__ sets before its own imports: a later import of one of its
+    # modules (mlx_lm.utils, which imports transformers) then runs as it would have
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     sys.modules["mlx_lm"] = pkg
 
 

@@ -5,6 +5,7 @@ validation that never imports transformers (issue 40: ~0.8 s of the command's st
 from __future__ import annotations
 
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -64,22 +65,28 @@ FRESH = textwrap.dedent("""
     mod = model_module({"model_type": "llama"})
     before = sorted(m for m in ("transformers", "mlx_lm.utils", "mlx_lm.convert")
                     if m in sys.modules)
+    import os
+    advisory = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    from mlx_lm.utils import load_config  # a module of the package, before its __init__
     import mlx_lm
     from mlx_lm import load   # the package's own __init__ runs now
     import mlx_lm.models.llama as again
     print(json.dumps({"before": before, "module": mod.__name__, "same": again is mod,
                       "version": mlx_lm.__version__, "load": load.__module__,
-                      "transformers": "transformers" in sys.modules}))
+                      "transformers": "transformers" in sys.modules, "advisory": advisory,
+                      "config": load_config.__module__}))
 """)
 
 
 def test_model_module_skips_the_package_init_until_it_is_used():
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["before"] == []  # neither transformers nor mlx-lm's utils for the model
     assert got["module"] == "mlx_lm.models.llama" and got["same"]
     assert got["version"] and got["load"] == "mlx_lm.utils" and got["transformers"]
+    assert got["advisory"] == "1" and got["config"] == "mlx_lm.utils"
 
 
 def test_validation_imports_no_transformers(tmp_path):
