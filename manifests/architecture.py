@@ -23,10 +23,11 @@ what is coded here is what it can load.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
+
+from . import mlx_lm_models
 
 _TAG = 1 << 30  # stand-ins hold _TAG + index, as int32 (the loader's convention)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -102,11 +103,8 @@ def model_module(config: dict):
     model_type = config.get("model_type")
     if not model_type:
         raise ArchitectureError("config.json has no model_type")
-    try:
-        from mlx_lm.utils import _get_classes
-
-        model_cls, _ = _get_classes(config)
-        return importlib.import_module(model_cls.__module__)
+    try:  # the model's own module, without mlx-lm's package __init__ (transformers)
+        return mlx_lm_models.model_module(config)
     except (ImportError, ValueError) as e:
         raise ArchitectureError(
             f"unknown architecture model_type={model_type!r}: mlx-lm has no model for it ({e})"

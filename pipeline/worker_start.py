@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from turboquant.pipeline import job  # noqa: E402,F401
-from turboquant.stages import codec, fast_hadamard, fast_quantize  # noqa: E402,F401
+from turboquant.stages import codec, fast_convert, fast_hadamard, fast_quantize  # noqa: E402,F401
 from turboquant.stages.quantize import code_tables_np  # noqa: E402
 
 
@@ -30,6 +30,7 @@ def load_kernels() -> None:
         mids, levels = code_tables_np(bits)
         xt = np.zeros((32, 1), np.float32)
         fast_quantize.code_groups(xt, np.ones(1, np.float32), mids, levels, 32, 1, bits)
+    fast_convert.bf16_to_float32(np.zeros((1, 4), np.uint16))
 
 
 load_kernels()

@@ -199,3 +199,40 @@ def test_own_process_imports_prefect_with_the_gc_thresholds_raised():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=no_api_env())
     assert run.stdout.split() == ["True", "True"]
+
+
+# `turboquant ...` with a note of when the workers' fork server was asked to start: whether
+# the pipeline (and the validation's modules) had been imported by then
+WATCH_SERVER = textwrap.dedent("""
+    import sys
+    from multiprocessing import forkserver
+    started = []
+    ensure = forkserver.ensure_running
+    def watched():
+        started.append("turboquant.pipeline.convert" in sys.modules)
+        return ensure()
+    forkserver.ensure_running = watched
+    from turboquant.cli import main
+    status = main(sys.argv[1:])
+    print("SERVER", started)
+    sys.exit(status)
+""")
+
+
+def test_worker_server_starts_before_the_pipeline_loads_and_not_for_a_finished_output(
+        source, tmp_path):
+    """The fork server's imports (~0.5 s of one core) overlap the command's own from its
+    first step (issue 40); a finished output (a no-op rerun) starts no server at all."""
+    out = tmp_path / "out"
+
+    def server_calls(*extra):
+        run = subprocess.run([sys.executable, "-c", WATCH_SERVER, "convert", str(source),
+                              str(out), "-q", "--no-prefect", *extra], env=no_api_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.split("SERVER ")[-1].strip().replace("False", "false")
+                          .replace("True", "true"))
+
+    calls = server_calls("--workers", "2")
+    assert calls and calls[0] is False  # asked first, before the pipeline's imports
+    assert server_calls("--workers", "2") == []  # finished: nothing to start

@@ -189,6 +189,12 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         print("turboquant convert: error: give --dask-workers N (a local cluster) or "
               "--dask-address ADDR (an existing scheduler), not both", file=sys.stderr)
         return 2
+    if _starts_workers(args) and not _maybe_finished(args.output):
+        from turboquant.pipeline.machine import start_worker_server
+
+        # first: the workers' modules (~0.5 s of one core) load while this process imports
+        # the pipeline and validates; a finished output (a no-op rerun) starts none
+        start_worker_server()
     from turboquant.pipeline.convert import ConvertOptions, convert, finished, validate
     from turboquant.pipeline.errors import ConversionError
     from turboquant.manifests.recipe import RecipeError
@@ -215,10 +221,10 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         if done is not None:
             print(done.text())
             return 0
-        if not (args.in_process or args.dask_workers or args.dask_address):
+        if _starts_workers(args):
             from turboquant.pipeline.machine import start_worker_server
 
-            start_worker_server()  # workers' modules load while this process validates
+            start_worker_server()  # running already unless the output looked finished
         if uses_prefect(args):
             _quiet_prefect(args.verbose)
         if args.no_prefect:
@@ -235,6 +241,17 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         return 130
     print(summary.text())
     return 0
+
+
+def _starts_workers(args: argparse.Namespace) -> bool:
+    """Whether the run's jobs go to worker processes started here (machine.py)."""
+    return not (args.dry_run or args.in_process or args.dask_workers or args.dask_address)
+
+
+def _maybe_finished(output: str) -> bool:
+    """Whether OUTPUT holds a finished conversion's marker (pipeline/ledger.py's layout:
+    OUTPUT/.turboquant/complete), checked without importing the pipeline."""
+    return os.path.exists(os.path.join(output, ".turboquant", "complete"))
 
 
 def _run_flow(opts, freeze: bool, live: bool = False, wait_record: bool = True):
