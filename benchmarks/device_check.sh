@@ -10,7 +10,7 @@
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
 #   bound-calls  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
-#   kv-table  trellis  decode-moe-gpt-oss
+#   kv-table  trellis  decode-moe-gpt-oss  launch-repeat
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -187,6 +187,11 @@ for s in "$@"; do
     decode-moe)  # a Qwen3-30B-A3B-shaped MoE (12 layers): experts through the gathered GEMV
       step decode-moe 420 env MLX_USE_CUDA_GRAPHS=0 python3 \
         benchmarks/decode.py --moe --variants affine4,tq3,tq3-refgather,affine4,tq3,tq3-refgather ;;
+    launch-repeat)  # issue 35: the intermittent [llama-launch] K/V mismatch: the whole step
+      # against the per-layer step 12 times with the two-launch merge, then 4 with the block
+      step launch-repeat 400 sh -c "python3 tools/whole_step_repeat.py --merge launch --runs 12 \
+        --json $OUT/launch-repeat.jsonl && python3 tools/whole_step_repeat.py --merge block \
+        --runs 4 --json $OUT/launch-repeat.jsonl" ;;
     decode-moe-gpt-oss)  # a gpt-oss-120b-shaped MoE (12 of 36 layers; biases, sinks,
       # sliding and full attention alternating): TQ3 against affine-4, alternating
       step decode-moe-gpt-oss 420 env MLX_USE_CUDA_GRAPHS=0 python3 \
