@@ -93,6 +93,17 @@ def test_trellis_version_and_values_from_flags_and_recipe_keys():
         validate(raw, "r.toml")
 
 
+def test_the_default_version_is_one_entry(monkeypatch):
+    """What a GPU run that decides for version 2 changes: TRELLIS_DEFAULTS's version (the
+    recipe hash stays, the plan hash, which hashes version 2, refuses a mixed resume)."""
+    from turboquant.manifests import recipe
+
+    r = load_recipe("llama").with_overrides(codec="trellis")
+    assert r.resolve(UP, 3, 10).trellis[3] == 1
+    monkeypatch.setitem(recipe.TRELLIS_DEFAULTS, "trellis_version", 2)
+    assert r.resolve(UP, 3, 10).trellis == (16, 1, 256, 2)
+
+
 def test_a_state_too_small_for_two_values_is_refused_at_planning():
     base = load_recipe("llama").with_overrides(codec="trellis", trellis_values=2)
     r = base.with_overrides(trellis_state_bits=8)
