@@ -335,8 +335,9 @@ def encode(
 
     `codec` "trellis" codes the rotated rows with the trellis (`trellis_state_bits` L,
     `trellis_values` V, `trellis_block` T, `trellis_version` 1 or 2; docs/FORMAT.md) instead
-    of the Lloyd-Max levels: same shapes and bits per weight. `trellis_rows`: an encoder with the signature and the
-    results of stages.trellis.encode_rows (the default), e.g. a GPU one.
+    of the Lloyd-Max levels: same shapes and bits per weight. `trellis_rows`: an encoder with
+    the signature and the results of stages.trellis.encode_rows (the default), e.g. a GPU
+    one.
     """
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
