@@ -192,6 +192,11 @@ def test_trellis_version_2_converts_resumes_and_generates(checkpoint, tmp_path, 
     assert coded and {r["codec"] for r in coded} == {"trellis"}
     assert {(r["trellis_state_bits"], r["trellis_values"], r["trellis_version"])
             for r in coded} == {(state_bits, values, 2)}
+    from turboquant.pipeline import verify
+
+    # against the source, verify decodes version 2 and finds the rel_mse the job measured
+    report = verify.verify_repo(out, source=checkpoint)
+    assert report.ok, report.problems
     import json
 
     config = json.loads((out / "config.json").read_text())
