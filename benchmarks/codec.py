@@ -12,6 +12,7 @@ the last column is its relative difference from the decoded error.
     .venv/bin/python benchmarks/codec.py            # ~1 minute on a 2-core CPU
     TURBOQUANT_NO_NUMBA=1 .venv/bin/python benchmarks/codec.py   # encode without numba
     .venv/bin/python benchmarks/codec.py --trellis  # trellis candidates vs Lloyd-Max (~6 min)
+    .venv/bin/python benchmarks/codec.py --trellis --trellis-states 12,16 --trellis-versions 1,2
     .venv/bin/python benchmarks/codec.py --trellis-candidates  # + CPU GEMV and SASS a weight
 
 --trellis measures the trellis code of stages/trellis.py instead (see trellis_main).
