@@ -12,6 +12,7 @@ the last column is its relative difference from the decoded error.
     .venv/bin/python benchmarks/codec.py            # ~1 minute on a 2-core CPU
     TURBOQUANT_NO_NUMBA=1 .venv/bin/python benchmarks/codec.py   # encode without numba
     .venv/bin/python benchmarks/codec.py --trellis  # trellis candidates vs Lloyd-Max (~6 min)
+    .venv/bin/python benchmarks/codec.py --trellis --trellis-states 12,16 --trellis-versions 1,2
     .venv/bin/python benchmarks/codec.py --trellis-candidates  # + CPU GEMV and SASS a weight
 
 --trellis measures the trellis code of stages/trellis.py instead (see trellis_main).
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trellis-budget", type=float, default=2.0**32,
                         help="trellis work per candidate: rows x cols x 2^L / V x 2 passes")
     parser.add_argument("--trellis-states", default="8,10,12,14,16", help="L candidates")
+    parser.add_argument("--trellis-versions", default="1", help="trellis versions (the "
+                        "computed codebook, stages/trellis.py VERSIONS) of every candidate, "
+                        "on the same rows: e.g. 1,2")
     parser.add_argument("--trellis-constants", type=int, default=12,
                         help="random multiply-add constants the chosen ones are set against")
     parser.add_argument("--trellis-search", type=int, default=0,
@@ -352,8 +356,10 @@ def trellis_main(args) -> int:
                                 args.repeats)
         scalar[bits] = (rel_mse(w, decode(qt)), pool.size / seconds)
     targets = {2: 0.075, 3: 0.020, 4: 0.0052}
+    versions = [int(v) for v in args.trellis_versions.split(",")]
     header = (
-        f"{'L':>3} {'V':>2} {'k':>2} {'bpw':>5} {'rows':>5} | {'rel.MSE':>8} {'+-':>7} | "
+        f"{'L':>3} {'V':>2} {'k':>2} {'ver':>3} {'bpw':>5} {'rows':>5} | {'rel.MSE':>8} "
+        f"{'+-':>7} | "
         f"{'/LloydMax':>9} {'/4^-k':>6} {'target':>7} | {'kw/s':>7} {'/scalar':>8}"
     )
     print(header)
@@ -361,7 +367,7 @@ def trellis_main(args) -> int:
     for bits in (2, 3, 4):
         mse_s, wps_s = scalar[bits]
         print(
-            f"{'LM':>3} {'-':>2} {bits:>2} {bits + 16 / gs:>5.2f} {len(pool):>5} | "
+            f"{'LM':>3} {'-':>2} {bits:>2} {'-':>3} {bits + 16 / gs:>5.2f} {len(pool):>5} | "
             f"{mse_s:>8.5f} {'':>7} | {1.0:>9.3f} {mse_s * 4**bits:>6.3f} "
             f"{targets[bits]:>7.4f} | {wps_s / 1e3:>7.0f} {1.0:>8.3f}"
         )
@@ -369,24 +375,28 @@ def trellis_main(args) -> int:
             for values in (1, 2):
                 if states <= bits * values:
                     continue
-                code = TrellisCode(states, bits, values)
-                work = 2.0 * cols * 2**states / values  # a step: each state's min and cost
-                n_rows = int(min(len(pool), max(1, args.trellis_budget // work)))
-                mse, se, wps = _trellis_error(code, pool[:n_rows], gs, block)
-                print(
-                    f"{states:>3} {values:>2} {bits:>2} {bits + 16 / gs:>5.2f} {n_rows:>5} | "
-                    f"{mse:>8.5f} {se:>7.5f} | {mse / mse_s:>9.3f} {mse * 4**bits:>6.3f} "
-                    f"{'yes' if mse <= targets[bits] else 'no':>7} | {wps / 1e3:>7.2f} "
-                    f"{wps / wps_s:>8.1e}",
-                    flush=True,
-                )
+                for version in versions:  # the same rows for every version
+                    code = TrellisCode(states, bits, values, version)
+                    work = 2.0 * cols * 2**states / values  # a step: each state's min and cost
+                    n_rows = int(min(len(pool), max(1, args.trellis_budget // work)))
+                    mse, se, wps = _trellis_error(code, pool[:n_rows], gs, block)
+                    print(
+                        f"{states:>3} {values:>2} {bits:>2} {version:>3} {bits + 16 / gs:>5.2f} "
+                        f"{n_rows:>5} | "
+                        f"{mse:>8.5f} {se:>7.5f} | {mse / mse_s:>9.3f} {mse * 4**bits:>6.3f} "
+                        f"{'yes' if mse <= targets[bits] else 'no':>7} | {wps / 1e3:>7.2f} "
+                        f"{wps / wps_s:>8.1e}",
+                        flush=True,
+                    )
     print()
     print("LM: the scalar Lloyd-Max code (stages.encode, rotation included), same rows. "
-          "/4^-k: MSE over Shannon's bound. target: the issue's <= 0.075 / 0.020 / 0.0052.")
+          "/4^-k: MSE over Shannon's bound. target: the issue's <= 0.075 / 0.020 / 0.0052. "
+          "ver: the trellis version (2: no shift-xor in the computed codebook).")
     print(
         "reproduce: .venv/bin/python benchmarks/codec.py --trellis "
         f"--cols {cols} --group-size {gs} --trellis-rows {args.trellis_rows} "
         f"--trellis-budget {args.trellis_budget:.0f} --trellis-states {args.trellis_states} "
+        f"--trellis-versions {args.trellis_versions} "
         f"--trellis-constants {args.trellis_constants} --seed {args.seed}"
     )
     return 0

@@ -13,7 +13,8 @@ protected layers, group size.
 
 The code of a quantized weight is "scalar" (Lloyd-Max levels, the default) or "trellis"
 (docs/FORMAT.md): `[quant] codec`, a `[codec]` table per role, or `codec` in a rule; the
-trellis's parameters are `[quant] trellis_state_bits`, `trellis_values`, `trellis_block`.
+trellis's parameters are `[quant] trellis_state_bits`, `trellis_values`, `trellis_block`,
+`trellis_version`.
 These keys are stored only where a recipe gives them, so recipes without them hash as
 they always did.
 """
@@ -40,7 +41,11 @@ BITS = (2, 3, 4, "ternary")
 GROUP_SIZES = (32, 64, 128)
 CODECS = ("scalar", "trellis")
 # the trellis a recipe gets unless its [quant] says otherwise (stages.trellis's defaults)
-TRELLIS_DEFAULTS = {"trellis_state_bits": 16, "trellis_values": 1, "trellis_block": 256}
+TRELLIS_DEFAULTS = {"trellis_state_bits": 16, "trellis_values": 1, "trellis_block": 256,
+                    "trellis_version": 1}
+# each trellis key's range (a recipe's [quant] and the convert flags)
+TRELLIS_RANGES = {"trellis_state_bits": (8, 20), "trellis_values": (1, 2),
+                  "trellis_block": (32, 1 << 16), "trellis_version": (1, 2)}
 # [quant] column_scales = "auto": the roles whose weights get per-input-column scales (the
 # layers whose input a runtime multiplies by t: TQLinear; not embeddings, not routed experts)
 COLUMN_ROLES = ("attention", "mlp", "shared_expert", "lm_head")
@@ -62,7 +67,8 @@ class Resolution:
     bits: int | str | None = None  # 2, 3, 4, "ternary"; None unless quantized
     group_size: int | None = None
     rule: str | None = None  # the pattern that decided it
-    trellis: tuple[int, int, int] | None = None  # (state bits, values, block): a trellis code
+    # (state bits, values, block, version): a trellis code
+    trellis: tuple[int, int, int, int] | None = None
     # per-input-column scales: the smallest-column ratio under which the job codes W / t
     # (stages.column_scales_from_sums); None: the tensor stores no in_scales (format 1)
     column_min_ratio: float | None = None
@@ -233,6 +239,11 @@ class Recipe:
         trellis = None
         if codec == "trellis" and bits != "ternary":  # ternary weights have no trellis
             trellis = tuple(quant.get(k, v) for k, v in TRELLIS_DEFAULTS.items())
+            if trellis[0] <= bits * trellis[1]:  # a state holds more than one step's bits
+                raise RecipeError(
+                    f"{self.source}: role {role} at {bits} bits with trellis_values "
+                    f"{trellis[1]} needs trellis_state_bits > {bits * trellis[1]}, got "
+                    f"{trellis[0]}: raise trellis_state_bits or lower trellis_values")
         ratio = self.column_min_ratio if role in COLUMN_ROLES and bits != "ternary" else None
         return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"],
                           trellis=trellis, column_min_ratio=ratio)
@@ -245,14 +256,16 @@ class Recipe:
         per-role entries); expert_bits, down_proj_bits, embeddings_bits, lm_head_bits;
         group_size; model_seed; protect_layers (first and last N); protect_bits;
         codec ("scalar" or "trellis": every coded role, clearing the per-role and per-rule
-        codecs) and trellis_state_bits (L of the trellis-coded weights).
+        codecs); trellis_state_bits (L), trellis_values (V) and trellis_version of the
+        trellis-coded weights.
         """
         data = copy.deepcopy(self.data)
         where = f"{self.source} (command-line override)"
         ov = {k: v for k, v in overrides.items() if v is not None}
         known = {"bits", "expert_bits", "down_proj_bits", "embeddings_bits", "lm_head_bits",
                  "group_size", "model_seed", "protect_layers", "protect_bits", "refit",
-                 "column_scales", "codec", "trellis_state_bits"}
+                 "column_scales", "codec", "trellis_state_bits", "trellis_values",
+                 "trellis_version"}
         for k in ov:
             if k not in known:
                 raise RecipeError(f"{where}: unknown override {k!r}")
@@ -276,13 +289,14 @@ class Recipe:
             data["quant"]["column_scales"] = ov["column_scales"]  # validate() checks it
         if "codec" in ov:
             _override_codec(data, _check_codec(ov["codec"], "--codec", where))
-        if "trellis_state_bits" in ov:
+        for key in ("trellis_state_bits", "trellis_values", "trellis_version"):
+            if key not in ov:
+                continue
+            flag = "--" + key.replace("_", "-")
             if "trellis" not in _codecs_named(data):
-                raise RecipeError(f"{where}: --trellis-state-bits sets the state of "
-                                  "trellis-coded weights and this recipe codes none: add "
-                                  "--codec trellis")
-            data["quant"]["trellis_state_bits"] = _check_int(
-                ov["trellis_state_bits"], "--trellis-state-bits", where, 8, 20)
+                raise RecipeError(f"{where}: {flag} sets the trellis-coded weights' code and "
+                                  "this recipe codes none: add --codec trellis")
+            data["quant"][key] = _check_int(ov[key], flag, where, *TRELLIS_RANGES[key])
         if "protect_layers" in ov:
             n = _check_int(ov["protect_layers"], "--protect-layers", where, 0, 1 << 20)
             data["protect"]["first_layers"] = data["protect"]["last_layers"] = n
@@ -422,8 +436,7 @@ def validate(raw: Any, where: str) -> dict:
     # codec keys only where given: a recipe without them keeps its hash
     if "codec" in quant:
         data["quant"]["codec"] = _check_codec(quant["codec"], "quant.codec", where)
-    for key, (lo, hi) in (("trellis_state_bits", (8, 20)), ("trellis_values", (1, 2)),
-                          ("trellis_block", (32, 1 << 16))):
+    for key, (lo, hi) in TRELLIS_RANGES.items():
         if key in quant:
             data["quant"][key] = _check_int(quant[key], "quant." + key, where, lo, hi)
     block = data["quant"].get("trellis_block", TRELLIS_DEFAULTS["trellis_block"])

@@ -15,7 +15,9 @@ FORMAT_VERSION = 1  # a repo of scalar codes only, no in_scales (and what recipe
 # than decode trellis codes as Lloyd-Max levels or compute without t
 VERSION_2 = 2
 READ_VERSIONS = (1, 2)  # what this turboquant reads
-TRELLIS_VERSION = 1  # the trellis's constants and steps (stages/trellis.py VERSION)
+TRELLIS_VERSION = 1  # the trellis's constants and steps (stages/trellis.py VERSION): the default
+# the trellis versions this turboquant writes (recipe key trellis_version) and reads
+TRELLIS_VERSIONS = (1, 2)
 CODECS = ("turboquant", "ternary", "trellis", "raw")  # the manifest's codec column
 QUANT_METHOD = "turboquant"
 MANIFEST_FILE = "manifest.parquet"

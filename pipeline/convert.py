@@ -46,6 +46,8 @@ class ConvertOptions:
     column_scales: str | None = None  # "auto" / "off": the recipe's [quant] column_scales
     codec: str | None = None  # "scalar" / "trellis": every coded role's code
     trellis_state_bits: int | None = None  # L of the trellis-coded weights
+    trellis_values: int | None = None  # V: weights a trellis step codes
+    trellis_version: int | None = None  # the trellis's codebook (stages/trellis.py VERSIONS)
     revision: str | None = None
     workers: int = 1
     in_process: bool = False
@@ -67,7 +69,8 @@ class ConvertOptions:
                 "down_proj_bits": self.down_proj_bits, "embeddings_bits": self.embeddings_bits,
                 "lm_head_bits": self.lm_head_bits, "protect_layers": self.protect_layers,
                 "model_seed": self.model_seed, "column_scales": self.column_scales,
-                "codec": self.codec, "trellis_state_bits": self.trellis_state_bits}
+                "codec": self.codec, "trellis_state_bits": self.trellis_state_bits,
+                "trellis_values": self.trellis_values, "trellis_version": self.trellis_version}
 
 
 @dataclass

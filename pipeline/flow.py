@@ -110,6 +110,8 @@ def convert_flow(
     column_scales: str | None = None,
     codec: str | None = None,
     trellis_state_bits: int | None = None,
+    trellis_values: int | None = None,
+    trellis_version: int | None = None,
     revision: str | None = None,
     workers: int = 1,
     in_process: bool = False,

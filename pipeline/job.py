@@ -455,11 +455,12 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
                 qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit,
                             in_scales=code_t)
             else:
-                state_bits, values, block = item.trellis
+                state_bits, values, block, version = item.trellis
                 t_start = time.monotonic()
                 qt = encode(x, item.bits, item.group_size, seed=item.seed, in_scales=code_t,
                             codec="trellis", trellis_state_bits=state_bits,
                             trellis_values=values, trellis_block=block,
+                            trellis_version=version,
                             trellis_rows=trellis.encoder if trellis else None)
                 if trellis is not None:
                     trellis.add(x.size, time.monotonic() - t_start)

@@ -85,7 +85,8 @@ class Item:
     read_bytes: int  # source bytes this item accounts for (progress, throughput)
     role: str | None = None
     published: Published | None = None  # read from FP8 / MXFP4 / int4 codes (published.py)
-    trellis: tuple[int, int, int] | None = None  # trellis code: (state bits, values, block)
+    # trellis code: (state bits, values, block, version)
+    trellis: tuple[int, int, int, int] | None = None
     # stores in_scales (a third tensor, F16 (in,)): the job codes W / t, t from the whole
     # tensor's column sums, ones where no column is under this ratio of the median
     column_min_ratio: float | None = None
@@ -191,8 +192,9 @@ class Plan:
                                    it.seed, it.shape)).encode())
                     if it.published is not None:
                         h.update(repr(it.published).encode())
-                    if it.trellis is not None:
-                        h.update(repr(it.trellis).encode())
+                    if it.trellis is not None:  # version 1 hashes as before it was a field
+                        t = it.trellis if it.trellis[3] != 1 else it.trellis[:3]
+                        h.update(repr(t).encode())
                     if it.in_scales:
                         h.update(repr(("in_scales", it.column_min_ratio)).encode())
         return h.hexdigest()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from turboquant.manifests.schema import (INDEX_FILE, MANIFEST_FILE, QUANT_METHOD,
-                                         TRELLIS_VERSION, write_manifest)
+from turboquant.manifests.schema import INDEX_FILE, MANIFEST_FILE, QUANT_METHOD, write_manifest
 
 from .card import model_card
 from .errors import LedgerError
@@ -89,14 +88,14 @@ def manifest_bytes(rows: list[dict]) -> bytes:
     return buf.getvalue().to_pybytes()
 
 
-def trellis_fields(trellis: tuple[int, int, int] | None) -> dict:
+def trellis_fields(trellis: tuple[int, int, int, int] | None) -> dict:
     """The manifest's (and an override's) trellis columns: null unless trellis-coded."""
     if trellis is None:
         return dict.fromkeys(("trellis_state_bits", "trellis_values", "trellis_block",
                               "trellis_version"))
-    state_bits, values, block = trellis
+    state_bits, values, block, version = trellis
     return {"trellis_state_bits": state_bits, "trellis_values": values,
-            "trellis_block": block, "trellis_version": TRELLIS_VERSION}
+            "trellis_block": block, "trellis_version": version}
 
 
 def quantization_config(plan: Plan) -> dict:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from turboquant.manifests.schema import (INDEX_FILE, QUANT_METHOD, READ_VERSIONS, TRELLIS_VERSION,
+from turboquant.manifests.schema import (INDEX_FILE, QUANT_METHOD, READ_VERSIONS, TRELLIS_VERSIONS,
                                          read_manifest, stored_names)
 
 from . import published
@@ -225,11 +225,14 @@ def trellis_spec(row: dict) -> dict:
     """QuantSpec's codec fields of a manifest row (empty for the scalar code)."""
     if row["codec"] != "trellis":
         return {}
-    if row.get("trellis_version") != TRELLIS_VERSION:
-        raise ValueError(f"tensor {row['name']!r}: trellis version {row.get('trellis_version')!r}, "
-                         f"this turboquant reads version {TRELLIS_VERSION}: upgrade turboquant")
+    version = row.get("trellis_version")
+    if version not in TRELLIS_VERSIONS:
+        raise ValueError(f"tensor {row['name']!r}: trellis version {version!r}, this "
+                         f"turboquant reads versions {', '.join(map(str, TRELLIS_VERSIONS))}: "
+                         "upgrade turboquant")
     return {"codec": "trellis", "trellis_state_bits": row["trellis_state_bits"],
-            "trellis_values": row["trellis_values"], "trellis_block": row["trellis_block"]}
+            "trellis_values": row["trellis_values"], "trellis_block": row["trellis_block"],
+            "trellis_version": int(version)}
 
 
 def load_coded(repo: Path, row: dict, header):

@@ -30,7 +30,7 @@ def spec_bits(spec):
     from turboquant.stages.trellis import TrellisBits
 
     return TrellisBits(spec.bits, spec.trellis_state_bits, spec.trellis_values,
-                       spec.trellis_block)
+                       spec.trellis_block, spec.trellis_version)
 
 
 def padded(in_features: int, group_size: int) -> int:
@@ -88,7 +88,8 @@ class _TQBase(nn.Module):
         codec = {}
         if is_trellis(b):
             codec = dict(codec="trellis", trellis_state_bits=b.state_bits,
-                         trellis_values=b.values, trellis_block=b.block)
+                         trellis_values=b.values, trellis_block=b.block,
+                         trellis_version=b.version)
             b = b.bits
         return QuantSpec(
             bits=b,

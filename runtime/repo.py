@@ -19,7 +19,7 @@ from turboquant.manifests.schema import (
     MANIFEST_FILE,
     QUANT_METHOD,
     READ_VERSIONS,
-    TRELLIS_VERSION,
+    TRELLIS_VERSIONS,
     VERSION_2,
     stored_names,
 )
@@ -238,12 +238,13 @@ def _trellis_bits(path: Path, r: dict):
     from turboquant.stages.trellis import TrellisBits
 
     version = r.get("trellis_version")
-    if version != TRELLIS_VERSION:
+    if version not in TRELLIS_VERSIONS:
         raise RepoError(f"{path}: tensor {r['name']} is trellis version {version!r}, this "
-                        f"runtime reads version {TRELLIS_VERSION}; upgrade turboquant")
+                        f"runtime reads versions {', '.join(map(str, TRELLIS_VERSIONS))}; "
+                        "upgrade turboquant")
     try:
         return TrellisBits(int(r["bits"]), int(r["trellis_state_bits"]),
-                           int(r["trellis_values"]), int(r["trellis_block"]))
+                           int(r["trellis_values"]), int(r["trellis_block"]), int(version))
     except (TypeError, ValueError) as e:
         raise RepoError(f"{path}: tensor {r['name']}: bad trellis parameters ({e})") from None
 

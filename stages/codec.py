@@ -90,6 +90,7 @@ class QuantSpec:
     trellis_state_bits: int = trellis.STATE_BITS
     trellis_values: int = trellis.VALUES
     trellis_block: int = trellis.BLOCK
+    trellis_version: int = trellis.VERSION
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -114,7 +115,8 @@ class QuantSpec:
 
     @property
     def trellis_code(self) -> trellis.TrellisCode:
-        return trellis.TrellisCode(self.trellis_state_bits, self.bits, self.trellis_values)
+        return trellis.TrellisCode(self.trellis_state_bits, self.bits, self.trellis_values,
+                                   self.trellis_version)
 
     @property
     def groups_per_row(self) -> int:
@@ -318,7 +320,7 @@ def encode(
     weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True,
     in_scales=None, codec: str = "scalar", trellis_state_bits: int = trellis.STATE_BITS,
     trellis_values: int = trellis.VALUES, trellis_block: int = trellis.BLOCK,
-    trellis_rows=None,
+    trellis_rows=None, trellis_version: int = trellis.VERSION,
 ) -> QuantizedTensor:
     """Code a 2-D weight (out, in) (mx or numpy, any float dtype) with TurboQuant.
 
@@ -332,9 +334,10 @@ def encode(
     of rows coded separately decode as one. None (the default) gives format-1 bytes.
 
     `codec` "trellis" codes the rotated rows with the trellis (`trellis_state_bits` L,
-    `trellis_values` V, `trellis_block` T; docs/FORMAT.md) instead of the Lloyd-Max levels:
-    same shapes and bits per weight. `trellis_rows`: an encoder with the signature and the
-    results of stages.trellis.encode_rows (the default), e.g. a GPU one.
+    `trellis_values` V, `trellis_block` T, `trellis_version` 1 or 2; docs/FORMAT.md) instead
+    of the Lloyd-Max levels: same shapes and bits per weight. `trellis_rows`: an encoder with
+    the signature and the results of stages.trellis.encode_rows (the default), e.g. a GPU
+    one.
     """
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
@@ -346,7 +349,7 @@ def encode(
         plain = rows
         rows = lambda r0, r1: plain(r0, r1) * inv  # noqa: E731
     spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit),
-                     codec, trellis_state_bits, trellis_values, trellis_block)
+                     codec, trellis_state_bits, trellis_values, trellis_block, trellis_version)
     parts = []
     step = _rows_per_chunk(n)
     for r in range(0, out, step):

@@ -65,8 +65,8 @@ BYTESUM_STD = float(np.sqrt(4 * (256**2 - 1) / 12))  # 147.80...
 GAIN = {1: 1.0, 2: 1.0, 3: 1.1, 4: 1.1}
 VERSION = 1  # docs/FORMAT.md's trellis version: the constants above and the steps below
 # version 2: the same without the shift-xor (h = S * MUL + ADD, then the byte sum): two GPU
-# instructions a weight fewer, a candidate until a GPU run times both; writers keep VERSION
-# (benchmarks/trellis_candidates.py, trellis-candidates-cpu-2026-12.txt)
+# instructions a weight fewer; written where a recipe says `trellis_version = 2`, the default
+# stays VERSION until a GPU run times both (trellis-candidates-cpu-2026-12.txt)
 VERSIONS = (1, 2)
 # the code the converter writes unless a recipe says otherwise (L, V, T)
 STATE_BITS, VALUES, BLOCK = 16, 1, 256

@@ -18,16 +18,20 @@ def weight(seed, out, n, scale=0.02):
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([2, 3, 4]), st.sampled_from([32, 64]),
        st.sampled_from([64, 96, 130, 256]), st.sampled_from([(8, 1, 64), (9, 1, 128),
-                                                             (10, 2, 64)]))
-@settings(max_examples=12, deadline=None)
-def test_trellis_round_trip_is_the_reference_decode(seed, bits, group_size, n, lvt):
-    """decode gives s * T^T(unpad(scale * v(S_t))) of the reference's rows, and the error
-    encode reports is the decoded weight's."""
+                                                             (10, 2, 64)]),
+       st.sampled_from(trellis.VERSIONS))
+@settings(max_examples=16, deadline=None)
+def test_trellis_round_trip_is_the_reference_decode(seed, bits, group_size, n, lvt, version):
+    """decode gives s * T^T(unpad(scale * v(S_t))) of the reference's rows (at the
+    trellis version encode was given), and the error encode reports is the decoded
+    weight's."""
     state_bits, values, block = lvt
     w = weight(seed, 5, n)
     qt = encode(w, bits, group_size, seed=seed % 1000, codec="trellis",
-                trellis_state_bits=state_bits, trellis_values=values, trellis_block=block)
+                trellis_state_bits=state_bits, trellis_values=values, trellis_block=block,
+                trellis_version=version)
     spec = qt.spec
+    assert spec.trellis_version == spec.trellis_code.version == version
     assert spec.codec == "trellis" and qt.codes.shape == (5, spec.padded_in * bits // 32)
     assert qt.codes.dtype == mx.uint32 and qt.scales.dtype == mx.float16
     rows = trellis.decode_rows(spec.trellis_code, np.array(qt.codes), np.array(qt.scales),

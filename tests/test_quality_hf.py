@@ -69,5 +69,5 @@ def test_the_trellis_repo_recipe_is_the_llama_recipe_with_the_trellis_code(tmp_p
 
     recipe = load_recipe(str(quality_hf.trellis_recipe(tmp_path, state_bits=12)))
     res = recipe.resolve("model.layers.3.self_attn.v_proj.weight", 3, 10)
-    assert res.trellis == (12, 1, 256) and res.column_min_ratio is not None
+    assert res.trellis == (12, 1, 256, 1) and res.column_min_ratio is not None
     assert "{recipe}" in quality_hf.REPO_FLAGS["tq-repo trellis"]

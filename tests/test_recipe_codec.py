@@ -46,7 +46,7 @@ def test_quant_codec_and_role_and_rule_precedence():
     raw["codec"] = {"embeddings": "scalar"}
     raw["rules"][2]["codec"] = "scalar"  # attention's rule
     r = recipe(raw)
-    assert r.resolve(UP, 3, 10).trellis == (12, 1, 128)
+    assert r.resolve(UP, 3, 10).trellis == (12, 1, 128, 1)
     assert r.resolve(UP, 3, 10).codec == "trellis"
     assert r.resolve(Q, 3, 10).trellis is None and r.resolve(Q, 3, 10).codec == "turboquant"
     assert r.resolve(EMB).trellis is None

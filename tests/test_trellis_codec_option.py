@@ -1,6 +1,7 @@
-"""`turboquant convert --codec trellis --trellis-state-bits L` (docs/convert.md): the code
-of every coded role from the command line, bound into the recipe hash like `--bits`, so a
-resume with another codec is refused instead of mixing codes in one output."""
+"""`turboquant convert --codec trellis --trellis-state-bits L [--trellis-values V]
+[--trellis-version N]` (docs/convert.md): the code of every coded role from the command
+line, bound into the recipe hash like `--bits`, so a resume with another codec (or another
+trellis) is refused instead of mixing codes in one output."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mlx_lm.generate import generate
 from test_convert_trust import cli
 
 from turboquant.convert import build_parser
-from turboquant.manifests.recipe import RecipeError, load_recipe
+from turboquant.manifests.recipe import Recipe, RecipeError, load_recipe, validate
 from turboquant.manifests.schema import read_manifest
 from turboquant.runtime import TQLinear, load
 from turboquant.stages.trellis import TrellisBits
@@ -26,8 +27,8 @@ def test_codec_override_reaches_every_coded_role():
     base = load_recipe("llama")
     r = base.with_overrides(codec="trellis", trellis_state_bits=12)
     for name in (Q, UP, EMB):
-        assert r.resolve(name, 3, 10).trellis == (12, 1, 256), name
-    assert base.with_overrides(codec="trellis").resolve(UP, 3, 10).trellis == (16, 1, 256)
+        assert r.resolve(name, 3, 10).trellis == (12, 1, 256, 1), name
+    assert base.with_overrides(codec="trellis").resolve(UP, 3, 10).trellis == (16, 1, 256, 1)
     assert r.hash() != base.hash() != base.with_overrides(codec="trellis").hash()
 
 
@@ -54,6 +55,11 @@ def test_codec_override_beats_the_recipes_roles_and_rules():
     (dict(codec="trellis", trellis_state_bits=24),
      r"'--trellis-state-bits' must be an integer in \[8, 20\], got 24"),
     (dict(codec="lattice"), r"'--codec' must be \"scalar\" or \"trellis\""),
+    (dict(trellis_version=2), r"--trellis-version .* codes none: add --codec trellis"),
+    (dict(codec="trellis", trellis_version=3),
+     r"'--trellis-version' must be an integer in \[1, 2\], got 3"),
+    (dict(codec="trellis", trellis_values=3),
+     r"'--trellis-values' must be an integer in \[1, 2\], got 3"),
 ])
 def test_bad_codec_overrides_name_the_option(overrides, match):
     with pytest.raises(RecipeError, match=match):
@@ -63,6 +69,49 @@ def test_bad_codec_overrides_name_the_option(overrides, match):
 def test_help_names_the_codec_options():
     text = build_parser().format_help()
     assert "--codec {scalar,trellis}" in text and "--trellis-state-bits L" in text
+    assert "--trellis-values V" in text and "--trellis-version N" in text
+
+
+def test_trellis_version_and_values_from_flags_and_recipe_keys():
+    base = load_recipe("llama")
+    v1 = base.with_overrides(codec="trellis", trellis_state_bits=10)
+    v2 = base.with_overrides(codec="trellis", trellis_state_bits=10, trellis_version=2,
+                             trellis_values=2)
+    assert v2.resolve(UP, 3, 10).trellis == (10, 2, 256, 2)
+    assert len({v1.hash(), v2.hash(), base.hash()}) == 3
+    # version 1 given is the recipe without the key: the code and the plan hash as before
+    assert base.with_overrides(codec="trellis", trellis_version=1).resolve(UP, 3, 10).trellis \
+        == base.with_overrides(codec="trellis").resolve(UP, 3, 10).trellis
+    raw = base.with_overrides(codec="trellis").data
+    raw["quant"].update(trellis_version=2, trellis_values=2, trellis_state_bits=12)
+    raw["codec"] = {"attention": "trellis"}
+    r = Recipe(validate(raw, "r.toml"), "r.toml")
+    assert r.resolve(Q, 3, 10).trellis == (12, 2, 256, 2)
+    raw["quant"]["trellis_version"] = 3
+    with pytest.raises(RecipeError, match=r"r.toml: key 'quant.trellis_version' must be an "
+                                          r"integer in \[1, 2\], got 3"):
+        validate(raw, "r.toml")
+
+
+def test_the_default_version_is_one_entry(monkeypatch):
+    """What a GPU run that decides for version 2 changes: TRELLIS_DEFAULTS's version (the
+    recipe hash stays, the plan hash, which hashes version 2, refuses a mixed resume)."""
+    from turboquant.manifests import recipe
+
+    r = load_recipe("llama").with_overrides(codec="trellis")
+    assert r.resolve(UP, 3, 10).trellis[3] == 1
+    monkeypatch.setitem(recipe.TRELLIS_DEFAULTS, "trellis_version", 2)
+    assert r.resolve(UP, 3, 10).trellis == (16, 1, 256, 2)
+
+
+def test_a_state_too_small_for_two_values_is_refused_at_planning():
+    base = load_recipe("llama").with_overrides(codec="trellis", trellis_values=2)
+    r = base.with_overrides(trellis_state_bits=8)
+    with pytest.raises(RecipeError, match=r"llama.toml: role mlp at 4 bits with "
+                                          r"trellis_values 2 needs trellis_state_bits > 8"):
+        r.resolve(UP, 0, 10)  # a protected layer: 4 bits
+    assert base.with_overrides(trellis_state_bits=9).resolve(UP, 0, 10).trellis \
+        == (9, 2, 256, 1)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +158,62 @@ def test_a_resume_with_another_codec_is_refused_in_one_line(checkpoint, tmp_path
     assert rc == 0, stderr
     assert {r["codec"] for r in read_manifest(out).to_pylist() if r["codec"] != "raw"} \
         == {"trellis"}
+
+
+@pytest.mark.parametrize("state_bits, values", [(8, 1), (9, 2)])
+def test_trellis_version_2_converts_resumes_and_generates(checkpoint, tmp_path, state_bits,
+                                                          values):
+    """Version 2 (no shift-xor) written end to end: killed and resumed (a resume with the
+    default version 1 refused in one line), the same bytes as an uninterrupted run, a
+    strict load whose logits are the decoded weights', generate."""
+    import mlx.core as mx
+    from test_pipeline_kill import snapshot
+    from test_runtime_fixtures import model_class
+    from test_trellis_convert import decoded_weights
+
+    trellis = ("--no-prefect", "--in-process", "--bits", "3", "--codec", "trellis",
+               "--trellis-state-bits", str(state_bits), "--trellis-values", str(values))
+    v2 = (*trellis, "--trellis-version", "2")
+    out = tmp_path / "out"
+    rc, _, stderr = cli(checkpoint, out, *v2, crash="unit_committed:3")
+    assert rc == -signal.SIGKILL, stderr
+    rc, _, stderr = cli(checkpoint, out, *trellis)  # version 1: the default
+    lines = stderr.strip().splitlines()
+    assert rc == 1 and len(lines) == 1, stderr
+    assert "quant.trellis_version: 2 -> None" in lines[0], lines[0]
+    rc, _, stderr = cli(checkpoint, out, *v2)
+    assert rc == 0, stderr
+    again = tmp_path / "again"
+    rc, _, stderr = cli(checkpoint, again, *v2)
+    assert rc == 0, stderr
+    assert snapshot(again) == snapshot(out)
+
+    coded = [r for r in read_manifest(out).to_pylist() if r["codec"] != "raw"]
+    assert coded and {r["codec"] for r in coded} == {"trellis"}
+    assert {(r["trellis_state_bits"], r["trellis_values"], r["trellis_version"])
+            for r in coded} == {(state_bits, values, 2)}
+    from turboquant.pipeline import verify
+
+    # against the source, verify decodes version 2 and finds the rel_mse the job measured
+    report = verify.verify_repo(out, source=checkpoint)
+    assert report.ok, report.problems
+    import json
+
+    config = json.loads((out / "config.json").read_text())
+    overrides = config["quantization_config"]["overrides"]
+    assert {o["trellis_version"] for o in overrides.values() if o.get("codec") == "trellis"} \
+        == {2}
+    model, tokenizer = load(out, dtype="float32")
+    up = model.model.layers[1].mlp.up_proj
+    assert isinstance(up, TQLinear)
+    assert up.bits == TrellisBits(3, state_bits, values, 256, version=2)
+    model_cls, args_cls = model_class(config)
+    ref = model_cls(args_cls.from_dict(config))
+    ref.load_weights(list(ref.sanitize(decoded_weights(out)).items()), strict=True)
+    tokens = mx.array([[1, 5, 70, 33, 200, 9, 12, 250] * 3])  # 24: the GEMM path too
+    for t in (tokens[:, :2], tokens):
+        got, want = model(t), ref(t)
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert err < 1e-4, err
+    text = generate(model, tokenizer, "hello", max_tokens=4, verbose=False)
+    assert isinstance(text, str)

@@ -164,10 +164,14 @@ def test_a_reader_refuses_what_it_does_not_know(converted, tmp_path):
     name = next(r["name"] for r in rows if r["codec"] == "trellis")
     for r in rows:
         if r["name"] == name:
-            r["trellis_version"] = 2
+            r["trellis_version"] = 3
     pq.write_table(type(table).from_pylist(rows, schema=table.schema), copy / "manifest.parquet")
-    with pytest.raises(RepoError, match=rf"{name}.*trellis version 2"):
+    with pytest.raises(RepoError, match=rf"{name}.*trellis version 3, this runtime reads "
+                                         "versions 1, 2"):
         load(copy)
+    row = next(r for r in rows if r["name"] == name)
+    with pytest.raises(ValueError, match=rf"{name}.*trellis version 3"):
+        verify.trellis_spec(row)
     for r in rows:
         if r["name"] == name:
             r["trellis_version"], r["codec"] = 1, "lattice"

@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trellis-state-bits", type=int, metavar="L", help="state bits of the "
                    "trellis code, 8-20 (more: lower error, slower conversion; default the "
                    "recipe's, else 16)")
+    r.add_argument("--trellis-values", type=int, choices=(1, 2), metavar="V", help="weights "
+                   "a trellis step codes, 1 or 2 (default the recipe's, else 1)")
+    r.add_argument("--trellis-version", type=int, choices=(1, 2), metavar="N", help="the "
+                   "trellis's computed codebook: 1 (with a shift-xor) or 2 (without: fewer GPU "
+                   "instructions a weight; default the recipe's, else 1; docs/FORMAT.md)")
     s = p.add_argument_group("source")
     s.add_argument("--revision", help="Hub branch, tag or commit")
     s.add_argument("--delete-source", action="store_true", help="Hub source: delete each "
@@ -206,6 +211,7 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         lm_head_bits=args.lm_head_bits, protect_layers=args.protect_layers,
         model_seed=args.model_seed, column_scales=args.column_scales,
         codec=args.codec, trellis_state_bits=args.trellis_state_bits,
+        trellis_values=args.trellis_values, trellis_version=args.trellis_version,
         revision=args.revision, workers=args.workers,
         in_process=args.in_process, fresh=args.fresh, delete_source=args.delete_source,
         min_job_bytes=min_job, max_job_bytes=max_job,
