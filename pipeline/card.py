@@ -15,8 +15,19 @@ def _label(row: dict) -> str:
     if row["codec"] == "ternary":
         return f"ternary, group {row['group_size']}"
     if row["codec"] == "trellis":
-        return f"{row['bits']}-bit trellis (L={row['trellis_state_bits']}), group {row['group_size']}"
+        return f"{row['bits']}-bit trellis ({_trellis_params(row)}), group {row['group_size']}"
     return f"{row['bits']}-bit, group {row['group_size']}"
+
+
+def _trellis_params(row: dict) -> str:
+    """L, and V and the trellis version where they are not 1 (the cards written before
+    those could change keep their bytes)."""
+    params = [f"L={row['trellis_state_bits']}"]
+    if (row.get("trellis_values") or 1) != 1:
+        params.append(f"V={row['trellis_values']}")
+    if (row.get("trellis_version") or 1) != 1:
+        params.append(f"version {row['trellis_version']}")
+    return ", ".join(params)
 
 
 def model_card(plan, rows: list[dict], summary, base_model: str | None) -> str:

@@ -203,6 +203,8 @@ def test_trellis_version_2_converts_resumes_and_generates(checkpoint, tmp_path, 
     overrides = config["quantization_config"]["overrides"]
     assert {o["trellis_version"] for o in overrides.values() if o.get("codec") == "trellis"} \
         == {2}
+    wanted = f"3-bit trellis (L={state_bits}{', V=2' if values == 2 else ''}, version 2)"
+    assert wanted in (out / "README.md").read_text()  # the card names the code
     model, tokenizer = load(out, dtype="float32")
     up = model.model.layers[1].mlp.up_proj
     assert isinstance(up, TQLinear)
