@@ -167,10 +167,25 @@ def norm_weight(source: dict, name: str) -> mx.array | None:
     return source.get(f"{layer}.{norm}.weight")
 
 
+def neuron_sizes(source: dict, name: str, above: float | None) -> np.ndarray | None:
+    """For a down_proj: rms(gate row k) * rms(up row k) over its median, a data-free size of
+    MLP neuron k's activation (SmolLM2's massive neurons: 11-56x); None for other weights,
+    when `above` is None, or when no neuron is over `above` x the median."""
+    if above is None or tensor_class(name) != "down_proj":
+        return None
+    mlp = name.rsplit(".down_proj.", 1)[0]
+    g, u = (np.asarray(source[f"{mlp}.{c}.weight"].astype(mx.float32), dtype=np.float64)
+            for c in ("gate_proj", "up_proj"))
+    a = np.sqrt((g * g).mean(axis=1) * (u * u).mean(axis=1))
+    a = a / float(np.median(a))
+    return a if float(a.max()) > above else None
+
+
 def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: int = GROUP,
                power: float | None = None, codec: str = "scalar", state_bits: int | None = None,
                gamma: mx.array | None = None, gamma_power: float | None = None,
-               energy: np.ndarray | None = None) -> tuple[mx.array, int, float]:
+               energy: np.ndarray | None = None, neurons: np.ndarray | None = None
+               ) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
     equalise: False, True (every weight) or "small" (only weights with a small column);
     state_bits: the trellis's L (None: the codec's default, 16)."""
@@ -189,6 +204,12 @@ def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: i
         t = np.maximum(col, 1e-2 * float(np.median(col))) / x
         t = np.sqrt(t)
         t = (t / np.sqrt(np.mean(t * t))).astype(np.float16)
+    if neurons is not None:  # down_proj: t_k = (colRMS_k / a_k) ** 0.5, the calibrated rule with
+        # a_k = rms(gate row k) * rms(up row k) / median for the activation of neuron k
+        from turboquant.stages.scale import neuron_column_scales
+
+        a = np.asarray(w.astype(mx.float32), dtype=np.float64)
+        t = neuron_column_scales((a * a).sum(axis=0), a.shape[0], neurons, ratio=0.0)
     if gamma is not None and gamma_power:  # t *= |gamma| ** a (a < 0: big gamma, small t)
         g = np.abs(np.asarray(gamma.astype(mx.float32), dtype=np.float64))
         g = np.maximum(g, 1e-2 * float(np.median(g))) ** gamma_power
@@ -207,7 +228,8 @@ def variant(method: str) -> tuple[str, dict]:
     "trellis" codes with the trellis, "L12" at state bits 12 (L), "on=v_proj+down_proj" only
     the named classes (the rest with the scalar code, same column scales). "a-0.5" multiplies
     t by |gamma| ** -0.5 (the preceding RMSNorm's weight; q/k/v, gate/up), "raw=layers.0.+v_proj"
-    keeps the matrices whose name holds one of the parts at source (16 bits)."""
+    keeps the matrices whose name holds one of the parts at source (16 bits), "r4096" the
+    embedding's first 4096 rows (token ids)."""
     base, *opts = method.split(" ")
     if base == "tq" and opts and opts[0].startswith("eq"):
         base, opts = f"tq {opts[0]}", opts[1:]
@@ -219,11 +241,13 @@ def variant(method: str) -> tuple[str, dict]:
             kw["trellis_classes"] = o[3:].split("+")
         elif o == "cal":
             kw["cal"] = True
+        elif o.startswith("dgu"):  # "dgu8": only where the largest neuron is over 8x the median
+            kw["dgu"] = float(o[3:] or 0)
         elif o.startswith("raw="):
             kw["raw"] = o[4:].split("+")
         else:
             key = {"g": "group", "e": "embed_group", "p": "power", "L": "state_bits",
-                   "a": "gamma_power"}[o[0]]
+                   "a": "gamma_power", "r": "embed_raw_rows"}[o[0]]
             kw[key] = float(o[1:]) if o[0] in "pa" else int(o[1:])
     return base, kw
 
@@ -252,11 +276,16 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
             if tensor_class(n) == "embed":
                 out[n], b, _ = turboquant(w, bits, n, False, kw.get("embed_group", GROUP),
                                           codec=codec, state_bits=kw.get("state_bits"))
+                k = kw.get("embed_raw_rows", 0)
+                if k:  # the first k token ids (BPE's most frequent merges) kept at source
+                    out[n] = mx.concatenate([w[:k].astype(out[n].dtype), out[n][k:]])
+                    b += k * w.shape[1] * 2 - b * k // w.shape[0]
             else:
                 out[n], b, _ = turboquant(w, bits, n, eq, kw.get("group", GROUP),
                                           kw.get("power"), codec, kw.get("state_bits"),
                                           norm_weight(ev.source, n), kw.get("gamma_power"),
-                                          CAL_ENERGY.get(n) if kw.get("cal") else None)
+                                          CAL_ENERGY.get(n) if kw.get("cal") else None,
+                                          neuron_sizes(ev.source, n, kw.get("dgu")))
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
