@@ -27,6 +27,8 @@ Rows:
   --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
   matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its layers on
   the pure-MLX reference kernels), float32; bits/w from the repo's safetensors bytes.
+- tq-repo-b col: the same with the column rule on every down_proj (the llama recipe
+  without `neuron_ratio`: the default before it).
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
 
@@ -294,7 +296,24 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
               "tq-repo rec": [],
               "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
-                                  "--recipe", "{recipe}"]}
+                                  "--recipe", "{recipe}"],
+              "tq-repo col": ["--embeddings-bits", "{b}", "--protect-layers", "0",
+                              "--recipe", "{recipe}"]}
+
+
+def column_rule_recipe(work: Path) -> Path:
+    """The llama recipe without `neuron_ratio` (the column rule on every down_proj, as
+    before it): what `tq-repo col` converts with."""
+    from turboquant.manifests.recipe import RECIPES_DIR
+
+    lines = (RECIPES_DIR / "llama.toml").read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if not ln.startswith("neuron_ratio")]
+    if len(kept) != len(lines) - 1:
+        raise SystemExit("llama.toml has no neuron_ratio line")
+    path = work / "llama-column-rule.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(kept))
+    return path
 
 
 def trellis_recipe(work: Path, state_bits: int = 12) -> Path:
@@ -331,7 +350,8 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
 
     from turboquant.runtime import load
 
-    recipe = trellis_recipe(work) if "trellis" in method else None
+    recipe = (trellis_recipe(work) if "trellis" in method
+              else column_rule_recipe(work) if method == "tq-repo col" else None)
     flags = [f.format(b=bits, recipe=recipe) for f in REPO_FLAGS[method]]
     out = work / f"{src.name}-{method.replace(' ', '-')}-{bits}"
     cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q", "--fresh",

@@ -112,3 +112,13 @@ def test_layers_table(tmp_path):
     report = out.read_text()
     assert "all coded (tq eq-s, 4 bits)" in report
     assert "  embed " in report and "model.layers.0 v_proj" in report
+
+
+def test_the_column_rule_recipe_is_the_llama_recipe_without_neuron_ratio(tmp_path):
+    from turboquant.manifests.recipe import load_recipe
+
+    recipe = load_recipe(str(quality_hf.column_rule_recipe(tmp_path)))
+    res = recipe.resolve("model.layers.3.mlp.down_proj.weight", 3, 10)
+    assert res.neuron_ratio is None and res.column_min_ratio == 0.5
+    assert load_recipe("llama").resolve("model.layers.3.mlp.down_proj.weight", 3,
+                                        10).neuron_ratio == 8.0
