@@ -536,8 +536,8 @@ def _neuron_sizes(item: Item, reader: _Reader) -> np.ndarray | None:
             _check_parent()
             r1 = min(out_f, r0 + step)
             raw = read_raw(reader.fd(file), info, r0 * in_f, (r1 - r0) * in_f, file)
-            x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f).astype(np.float64)
-            acc[r0:r1] = np.einsum("ij,ij->i", x, x)
+            x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
+            acc[r0:r1] = np.square(x).sum(axis=1, dtype=np.float64)
         sums.append(acc)
     if sums[0].shape != sums[1].shape:
         return None
