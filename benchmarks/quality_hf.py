@@ -27,6 +27,8 @@ Rows:
   --embeddings-bits b --protect-layers 0` (the default recipe's column scales; every
   matrix at b bits, like affine-b) and loaded by `turboquant.runtime.load` (its layers on
   the pure-MLX reference kernels), float32; bits/w from the repo's safetensors bytes.
+- tq-repo-b col: the same with the column rule on every down_proj (the llama recipe
+  without `neuron_ratio`: the default before it).
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
 
@@ -72,6 +74,19 @@ def heldout(tokenizer, count: int) -> tuple[mx.array, int]:
     rows = ids[: len(ids) // SEQ * SEQ].reshape(-1, SEQ)
     count = min(count, len(rows))
     return mx.array(rows[[i * len(rows) // count for i in range(count)]]), len(rows)
+
+
+def calibration_rows(tokenizer, count: int) -> mx.array:
+    """`count` rows of SEQ tokens from this repository's user guides (docs/*.md, sorted):
+    English technical prose that is not the held-out pydoc text (the `cal` rows only)."""
+    docs = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+    ids = np.array(tokenizer.encode("\n\n".join(d.read_text() for d in docs)), dtype=np.int32)
+    rows = ids[: len(ids) // SEQ * SEQ].reshape(-1, SEQ)
+    count = min(count, len(rows))
+    return mx.array(rows[[i * len(rows) // count for i in range(count)]])
+
+
+CAL_ENERGY: dict[str, np.ndarray] = {}  # E[x_j^2] of each linear layer's input, docs rows
 
 
 class Evaluator:
@@ -142,8 +157,36 @@ def affine(w: mx.array, bits: int) -> tuple[mx.array, int]:
     return back, q.nbytes + 2 * s.size + 2 * b.size
 
 
+def norm_weight(source: dict, name: str) -> mx.array | None:
+    """The RMSNorm weight (gamma) in front of a linear layer: input_layernorm for q/k/v,
+    post_attention_layernorm for gate/up; None for o_proj, down_proj and the embedding."""
+    c = tensor_class(name)
+    norm = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
+            "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}.get(c)
+    if norm is None:
+        return None
+    layer = name.split(".self_attn.")[0].split(".mlp.")[0]
+    return source.get(f"{layer}.{norm}.weight")
+
+
+def neuron_sizes(source: dict, name: str, above: float | None) -> np.ndarray | None:
+    """For a down_proj: rms(gate row k) * rms(up row k) over its median, a data-free size of
+    MLP neuron k's activation (SmolLM2's massive neurons: 11-56x); None for other weights,
+    when `above` is None, or when no neuron is over `above` x the median."""
+    if above is None or tensor_class(name) != "down_proj":
+        return None
+    mlp = name.rsplit(".down_proj.", 1)[0]
+    g, u = (np.asarray(source[f"{mlp}.{c}.weight"].astype(mx.float32), dtype=np.float64)
+            for c in ("gate_proj", "up_proj"))
+    a = np.sqrt((g * g).mean(axis=1) * (u * u).mean(axis=1))
+    a = a / float(np.median(a))
+    return a if float(a.max()) > above else None
+
+
 def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: int = GROUP,
-               power: float | None = None, codec: str = "scalar", state_bits: int | None = None
+               power: float | None = None, codec: str = "scalar", state_bits: int | None = None,
+               gamma: mx.array | None = None, gamma_power: float | None = None,
+               energy: np.ndarray | None = None, neurons: np.ndarray | None = None
                ) -> tuple[mx.array, int, float]:
     """(decoded weight, stored bytes, recorded rel_mse) through turboquant.stages.
     equalise: False, True (every weight) or "small" (only weights with a small column);
@@ -155,6 +198,26 @@ def turboquant(w: mx.array, bits: int, name: str, equalise: str | bool, group: i
     if equalise:
         t = column_scales(w, power or COLUMN_POWER, min_ratio=MIN_RATIO[0] or
                           SMALL_COLUMN_RATIO if equalise == "small" else None)
+    if energy is not None:  # calibrated: t_j = (colRMS_j / xrms_j) ** 0.5, which minimises
+        # sum_j ||E_:,j||^2 E[x_j^2] when each column's error is t_j^2 x the same
+        a = np.asarray(w.astype(mx.float32), dtype=np.float64)
+        col = np.sqrt((a * a).mean(axis=0))
+        x = np.sqrt(np.maximum(energy, 1e-6 * float(np.median(energy))))
+        t = np.maximum(col, 1e-2 * float(np.median(col))) / x
+        t = np.sqrt(t)
+        t = (t / np.sqrt(np.mean(t * t))).astype(np.float16)
+    if neurons is not None:  # down_proj: t_k = (colRMS_k / a_k) ** 0.5, the calibrated rule with
+        # a_k = rms(gate row k) * rms(up row k) / median for the activation of neuron k
+        from turboquant.stages.scale import neuron_column_scales
+
+        a = np.asarray(w.astype(mx.float32), dtype=np.float64)
+        t = neuron_column_scales((a * a).sum(axis=0), a.shape[0], neurons, ratio=0.0)
+    if gamma is not None and gamma_power:  # t *= |gamma| ** a (a < 0: big gamma, small t)
+        g = np.abs(np.asarray(gamma.astype(mx.float32), dtype=np.float64))
+        g = np.maximum(g, 1e-2 * float(np.median(g))) ** gamma_power
+        t0 = np.ones(w.shape[1]) if t is None else np.asarray(t, dtype=np.float64)
+        t = t0 * g
+        t = (t / np.sqrt(np.mean(t * t))).astype(np.float16)
     kw = {} if state_bits is None else {"trellis_state_bits": state_bits}
     qt = encode(w, bits, group_size=group, seed=tensor_seed(0, name), in_scales=t, codec=codec,
                 **kw)
@@ -165,7 +228,10 @@ def variant(method: str) -> tuple[str, dict]:
     """A main-table method and its options: "tq eq-s g32 e32 p0.75" is tq eq-s with linear
     layers at group 32 (g), the embedding at group 32 (e), t = rms ** 0.75 (p).
     "trellis" codes with the trellis, "L12" at state bits 12 (L), "on=v_proj+down_proj" only
-    the named classes (the rest with the scalar code, same column scales)."""
+    the named classes (the rest with the scalar code, same column scales). "a-0.5" multiplies
+    t by |gamma| ** -0.5 (the preceding RMSNorm's weight; q/k/v, gate/up), "raw=layers.0.+v_proj"
+    keeps the matrices whose name holds one of the parts at source (16 bits), "r4096" the
+    embedding's first 4096 rows (token ids)."""
     base, *opts = method.split(" ")
     if base == "tq" and opts and opts[0].startswith("eq"):
         base, opts = f"tq {opts[0]}", opts[1:]
@@ -175,15 +241,25 @@ def variant(method: str) -> tuple[str, dict]:
             kw["codec"] = "trellis"
         elif o.startswith("on="):
             kw["trellis_classes"] = o[3:].split("+")
+        elif o == "cal":
+            kw["cal"] = True
+        elif o.startswith("dgu"):  # "dgu8": only where the largest neuron is over 8x the median
+            kw["dgu"] = float(o[3:] or 0)
+        elif o.startswith("raw="):
+            kw["raw"] = o[4:].split("+")
         else:
-            key = {"g": "group", "e": "embed_group", "p": "power", "L": "state_bits"}[o[0]]
-            kw[key] = float(o[1:]) if o[0] == "p" else int(o[1:])
+            key = {"g": "group", "e": "embed_group", "p": "power", "L": "state_bits",
+                   "a": "gamma_power", "r": "embed_raw_rows"}[o[0]]
+            kw[key] = float(o[1:]) if o[0] in "pa" else int(o[1:])
     return base, kw
 
 
 def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
     """{name: decoded weight} for `names` under `method`, and their stored bytes."""
     out, nbytes = {}, 0
+    if method != "affine" and variant(method)[1].get("cal") and not CAL_ENERGY:
+        ev.restore(ev.matrices)  # the source model's activations
+        CAL_ENERGY.update(capture_inputs(ev, calibration_rows(ev.tokenizer, 8)))
     for n in names:
         w = ev.source[n]
         if method == "affine":
@@ -192,14 +268,26 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
             base, kw = variant(method)
             eq = {"tq": False, "tq eq": True, "tq eq-s": "small"}[base]
             only = kw.get("trellis_classes")
+            if any(part in n for part in kw.get("raw", ())):
+                out[n], b = w, w.nbytes
+                mx.eval(out[n])
+                nbytes += b
+                continue
             codec = kw.get("codec", "scalar") if only is None or tensor_class(n) in only \
                 else "scalar"
             if tensor_class(n) == "embed":
                 out[n], b, _ = turboquant(w, bits, n, False, kw.get("embed_group", GROUP),
                                           codec=codec, state_bits=kw.get("state_bits"))
+                k = kw.get("embed_raw_rows", 0)
+                if k:  # the first k token ids (BPE's most frequent merges) kept at source
+                    out[n] = mx.concatenate([w[:k].astype(out[n].dtype), out[n][k:]])
+                    b += k * w.shape[1] * 2 - b * k // w.shape[0]
             else:
                 out[n], b, _ = turboquant(w, bits, n, eq, kw.get("group", GROUP),
-                                          kw.get("power"), codec, kw.get("state_bits"))
+                                          kw.get("power"), codec, kw.get("state_bits"),
+                                          norm_weight(ev.source, n), kw.get("gamma_power"),
+                                          CAL_ENERGY.get(n) if kw.get("cal") else None,
+                                          neuron_sizes(ev.source, n, kw.get("dgu")))
         mx.eval(out[n])
         nbytes += b
     return out, nbytes
@@ -208,7 +296,24 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
               "tq-repo rec": [],
               "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
-                                  "--recipe", "{recipe}"]}
+                                  "--recipe", "{recipe}"],
+              "tq-repo col": ["--embeddings-bits", "{b}", "--protect-layers", "0",
+                              "--recipe", "{recipe}"]}
+
+
+def column_rule_recipe(work: Path) -> Path:
+    """The llama recipe without `neuron_ratio` (the column rule on every down_proj, as
+    before it): what `tq-repo col` converts with."""
+    from turboquant.manifests.recipe import RECIPES_DIR
+
+    lines = (RECIPES_DIR / "llama.toml").read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if not ln.startswith("neuron_ratio")]
+    if len(kept) != len(lines) - 1:
+        raise SystemExit("llama.toml has no neuron_ratio line")
+    path = work / "llama-column-rule.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(kept))
+    return path
 
 
 def trellis_recipe(work: Path, state_bits: int = 12) -> Path:
@@ -245,7 +350,8 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
 
     from turboquant.runtime import load
 
-    recipe = trellis_recipe(work) if "trellis" in method else None
+    recipe = (trellis_recipe(work) if "trellis" in method
+              else column_rule_recipe(work) if method == "tq-repo col" else None)
     flags = [f.format(b=bits, recipe=recipe) for f in REPO_FLAGS[method]]
     out = work / f"{src.name}-{method.replace(' ', '-')}-{bits}"
     cmd = [sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q", "--fresh",
@@ -371,6 +477,39 @@ def class_table(ev, rows, bits, lines):
         print(lines[-1], file=sys.stderr, flush=True)
 
 
+def layer_table(ev, rows, bits, method, lines, classes=()):
+    """Everything coded by `method`; then each layer (and the embedding) back at source alone:
+    how much of the loss each carries, and what keeping it raw would cost in bits/w; with
+    `classes`, also each layer's matrices of those classes alone."""
+    names = ev.matrices
+    ws, _ = quantized(ev, method, bits, names)
+    src = ev.run(rows)
+    ev.set(ws)
+    full = ev.run(rows)
+    lines.append(f"  all coded ({method}, {bits} bits): dppl {full['ppl'] - src['ppl']:+.3f}")
+    lines.append(f"  {'kept raw':<22} {'weights':>10} {'+bits/w':>8} {'dppl':>9} {'gain':>8} "
+                 f"{'gain/bit':>9}")
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        key = n.split(".self_attn.")[0].split(".mlp.")[0] if ".layers." in n else "embed"
+        groups.setdefault(key, []).append(n)
+        if ".layers." in n:
+            groups.setdefault(f"{key} {tensor_class(n)}", []).append(n)
+    for key, part in groups.items():
+        if " " in key and tensor_class(part[0]) not in classes:
+            continue
+        ev.restore(part)
+        r = ev.run(rows)
+        ev.set({n: ws[n] for n in part})
+        size = sum(ev.source[n].size for n in part)
+        extra = (16 - bits - 0.27) * size / ev.n_params()
+        gain = full["ppl"] - r["ppl"]
+        lines.append(f"  {key:<22} {size:>10,} {extra:8.4f} {r['ppl'] - src['ppl']:+9.3f} "
+                     f"{gain:+8.3f} {gain / extra:9.2f}")
+        print(lines[-1], file=sys.stderr, flush=True)
+    ev.restore(names)
+
+
 def capture_inputs(ev, rows) -> dict[str, np.ndarray]:
     """E[x_j^2] of every linear layer's input over `rows` (a diagnostic with data)."""
     stats: dict[str, np.ndarray] = {}
@@ -462,6 +601,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation-windows", type=int, default=4,
                     help="rows for the per-class and mechanism tables")
     ap.add_argument("--ablation-bits", type=int, default=3)
+    ap.add_argument("--ablation-method", default="tq eq-s",
+                    help="the layers table's method (a main-table method)")
+    ap.add_argument("--layer-classes", default="", help="the layers table: also each layer's "
+                    "matrices of these classes alone (comma list, e.g. v_proj,down_proj)")
     ap.add_argument("--batch", type=int, default=2, help="rows per forward pass")
     ap.add_argument("--out", type=Path, help="also write the report here")
     ap.add_argument("--work", type=Path, default=WORK[0], help="where tq-repo conversions go")
@@ -491,6 +634,12 @@ def main(argv=None) -> int:
                       f"({small.shape[0] * (SEQ - 1):,} tokens), {args.ablation_bits} bits; "
                       "tq eq = every weight of the class equalised:"]
             class_table(ev, small, args.ablation_bits, lines)
+        elif table == "layers":
+            lines += ["", f"per layer, {small.shape[0]} rows ({small.shape[0] * (SEQ - 1):,} "
+                      f"tokens), {args.ablation_bits} bits, {args.ablation_method}: one layer "
+                      "(or one of its classes) back at source:"]
+            layer_table(ev, small, args.ablation_bits, args.ablation_method, lines,
+                        [c for c in args.layer_classes.split(",") if c])
         elif table == "mechanism":
             lines += ["", f"mechanism, {args.ablation_bits} bits, {small.shape[0]} rows: top-2 ch "
                       "= share of the input's activation energy in its 2 largest channels; "

@@ -72,6 +72,9 @@ class Resolution:
     # per-input-column scales: the smallest-column ratio under which the job codes W / t
     # (stages.column_scales_from_sums); None: the tensor stores no in_scales (format 1)
     column_min_ratio: float | None = None
+    # a down projection with column scales: its in_scales from the gate/up neuron sizes when
+    # one neuron is over this x the median (stages.neuron_column_scales); None: off
+    neuron_ratio: float | None = None
 
     @property
     def codec(self) -> str:
@@ -143,6 +146,14 @@ class Recipe:
         if q.get("column_scales", "off") == "off":
             return None
         return q.get("column_min_ratio", COLUMN_MIN_RATIO)
+
+    @property
+    def neuron_ratio(self) -> float | None:
+        """The [quant] neuron_ratio: a down projection's in_scales come from its MLP's gate
+        and up rows when a neuron is over this x the median size (None: off)."""
+        if self.column_min_ratio is None:
+            return None
+        return self.data["quant"].get("neuron_ratio")
 
     @property
     def drop_extra_layers(self) -> bool:
@@ -245,8 +256,9 @@ class Recipe:
                     f"{trellis[1]} needs trellis_state_bits > {bits * trellis[1]}, got "
                     f"{trellis[0]}: raise trellis_state_bits or lower trellis_values")
         ratio = self.column_min_ratio if role in COLUMN_ROLES and bits != "ternary" else None
+        neuron = self.neuron_ratio if ratio is not None and rule.get("down_proj") else None
         return Resolution("quantize", role=role, bits=bits, group_size=group, rule=rule["match"],
-                          trellis=trellis, column_min_ratio=ratio)
+                          trellis=trellis, column_min_ratio=ratio, neuron_ratio=neuron)
 
     # --- overrides ------------------------------------------------------------------
     def with_overrides(self, **overrides) -> "Recipe":
@@ -392,7 +404,7 @@ def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
         "rules", "split", "unsupported", "drop_extra_layers", "generic", "codec"}
 _QUANT = {"bits", "group_size", "model_seed", "refit", "codec", *TRELLIS_DEFAULTS,
-          "column_scales", "column_min_ratio"}
+          "column_scales", "column_min_ratio", "neuron_ratio"}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
 _RULE = {"match", "role", "bits", "group_size", "down_proj", "codec"}
 _SPLIT = {"match", "into", "interleaved", "transpose"}
@@ -465,6 +477,12 @@ def validate(raw: Any, where: str) -> dict:
             raise RecipeError(f"{where}: key 'quant.column_min_ratio' must be a number in "
                               f"(0, 1] (a fraction of the median column RMS), got {r!r}")
         data["quant"]["column_min_ratio"] = float(r)
+    if "neuron_ratio" in quant:  # only when given: recipes without it keep their hash
+        r = quant["neuron_ratio"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1.0:
+            raise RecipeError(f"{where}: key 'quant.neuron_ratio' must be a number above 1 "
+                              f"(a multiple of the median neuron size), got {r!r}")
+        data["quant"]["neuron_ratio"] = float(r)
 
     bits = raw.get("bits", {})
     if not isinstance(bits, dict):

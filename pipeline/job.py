@@ -440,7 +440,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         check_finite(x, p.file, p.tensor, r0 * in_f)
         return x
 
-    t = _in_scales(item, chunk, rows) if item.in_scales else None
+    t = _in_scales(item, chunk, rows, _neuron_sizes(item, reader)) if item.in_scales else None
     code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
     codes_spec, scales_spec = item.stored[:2]
     scales_parts: list[bytes] = []
@@ -493,16 +493,61 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     return err2 / norm2
 
 
-def _in_scales(item: Item, chunk, rows: int) -> np.ndarray:
+def _in_scales(item: Item, chunk, rows: int, sizes: np.ndarray | None = None) -> np.ndarray:
     """The item's in_scales from a pre-pass over its rows (bounded memory: one chunk at a
-    time): each input column's sum of squares, then `stages.column_scales_from_sums`;
-    ones where no column is small (the weight is then coded exactly as without)."""
-    from turboquant.stages.scale import ColumnSums, column_scales_from_sums
+    time): each input column's sum of squares, then `stages.column_scales_from_sums`
+    (or, for a down projection with a massive neuron in `sizes`,
+    `stages.neuron_column_scales`); ones where no column is small (the weight is then
+    coded exactly as without)."""
+    from turboquant.stages.scale import (ColumnSums, column_scales_from_sums,
+                                         neuron_column_scales)
 
     out_f, in_f = item.shape
     sums = ColumnSums(in_f)
     for r0 in range(0, out_f, rows):
         _check_parent()
         chunk(r0, min(out_f, r0 + rows), sums)
-    t = column_scales_from_sums(sums.total(), out_f, min_ratio=item.column_min_ratio)
+    t = None
+    if sizes is not None and sizes.shape == (in_f,):
+        t = neuron_column_scales(sums.total(), out_f, sizes, item.neuron_ratio)
+    if t is None:
+        t = column_scales_from_sums(sums.total(), out_f, min_ratio=item.column_min_ratio)
     return np.ones(in_f, dtype=np.float16) if t is None else t
+
+
+def _neuron_sizes(item: Item, reader: _Reader) -> np.ndarray | None:
+    """A down projection's MLP neuron sizes from its gate_proj and up_proj rows (read
+    here, a chunk of rows at a time; `stages.neuron_sizes_from_sums`), or None: not a
+    down_proj with the recipe's neuron_ratio, or its partners are not in the job's files
+    (the column rule then decides)."""
+    from turboquant.stages.scale import neuron_sizes_from_sums
+
+    src = item.piece.tensor
+    if (item.neuron_ratio is None or item.published is not None or item.piece.expert is not None
+            or ".down_proj." not in src):
+        return None
+    found = {}
+    for part in ("gate_proj", "up_proj"):
+        name = src.replace(".down_proj.", f".{part}.")
+        for file, header in reader.ctx.headers.items():
+            info = header.tensors.get(name)
+            if info is not None and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES:
+                found[part] = (file, info)
+                break
+        else:
+            return None
+    sums = []
+    for file, info in found.values():
+        out_f, in_f = info.shape
+        step = max(1, CHUNK_ELEMENTS // in_f)
+        acc = np.empty(out_f, dtype=np.float64)
+        for r0 in range(0, out_f, step):
+            _check_parent()
+            r1 = min(out_f, r0 + step)
+            raw = read_raw(reader.fd(file), info, r0 * in_f, (r1 - r0) * in_f, file)
+            x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
+            acc[r0:r1] = np.square(x).sum(axis=1, dtype=np.float64)
+        sums.append(acc)
+    if sums[0].shape != sums[1].shape:
+        return None
+    return neuron_sizes_from_sums(sums[0], sums[1], found["gate_proj"][1].shape[1])

@@ -90,6 +90,9 @@ class Item:
     # stores in_scales (a third tensor, F16 (in,)): the job codes W / t, t from the whole
     # tensor's column sums, ones where no column is under this ratio of the median
     column_min_ratio: float | None = None
+    # a down projection: in_scales from its MLP's gate/up rows when a neuron is over this x
+    # the median size (stages.neuron_column_scales); else the column rule
+    neuron_ratio: float | None = None
 
     @property
     def in_scales(self) -> bool:
@@ -197,6 +200,8 @@ class Plan:
                         h.update(repr(t).encode())
                     if it.in_scales:
                         h.update(repr(("in_scales", it.column_min_ratio)).encode())
+                    if it.neuron_ratio is not None:
+                        h.update(repr(("neuron_ratio", it.neuron_ratio)).encode())
         return h.hexdigest()
 
     def readers(self) -> dict[str, set[str]]:
@@ -478,7 +483,8 @@ def _item(rec: Recipe, name, piece, dtype, shape, read, layer, num_layers, f, sr
         stored += (Stored(names[2], "F16", (in_f,)),)
     seed = tensor_seed(rec.model_seed, rotation_key(name))
     return Item(name, piece, dtype, tuple(shape), res.codec, res.bits, gs, seed, padded, layer,
-                expert, stored, read, res.role, trellis=res.trellis, column_min_ratio=ratio)
+                expert, stored, read, res.role, trellis=res.trellis, column_min_ratio=ratio,
+                neuron_ratio=res.neuron_ratio if ratio is not None else None)
 
 
 def _units(items: list[tuple[tuple[int, int], Item]]) -> list[Unit]:

@@ -155,6 +155,43 @@ def column_scales_from_sums(col_sq_sums: np.ndarray, rows: int, power: float = C
     return t.astype(np.float16)
 
 
+NEURON_RATIO = 8.0  # a down_proj whose largest neuron size is over this x the median
+
+
+def neuron_sizes_from_sums(gate_row_sq: np.ndarray, up_row_sq: np.ndarray,
+                           cols: int) -> np.ndarray:
+    """Data-free size of each MLP neuron's activation from its gate and up rows' sums of
+    squares over `cols` inputs: rms(gate_k) * rms(up_k), over the median (float64)."""
+    g = np.asarray(gate_row_sq, dtype=np.float64) / max(int(cols), 1)
+    u = np.asarray(up_row_sq, dtype=np.float64) / max(int(cols), 1)
+    a = np.sqrt(g * u)
+    med = float(np.median(a))
+    return a / med if med > 0 and np.isfinite(a).all() else np.ones_like(a)
+
+
+def neuron_column_scales(col_sq_sums: np.ndarray, rows: int, sizes: np.ndarray,
+                         ratio: float = NEURON_RATIO) -> np.ndarray | None:
+    """float16 in_scales of a down_proj whose input has a massive neuron, else None.
+
+    A trained MLP can have one or two neurons whose activation carries nearly all of
+    down_proj's input energy (SmolLM2-135M: 99.8% in layer 11), and their gate and up rows
+    are 11-56x the median size while their down_proj columns are not small, so the column
+    rule gives them a large t and a large error. With a neuron over `ratio` x the median:
+    t_k = (colRMS_k / a_k) ** 0.5, which minimises sum_k ||E_:,k||^2 a_k^2 when each
+    column's error is t_k^2 times the same (a_k = `sizes`, neuron_sizes_from_sums).
+    """
+    a = np.asarray(sizes, dtype=np.float64)
+    if a.size == 0 or float(a.max()) <= ratio:
+        return None
+    rms = np.sqrt(np.asarray(col_sq_sums, dtype=np.float64) / max(int(rows), 1))
+    med = float(np.median(rms))
+    if not np.isfinite(rms).all() or med == 0.0:
+        return None
+    t = np.sqrt(np.maximum(rms, _COLUMN_FLOOR * med) / np.maximum(a, _COLUMN_FLOOR))
+    t = t / math.sqrt(float(np.mean(t * t)))
+    return t.astype(np.float16)
+
+
 def column_scales(w, power: float = COLUMN_POWER,
                   min_ratio: float | None = None) -> np.ndarray | None:
     """column_scales_from_sums of a whole 2-D weight (mx or numpy), float16 (in,)."""

@@ -242,3 +242,41 @@ def test_sigkill_then_resume_gives_the_same_bytes(sources, tmp_path, point):
     rc, text = cli(src, out, "--no-prefect", "--in-process", crash=point)
     assert rc == -signal.SIGKILL, text
     check_resumed(src, out, all_files(ref))
+
+
+def test_a_massive_neuron_gives_down_proj_the_neuron_scales(tmp_path):
+    """Layer 0's MLP neuron 9 has gate and up rows 6x the others (36x the median size,
+    over the recipe's neuron_ratio 8): its down_proj's t comes from the neuron sizes
+    (stages.neuron_column_scales), the other layer's from the column rule (ones here)."""
+    from turboquant.stages.scale import neuron_column_scales, neuron_sizes_from_sums
+
+    src = tmp_path / "llama"
+    checkpoints.write_llama_checkpoint(src, hidden=64, intermediate=128, vocab=320,
+                                       dtype="float32")
+    f = sorted(src.glob("*.safetensors"))
+    arrays = {n: a for p in f for n, a in mx.load(str(p)).items()}
+    for part in ("gate_proj", "up_proj"):
+        name = f"model.layers.0.mlp.{part}.weight"
+        arrays[name] = arrays[name].at[9].multiply(6.0)
+    for p in f[1:]:
+        p.unlink()
+    mx.save_safetensors(str(f[0]), arrays, metadata={"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    out = tmp_path / "tq"
+    convert(src, out, bits=4, protect_layers=0)
+    written = decoded_from_repo(out)
+    g, u, d = (np.asarray(arrays[f"model.layers.0.mlp.{p}.weight"], dtype=np.float64)
+               for p in ("gate_proj", "up_proj", "down_proj"))
+    sizes = neuron_sizes_from_sums((g * g).sum(1), (u * u).sum(1), g.shape[1])
+    want = neuron_column_scales((d * d).sum(0), d.shape[0], sizes)
+    t0 = np.asarray(written.quantized["model.layers.0.mlp.down_proj.weight"].in_scales
+                    .astype(mx.float32))
+    assert want is not None and t0.argmin() == 9
+    np.testing.assert_allclose(t0, want.astype(np.float32), rtol=2e-3)
+    t1 = np.asarray(written.quantized["model.layers.1.mlp.down_proj.weight"].in_scales
+                    .astype(mx.float32))
+    assert (t1 == 1).all()
+    model, _ = load(out, dtype="float32")
+    assert _err(model(TOKENS), reference_model(written)(TOKENS)) < 1e-4

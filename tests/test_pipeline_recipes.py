@@ -145,3 +145,18 @@ def test_bad_override_names_the_option():
 
 def test_recipe_files_are_in_the_package():
     assert {p.stem for p in RECIPES_DIR.glob("*.toml")} == set(FAMILIES)
+
+
+def test_neuron_ratio_reaches_down_proj_only():
+    from turboquant.manifests.recipe import RecipeError, load_recipe
+
+    rec = load_recipe("llama")
+    down = rec.resolve("model.layers.3.mlp.down_proj.weight", 3, 10)
+    up = rec.resolve("model.layers.3.mlp.up_proj.weight", 3, 10)
+    assert down.neuron_ratio == 8.0 and up.neuron_ratio is None
+    off = rec.with_overrides(column_scales="off")
+    assert off.resolve("model.layers.3.mlp.down_proj.weight", 3, 10).neuron_ratio is None
+    data = dict(rec.data, quant=dict(rec.data["quant"], neuron_ratio=0.5))
+    with pytest.raises(RecipeError, match="neuron_ratio"):
+        from turboquant.manifests.recipe import validate
+        validate(data, "x.toml")

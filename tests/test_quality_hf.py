@@ -71,3 +71,54 @@ def test_the_trellis_repo_recipe_is_the_llama_recipe_with_the_trellis_code(tmp_p
     res = recipe.resolve("model.layers.3.self_attn.v_proj.weight", 3, 10)
     assert res.trellis == (12, 1, 256, 1) and res.column_min_ratio is not None
     assert "{recipe}" in quality_hf.REPO_FLAGS["tq-repo trellis"]
+
+
+def test_gamma_raw_and_calibrated_options():
+    import mlx.core as mx
+    import numpy as np
+
+    base, kw = quality_hf.variant("tq eq-s a-0.5 raw=layers.1.self_attn+down_proj")
+    assert base == "tq eq-s" and kw == {"gamma_power": -0.5,
+                                        "raw": ["layers.1.self_attn", "down_proj"]}
+    assert quality_hf.variant("tq eq cal") == ("tq eq", {"cal": True})
+    source = {"model.layers.2.input_layernorm.weight": mx.ones((4,)),
+              "model.layers.2.post_attention_layernorm.weight": mx.zeros((4,))}
+    assert quality_hf.norm_weight(source, "model.layers.2.self_attn.v_proj.weight") is \
+        source["model.layers.2.input_layernorm.weight"]
+    assert quality_hf.norm_weight(source, "model.layers.2.mlp.up_proj.weight") is \
+        source["model.layers.2.post_attention_layernorm.weight"]
+    assert quality_hf.norm_weight(source, "model.layers.2.mlp.down_proj.weight") is None
+    rng = np.random.default_rng(2)
+    w = mx.array(rng.standard_normal((32, 256)).astype(np.float32))
+    gamma = mx.array(np.exp(rng.normal(0, 1, 256)).astype(np.float32))
+    plain, nbytes, _ = quality_hf.turboquant(w, 4, "x", False)
+    folded, g_bytes, _ = quality_hf.turboquant(w, 4, "x", False, gamma=gamma, gamma_power=-0.5)
+    assert g_bytes == nbytes + 2 * 256  # the t vector
+    assert not np.array_equal(np.asarray(plain), np.asarray(folded))
+    # calibrated: a channel with 100x the activation gets a smaller error than plain coding
+    energy = np.ones(256)
+    energy[7] = 1e4
+    cal, c_bytes, _ = quality_hf.turboquant(w, 4, "x", True, energy=energy)
+    err = lambda d: float(((np.asarray(d) - np.asarray(w))[:, 7] ** 2).sum())  # noqa: E731
+    assert c_bytes == g_bytes and err(cal) < 0.5 * err(plain)
+
+
+@pytest.mark.slow
+def test_layers_table(tmp_path):
+    out = tmp_path / "report.txt"
+    argv = ["--model", str(MODEL), "--tables", "layers", "--ablation-windows", "1",
+            "--ablation-bits", "4", "--layer-classes", "v_proj", "--out", str(out)]
+    assert quality_hf.main(argv) == 0
+    report = out.read_text()
+    assert "all coded (tq eq-s, 4 bits)" in report
+    assert "  embed " in report and "model.layers.0 v_proj" in report
+
+
+def test_the_column_rule_recipe_is_the_llama_recipe_without_neuron_ratio(tmp_path):
+    from turboquant.manifests.recipe import load_recipe
+
+    recipe = load_recipe(str(quality_hf.column_rule_recipe(tmp_path)))
+    res = recipe.resolve("model.layers.3.mlp.down_proj.weight", 3, 10)
+    assert res.neuron_ratio is None and res.column_min_ratio == 0.5
+    assert load_recipe("llama").resolve("model.layers.3.mlp.down_proj.weight", 3,
+                                        10).neuron_ratio == 8.0

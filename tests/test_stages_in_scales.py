@@ -179,3 +179,44 @@ def test_column_sums_do_not_depend_on_chunks_or_numba(rows, cols, cuts, seed, bf
         assert np.array_equal(sums(cuts), whole)
     finally:
         fast_hadamard.AVAILABLE = before
+
+
+def test_neuron_column_scales_protect_a_massive_neuron():
+    from turboquant.stages.scale import neuron_column_scales, neuron_sizes_from_sums
+
+    rng = np.random.default_rng(5)
+    cols, rows = 96, 48
+    gate = rng.standard_normal((cols, 64))
+    up = rng.standard_normal((cols, 64))
+    assert neuron_column_scales(np.ones(cols) * rows, rows,
+                                neuron_sizes_from_sums((gate ** 2).sum(1), (up ** 2).sum(1),
+                                                       64)) is None  # no massive neuron
+    gate[17] *= 5.0
+    up[17] *= 4.0  # neuron 17: ~20x the median
+    sizes = neuron_sizes_from_sums((gate ** 2).sum(1), (up ** 2).sum(1), 64)
+    assert sizes.argmax() == 17 and sizes[17] > 8
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    t = neuron_column_scales((w.astype(np.float64) ** 2).sum(0), rows, sizes)
+    assert t.dtype == np.float16 and t.shape == (cols,) and (t > 0).all()
+    assert t.argmin() == 17 and t[17] < 0.5 * np.median(t)
+    assert abs(float(np.mean(t.astype(np.float64) ** 2)) - 1) < 1e-2
+
+
+@given(st.integers(2, 40), st.floats(9.0, 1e3), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_neuron_column_scales_property(cols, big, seed):
+    from turboquant.stages.scale import neuron_column_scales
+
+    rng = np.random.default_rng(seed)
+    sizes = np.exp(rng.normal(0, 0.3, cols))
+    sizes /= np.median(sizes)
+    k = int(rng.integers(cols))
+    sizes[k] = big
+    sums = np.exp(rng.normal(0, 1, cols)) * 10
+    t = neuron_column_scales(sums, 10, sizes).astype(np.float64)
+    assert np.isfinite(t).all() and (t > 0).all()
+    # the same column size: the bigger neuron gets the smaller scale
+    t2 = neuron_column_scales(np.full(cols, 10.0), 10, sizes).astype(np.float64)
+    order = np.argsort(sizes)
+    assert (np.diff(t2[order]) <= 1e-3 * t2.max()).all()
+    assert neuron_column_scales(sums, 10, np.minimum(sizes, 8.0)) is None
