@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 import math
 import os
 import sys
 import time
 import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -382,6 +382,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     """The process's coding threads (numba kernels with nogil, numpy: both free the GIL)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[2].shutdown(wait=False)  # its chunks still finish
         _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="encode"))
     return _POOL[2]
 
