@@ -23,6 +23,8 @@ import os
 import sys
 import time
 import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,8 @@ PROGRESS_SECONDS = float(os.environ.get("TURBOQUANT_TRELLIS_PROGRESS_SECONDS", 1
 # trellis rows are coded in smaller chunks (~3 s each on a CPU at L = 16): the progress
 # line comes early and often; the bytes do not depend on the chunking
 TRELLIS_CHUNK_ELEMENTS = 1 << 16
+# a job looks again this often at how many of the run's jobs hold their lock (see _Cores)
+CORES_CHECK_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -143,14 +147,16 @@ def run_job(ctx: JobContext) -> JobResult:
         work.event("job_start" if done == 0 else "job_resume", job=job.name, run=ctx.run,
                    units_done=done, units=len(job.units))
         trellis = _TrellisProgress(job, done)
+        cores = _Cores(work, job.name)
         with _Reader(ctx) as reader, writer.syncing_on_failure():
             for i in range(done, len(job.units)):
                 _check_parent()
-                items = [_write_item(it, reader, writer, ctx.refit, trellis)
+                items = [_write_item(it, reader, writer, ctx.refit, trellis, cores)
                          for it in job.units[i].items]
                 writer.commit(i, items)
         marker = writer.finish(ctx.run)
-        work.event("job_done", job=job.name, run=ctx.run, shard=job.shard)
+        work.event("job_done", job=job.name, run=ctx.run, shard=job.shard,
+                   threads=cores.most)
         read = sum(u.read_bytes for u in job.units[done:])
         return JobResult(job.name, job.shard, len(job.units), read, resumed_at=done,
                          seconds=time.monotonic() - t0, extra=marker)
@@ -328,8 +334,62 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+class _Cores:
+    """How many threads this job codes its rows with: the machine's usable cores shared
+    among the run's jobs running now, read between chunks (at most every
+    CORES_CHECK_SECONDS). A running job holds its lock (`WorkDir.lock`, an flock the kernel
+    drops when the process dies), so the count is derived from the locks held, never kept:
+    a killed job leaves nothing to correct. A job alone on 2 cores codes on 2 threads; two
+    jobs on 2 cores on one each. TURBOQUANT_ENCODE_THREADS fixes the number (1: no pool).
+    The bytes do not depend on it: chunks are coded independently and written in order."""
+
+    def __init__(self, work: WorkDir, job: str, cores: int | None = None):
+        from .machine import usable_cores
+
+        self.root = work.root
+        self.job = job
+        self.cores = cores or usable_cores()
+        fixed = os.environ.get("TURBOQUANT_ENCODE_THREADS")
+        self.fixed = max(1, int(fixed)) if fixed else None
+        self.checked = -math.inf
+        self.now = 1
+        self.most = 1  # the most threads used (job_done's event)
+
+    def running(self) -> int:
+        """Jobs of this run whose lock is held now (this one counted)."""
+        others = sum(1 for p in self.root.glob("*.lock")
+                     if p.stem not in ("run", self.job) and not FileLock(p, "").free())
+        return 1 + others
+
+    def threads(self) -> int:
+        if self.fixed is not None:
+            n = self.fixed
+        else:
+            t = time.monotonic()
+            if t - self.checked >= CORES_CHECK_SECONDS:
+                self.checked = t
+                self.now = max(1, self.cores // self.running())
+            n = self.now
+        self.most = max(self.most, n)
+        return n
+
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool): a forked
+# worker makes its own
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's coding threads (numba kernels with nogil, numpy: both free the GIL)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[2].shutdown(wait=False)  # its chunks still finish
+        _POOL = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="encode"))
+    return _POOL[2]
+
+
 def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
-                trellis: _TrellisProgress | None = None) -> dict:
+                trellis: _TrellisProgress | None = None, cores: _Cores | None = None) -> dict:
     writer.expect(item.byte_start, item.name)
     sha = hashlib.sha256()
     crc = _SourceCrc()
@@ -337,7 +397,7 @@ def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
     if item.codec == "raw":
         _write_raw(item, reader, writer, sha, crc)
     else:
-        rel_mse = _write_coded(item, reader, writer, sha, crc, refit, trellis)
+        rel_mse = _write_coded(item, reader, writer, sha, crc, refit, trellis, cores)
     writer.expect(item.byte_end, item.name)
     return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
             "checksum": sha.hexdigest(), "rel_mse": rel_mse, "source_crc32": crc.hexdigest()}
@@ -393,7 +453,8 @@ def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) ->
 
 
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
-                 refit: bool, trellis: _TrellisProgress | None = None) -> float:
+                 refit: bool, trellis: _TrellisProgress | None = None,
+                 cores: _Cores | None = None) -> float:
     from turboquant.stages import encode
     from turboquant.stages.fast_convert import bf16_to_float32
 
@@ -443,29 +504,33 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     t = _in_scales(item, chunk, rows, _neuron_sizes(item, reader)) if item.in_scales else None
     code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
     codes_spec, scales_spec = item.stored[:2]
-    scales_parts: list[bytes] = []
-    err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
-    norm_rows: list[np.ndarray] = []
-    for r0 in range(0, out_f, rows):
-        r1 = min(out_f, r0 + rows)
-        x = chunk(r0, r1)
-        _check_parent()
+
+    def code(x: np.ndarray):
+        """One chunk of rows coded (in a pool thread or here): (coded tensor, seconds)."""
+        t_start = time.monotonic()
         try:
             if item.trellis is None:
                 qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit,
                             in_scales=code_t)
             else:
                 state_bits, values, block, version = item.trellis
-                t_start = time.monotonic()
                 qt = encode(x, item.bits, item.group_size, seed=item.seed, in_scales=code_t,
                             codec="trellis", trellis_state_bits=state_bits,
                             trellis_values=values, trellis_block=block,
                             trellis_version=version,
                             trellis_rows=trellis.encoder if trellis else None)
-                if trellis is not None:
-                    trellis.add(x.size, time.monotonic() - t_start)
         except ValueError as e:
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
+        return qt, time.monotonic() - t_start
+
+    scales_parts: list[bytes] = []
+    err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
+    norm_rows: list[np.ndarray] = []
+
+    def write(r0: int, r1: int, coded: Future) -> None:
+        qt, seconds = coded.result()
+        if item.trellis is not None and trellis is not None:
+            trellis.add(qt.shape[1] * (r1 - r0), seconds)
         codes = np.asarray(qt.codes)
         scales = np.asarray(qt.scales)
         want_c = (r1 - r0, codes_spec.shape[1])
@@ -481,7 +546,27 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         norm_rows.append(qt.row_sq_norm)
         if r0 == 0 and r1 < out_f:
             crash_point("mid_tensor")
-        del qt, x
+
+    # chunks are read (and CRC'd) here in order, coded on up to `threads` pool threads
+    # while the next ones are read, and written in order: the same bytes as one thread.
+    # Trellis rows run over the cores already (fast_trellis), so they stay on one thread
+    pending: deque[tuple[int, int, Future]] = deque()
+    for r0 in range(0, out_f, rows):
+        r1 = min(out_f, r0 + rows)
+        x = chunk(r0, r1)
+        _check_parent()
+        threads = 1 if cores is None or item.trellis is not None else cores.threads()
+        if threads > 1:
+            pending.append((r0, r1, _pool(threads).submit(code, x)))
+        else:
+            here = Future()
+            here.set_result(code(x))
+            pending.append((r0, r1, here))
+        del x
+        while len(pending) > threads or (pending and pending[0][2].done()):
+            write(*pending.popleft())
+    while pending:
+        write(*pending.popleft())
     for s in scales_parts:
         _emit(writer, sha, s)
     if t is not None:  # FORMAT.md version 2: after the scales, inside the item's range
