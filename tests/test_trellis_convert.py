@@ -52,6 +52,28 @@ def decoded_weights(repo: Path) -> dict[str, mx.array]:
     return out
 
 
+def decoded_model(repo: Path):
+    """mlx-lm's model of the repo's config holding its decoded weights (a strict load)."""
+    config = json.loads((repo / "config.json").read_text())
+    model_cls, args_cls = model_class(config)
+    ref = model_cls(args_cls.from_dict(config))
+    ref.load_weights(list(ref.sanitize(decoded_weights(repo)).items()), strict=True)
+    return ref
+
+
+def assert_logits_are_the_decoded_weights(model, tokenizer, repo: Path) -> None:
+    """The loaded `model`'s logits (2 tokens, and 24: the GEMM path too) within 1e-4 of
+    `decoded_model`'s, and it generates."""
+    ref = decoded_model(repo)
+    tokens = mx.array([[1, 5, 70, 33, 200, 9, 12, 250] * 3])
+    for t in (tokens[:, :2], tokens):
+        got, want = model(t), ref(t)
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert err < 1e-4, err
+    text = generate(model, tokenizer, "hello", max_tokens=4, verbose=False)
+    assert isinstance(text, str)
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     base = tmp_path_factory.mktemp("trellis")
@@ -98,17 +120,7 @@ def test_loaded_strictly_its_logits_are_the_decoded_weights(converted):
     assert q.bits == TrellisBits(4, 10, 1, 256)  # the first and last layers at 4 bits
     assert model.model.layers[1].mlp.up_proj.bits == TrellisBits(3, 10, 1, 256)
     assert isinstance(model.model.embed_tokens, TQEmbedding)
-    config = json.loads((out / "config.json").read_text())
-    model_cls, args_cls = model_class(config)
-    ref = model_cls(args_cls.from_dict(config))
-    ref.load_weights(list(ref.sanitize(decoded_weights(out)).items()), strict=True)
-    tokens = mx.array([[1, 5, 70, 33, 200, 9, 12, 250] * 3])  # 24: the GEMM path too
-    for t in (tokens[:, :2], tokens):
-        got, want = model(t), ref(t)
-        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
-        assert err < 1e-4, err
-    text = generate(model, tokenizer, "hello", max_tokens=4, verbose=False)
-    assert isinstance(text, str)
+    assert_logits_are_the_decoded_weights(model, tokenizer, out)
 
 
 def test_a_converter_reruns_to_the_same_bytes_and_prints_its_speed(converted, tmp_path):
@@ -191,10 +203,7 @@ def test_moe_experts_gathered_and_streamed(tmp_path):
                          "--recipe", str(recipe), "--expert-bits", "3"]) == 0
     rows = read_manifest(out).to_pylist()
     assert {r["codec"] for r in rows if r["expert"] is not None} == {"trellis"}
-    config = json.loads((out / "config.json").read_text())
-    model_cls, args_cls = model_class(config)
-    ref = model_cls(args_cls.from_dict(config))
-    ref.load_weights(list(ref.sanitize(decoded_weights(out)).items()), strict=True)
+    ref = decoded_model(out)
     tokens = mx.array([list(range(3, 123, 3))])
     want = ref(tokens)
     for kwargs in ({}, {"expert_budget": "50%"}):
