@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import sys
+import threading
 import time
 import zlib
 from collections import deque
@@ -149,9 +150,12 @@ def run_job(ctx: JobContext) -> JobResult:
         trellis = _TrellisProgress(job, done)
         cores = _Cores(work, job.name)
         with _Reader(ctx) as reader, writer.syncing_on_failure():
+            ahead: dict[int, Future] = {}
             for i in range(done, len(job.units)):
                 _check_parent()
-                items = [_write_item(it, reader, writer, ctx.refit, trellis, cores)
+                ready, ahead = ahead, _look_ahead(job, i + 1, reader, cores)
+                items = [_write_item(it, reader, writer, ctx.refit, trellis, cores,
+                                     ready.get(id(it)))
                          for it in job.units[i].items]
                 writer.commit(i, items)
         marker = writer.finish(ctx.run)
@@ -190,6 +194,7 @@ class _Reader:
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
         self.fds: dict[str, int] = {}
+        self.opening = threading.Lock()  # a look-ahead thread may open a file too
         self._cache_key = None
         self._cache = None
         self._published = None
@@ -205,6 +210,10 @@ class _Reader:
         self._published = None
 
     def fd(self, file: str) -> int:
+        with self.opening:
+            return self._fd(file)
+
+    def _fd(self, file: str) -> int:
         if file not in self.fds:
             path = fetch_shard(self.ctx.source, file)
             try:
@@ -265,7 +274,8 @@ def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 class _SourceCrc:
     """CRC-32 of the source values an item reads, as raw bytes in the order it reads them
-    (for a whole tensor: its byte range in the source file). Recorded in the ledger as
+    (for a whole tensor: its byte range in the source file; for an FP8 / MXFP4 / int4
+    tensor: its dequantized float32 values, little-endian, row by row). Recorded in the ledger as
     `source_crc32`, so a repo can be checked against a source tensor by tensor; a CRC
     costs about a tenth of the coding, a sha256 would cost a third."""
 
@@ -388,19 +398,61 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _POOL[2]
 
 
+def _look_ahead(job: Job, index: int, reader: _Reader, cores: _Cores) -> dict[int, Future]:
+    """With more than one coding thread: the column-scale pre-passes of unit `index`'s
+    source tensors, started on the pool now, so that they run while the unit before is
+    coded (they read their own rows; a pre-pass on the job's thread leaves the pool idle).
+    {id(item): Future of its in_scales}; items it cannot take are prepared when written."""
+    threads = cores.threads()
+    if index >= len(job.units) or threads <= 1:
+        return {}
+    return {id(it): _pool(threads).submit(_source_in_scales, it, reader)
+            for it in job.units[index].items
+            if it.codec != "raw" and it.in_scales and it.trellis is None
+            and it.piece.expert is None and it.published is None}
+
+
+def _source_in_scales(item: Item, reader: _Reader, threads: int = 1) -> np.ndarray:
+    """The in_scales of a 2-D tensor read from its source file (`_in_scales`'s pre-pass,
+    a chunk of rows at a time; `threads` > 1 reads ahead on the pool: not from a pool
+    thread)."""
+    out_f, in_f = item.shape
+    p = item.piece
+    info, fd = reader.info(item), reader.fd(p.file)
+    rows = max(1, CHUNK_ELEMENTS // in_f)
+    spans = [(r0, min(out_f, r0 + rows)) for r0 in range(0, out_f, rows)]
+
+    def prepass(sums) -> None:
+        reads = [lambda a=r0, b=r1: read_raw(fd, info, a * in_f, (b - a) * in_f, p.file)
+                 for r0, r1 in spans]
+        for (r0, r1), raw in zip(spans, _in_order(reads, threads)):
+            _check_parent()
+            if info.dtype == "BF16":
+                sums.add_bf16(raw.view("<u2").reshape(r1 - r0, in_f))
+            else:
+                sums.add(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
+
+    return _in_scales(item, prepass, _neuron_sizes(item, reader, threads))
+
+
 def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
-                trellis: _TrellisProgress | None = None, cores: _Cores | None = None) -> dict:
+                trellis: _TrellisProgress | None = None, cores: _Cores | None = None,
+                ready: Future | None = None) -> dict:
     writer.expect(item.byte_start, item.name)
     sha = hashlib.sha256()
     crc = _SourceCrc()
-    rel_mse = None
+    rel_mse = sq_error = None
     if item.codec == "raw":
         _write_raw(item, reader, writer, sha, crc)
     else:
-        rel_mse = _write_coded(item, reader, writer, sha, crc, refit, trellis, cores)
+        sq_error, sq_norm = _write_coded(item, reader, writer, sha, crc, refit, trellis, cores,
+                                         ready)
+        rel_mse = (0.0 if sq_error == 0.0 else math.inf) if sq_norm == 0.0 else sq_error / sq_norm
     writer.expect(item.byte_end, item.name)
+    # sq_error: ||E'||^2 of W / t, what `--input-stats` weights into out_error (repo.py)
     return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
-            "checksum": sha.hexdigest(), "rel_mse": rel_mse, "source_crc32": crc.hexdigest()}
+            "checksum": sha.hexdigest(), "rel_mse": rel_mse, "sq_error": sq_error,
+            "source_crc32": crc.hexdigest()}
 
 
 def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
@@ -412,7 +464,7 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Source
     p = item.piece
     src = p.file
     if item.published is not None:
-        _write_raw_published(item, reader, writer, sha)
+        _write_raw_published(item, reader, writer, sha, crc)
         return
     if p.expert is not None:
         bits = reader.raw_piece(item)
@@ -434,13 +486,15 @@ def _write_raw(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Source
         _emit(writer, sha, memoryview(raw))
 
 
-def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) -> None:
-    """A kept published tensor: its float32 values (the plan stores it as F32)."""
+def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha,
+                         crc: _SourceCrc) -> None:
+    """A kept published tensor: its float32 values (the plan stores it as F32); the CRC
+    is of those values (_SourceCrc)."""
     p = item.piece
     if p.expert is not None:
         x = reader.published_piece(item)
         check_finite(x, p.file, p.tensor)
-        _emit(writer, sha, memoryview(np.ascontiguousarray(x, dtype="<f4")).cast("B"))
+        _emit_values(writer, sha, crc, x)
         return
     out_f = item.shape[0]
     width = item.numel // max(out_f, 1)
@@ -449,12 +503,23 @@ def _write_raw_published(item: Item, reader: _Reader, writer: JobWriter, sha) ->
         _check_parent()
         x = reader.published(item).rows(item.published, r0, min(out_f, r0 + rows))
         check_finite(x, p.file, p.tensor, r0 * width)
-        _emit(writer, sha, memoryview(np.ascontiguousarray(x, dtype="<f4")).cast("B"))
+        _emit_values(writer, sha, crc, x)
+
+
+def _emit_values(writer: JobWriter, sha, crc: _SourceCrc, x: np.ndarray) -> None:
+    """Float32 values written as they are (a kept published tensor): they are also what
+    its CRC covers."""
+    data = np.ascontiguousarray(x, dtype="<f4")
+    crc.update(data)
+    _emit(writer, sha, memoryview(data).cast("B"))
 
 
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
                  refit: bool, trellis: _TrellisProgress | None = None,
-                 cores: _Cores | None = None) -> float:
+                 cores: _Cores | None = None,
+                 ready: Future | None = None) -> tuple[float, float]:
+    """The item coded and written, a chunk of rows at a time; (||W - W_hat||^2, ||W||^2),
+    of W / t with in_scales. `ready`: its in_scales computed ahead (`_look_ahead`)."""
     from turboquant.stages import encode
     from turboquant.stages.fast_convert import bf16_to_float32
 
@@ -467,41 +532,58 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     pub = reader.published(item)
     if pub is not None and p.expert is not None:
         whole = reader.published_piece(item)
+        crc.update(np.ascontiguousarray(whole, dtype="<f4"))
     elif p.expert is not None:
         bits = np.ascontiguousarray(reader.raw_piece(item))
         crc.update(bits)
         whole = _as_float32(bits, item.source_dtype)
     elif pub is None:
         info, fd = reader.info(item), reader.fd(p.file)
+    spans = [(r0, min(out_f, r0 + rows)) for r0 in range(0, out_f, rows)]
+    # a pool thread may read a chunk of the source file itself (a positioned read); the
+    # published reader and a whole expert stay on this thread
+    reads_anywhere = whole is None and pub is None
+    threads = 1 if cores is None or item.trellis is not None else cores.threads()
 
-    def chunk(r0: int, r1: int, sums=None) -> np.ndarray | None:
-        """Rows r0..r1 as float32, checked finite, their raw bytes into the CRC; with
-        `sums` (stages.ColumnSums) only added to those (the pre-pass: no checks, no CRC,
-        bfloat16 summed from its bits)."""
+    def raw_rows(r0: int, r1: int) -> np.ndarray:
+        return read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file)
+
+    def load(r0: int, r1: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Rows r0..r1: (the bytes for the CRC, in order: the raw source bytes, a
+        published tensor's float32 values, or None when the CRC has them already; the
+        float32 values, checked finite)."""
         if whole is not None:
             x = whole[r0:r1]
         elif pub is not None:
-            x = pub.rows(item.published, r0, r1)
+            x = np.ascontiguousarray(pub.rows(item.published, r0, r1), dtype=np.float32)
+            check_finite(x, p.file, p.tensor, r0 * in_f)
+            return x.astype("<f4", copy=False), x
         else:
-            raw = read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, p.file)
-            if sums is not None and info.dtype == "BF16":
-                sums.add_bf16(raw.view("<u2").reshape(r1 - r0, in_f))
-                return None
-            if sums is None:
-                crc.update(raw)
-            if sums is None and info.dtype == "BF16":  # widened and checked in one pass
+            raw = raw_rows(r0, r1)
+            if info.dtype == "BF16":  # widened and checked in one pass
                 x, finite = bf16_to_float32(raw.view("<u2").reshape(r1 - r0, in_f))
                 if not finite:
                     check_finite(x, p.file, p.tensor, r0 * in_f)  # names the first
-                return x
+                return raw, x
             x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
-        if sums is not None:
-            sums.add(x)
-            return None
+            check_finite(x, p.file, p.tensor, r0 * in_f)
+            return raw, x
         check_finite(x, p.file, p.tensor, r0 * in_f)
-        return x
+        return None, x
 
-    t = _in_scales(item, chunk, rows, _neuron_sizes(item, reader)) if item.in_scales else None
+    def prepass(sums) -> None:
+        """A whole expert's or a published tensor's rows into `sums` (stages.ColumnSums)."""
+        for r0, r1 in spans:
+            _check_parent()
+            sums.add(whole[r0:r1] if whole is not None else pub.rows(item.published, r0, r1))
+
+    t = None
+    if ready is not None:
+        t = ready.result()
+    elif item.in_scales and reads_anywhere:
+        t = _source_in_scales(item, reader, threads)
+    elif item.in_scales:
+        t = _in_scales(item, prepass, _neuron_sizes(item, reader, threads))
     code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
     codes_spec, scales_spec = item.stored[:2]
 
@@ -523,12 +605,18 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
         return qt, time.monotonic() - t_start
 
+    def load_and_code(r0: int, r1: int):
+        raw, x = load(r0, r1)
+        return raw, code(x)
+
     scales_parts: list[bytes] = []
     err_rows: list[np.ndarray] = []  # per-row sums: the total does not depend on chunking
     norm_rows: list[np.ndarray] = []
 
-    def write(r0: int, r1: int, coded: Future) -> None:
-        qt, seconds = coded.result()
+    def write(r0: int, r1: int, done: Future) -> None:
+        raw, (qt, seconds) = done.result()
+        if raw is not None:
+            crc.update(raw)
         if item.trellis is not None and trellis is not None:
             trellis.add(qt.shape[1] * (r1 - r0), seconds)
         codes = np.asarray(qt.codes)
@@ -547,24 +635,26 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         if r0 == 0 and r1 < out_f:
             crash_point("mid_tensor")
 
-    # chunks are read (and CRC'd) here in order, coded on up to `threads` pool threads
-    # while the next ones are read, and written in order: the same bytes as one thread.
-    # Trellis rows run over the cores already (fast_trellis), so they stay on one thread
+    # chunks are read, widened and coded on up to `threads` pool threads (a thread reads
+    # its own rows), their raw bytes go into the CRC here in order, and they are written
+    # in order: the same bytes as one thread. Trellis rows run over the cores already
+    # (fast_trellis), so they stay on one thread
     pending: deque[tuple[int, int, Future]] = deque()
-    for r0 in range(0, out_f, rows):
-        r1 = min(out_f, r0 + rows)
-        x = chunk(r0, r1)
+    for r0, r1 in spans:
         _check_parent()
-        threads = 1 if cores is None or item.trellis is not None else cores.threads()
-        if threads > 1:
-            pending.append((r0, r1, _pool(threads).submit(code, x)))
+        if threads > 1 and reads_anywhere:
+            done = _pool(threads).submit(load_and_code, r0, r1)
+        elif threads > 1:
+            raw, x = load(r0, r1)
+            done = _pool(threads).submit(lambda raw=raw, x=x: (raw, code(x)))
         else:
-            here = Future()
-            here.set_result(code(x))
-            pending.append((r0, r1, here))
-        del x
+            done = Future()
+            done.set_result(load_and_code(r0, r1))
+        pending.append((r0, r1, done))
         while len(pending) > threads or (pending and pending[0][2].done()):
             write(*pending.popleft())
+        if cores is not None and item.trellis is None:
+            threads = cores.threads()
     while pending:
         write(*pending.popleft())
     for s in scales_parts:
@@ -573,25 +663,38 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         _emit(writer, sha, np.ascontiguousarray(t, dtype="<f2").tobytes())
     err2 = math.fsum(np.concatenate(err_rows))  # exact, so order and chunking do not matter
     norm2 = math.fsum(np.concatenate(norm_rows))
-    if norm2 == 0.0:
-        return 0.0 if err2 == 0.0 else math.inf
-    return err2 / norm2
+    return err2, norm2
 
 
-def _in_scales(item: Item, chunk, rows: int, sizes: np.ndarray | None = None) -> np.ndarray:
-    """The item's in_scales from a pre-pass over its rows (bounded memory: one chunk at a
-    time): each input column's sum of squares, then `stages.column_scales_from_sums`
-    (or, for a down projection with a massive neuron in `sizes`,
-    `stages.neuron_column_scales`); ones where no column is small (the weight is then
-    coded exactly as without)."""
+def _in_order(reads: list, threads: int):
+    """The results of `reads` (callables), in order: with threads > 1 up to `threads` run
+    ahead on the pool (positioned reads free the GIL) while the caller uses the earlier
+    ones; else each runs when its turn comes."""
+    if threads <= 1:
+        for read in reads:
+            yield read()
+        return
+    ahead: deque[Future] = deque()
+    for read in reads:
+        ahead.append(_pool(threads).submit(read))
+        if len(ahead) > threads:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
+
+
+def _in_scales(item: Item, prepass, sizes: np.ndarray | None = None) -> np.ndarray:
+    """The item's in_scales from a pre-pass over its rows (`prepass(sums)` adds them to a
+    stages.ColumnSums a chunk at a time: bounded memory): each input column's sum of
+    squares, then `stages.column_scales_from_sums` (or, for a down projection with a
+    massive neuron in `sizes`, `stages.neuron_column_scales`); ones where no column is
+    small (the weight is then coded exactly as without)."""
     from turboquant.stages.scale import (ColumnSums, column_scales_from_sums,
                                          neuron_column_scales)
 
     out_f, in_f = item.shape
     sums = ColumnSums(in_f)
-    for r0 in range(0, out_f, rows):
-        _check_parent()
-        chunk(r0, min(out_f, r0 + rows), sums)
+    prepass(sums)
     t = None
     if sizes is not None and sizes.shape == (in_f,):
         t = neuron_column_scales(sums.total(), out_f, sizes, item.neuron_ratio)
@@ -600,12 +703,13 @@ def _in_scales(item: Item, chunk, rows: int, sizes: np.ndarray | None = None) ->
     return np.ones(in_f, dtype=np.float16) if t is None else t
 
 
-def _neuron_sizes(item: Item, reader: _Reader) -> np.ndarray | None:
+def _neuron_sizes(item: Item, reader: _Reader, threads: int = 1) -> np.ndarray | None:
     """A down projection's MLP neuron sizes from its gate_proj and up_proj rows (read
-    here, a chunk of rows at a time; `stages.neuron_sizes_from_sums`), or None: not a
-    down_proj with the recipe's neuron_ratio, or its partners are not in the job's files
-    (the column rule then decides)."""
-    from turboquant.stages.scale import neuron_sizes_from_sums
+    here, a chunk of rows at a time, summed from their source bits:
+    `stages.row_square_sums`, `stages.neuron_sizes_from_sums`), or None: not a down_proj
+    with the recipe's neuron_ratio, or its partners are not in the job's files (the column
+    rule then decides)."""
+    from turboquant.stages.scale import neuron_sizes_from_sums, row_square_sums
 
     src = item.piece.tensor
     if (item.neuron_ratio is None or item.published is not None or item.piece.expert is not None
@@ -625,13 +729,17 @@ def _neuron_sizes(item: Item, reader: _Reader) -> np.ndarray | None:
     for file, info in found.values():
         out_f, in_f = info.shape
         step = max(1, CHUNK_ELEMENTS // in_f)
+        spans = [(r0, min(out_f, r0 + step)) for r0 in range(0, out_f, step)]
+        fd = reader.fd(file)
+        reads = [lambda a=r0, b=r1: read_raw(fd, info, a * in_f, (b - a) * in_f, file)
+                 for r0, r1 in spans]
         acc = np.empty(out_f, dtype=np.float64)
-        for r0 in range(0, out_f, step):
+        for (r0, r1), raw in zip(spans, _in_order(reads, threads)):
             _check_parent()
-            r1 = min(out_f, r0 + step)
-            raw = read_raw(reader.fd(file), info, r0 * in_f, (r1 - r0) * in_f, file)
-            x = to_float32(raw, info.dtype).reshape(r1 - r0, in_f)
-            acc[r0:r1] = np.square(x).sum(axis=1, dtype=np.float64)
+            if info.dtype == "BF16":
+                acc[r0:r1] = row_square_sums(raw.view("<u2").reshape(r1 - r0, in_f), bf16=True)
+            else:
+                acc[r0:r1] = row_square_sums(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
         sums.append(acc)
     if sums[0].shape != sums[1].shape:
         return None

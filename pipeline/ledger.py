@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .direct_io import DirectAppender
 from .errors import LedgerError, OutputError, writing
 from .plan import Job
 
@@ -274,8 +275,7 @@ class JobWriter:
             if size > end:
                 os.truncate(self.partial, end)  # drop the bytes of the unit that was cut
             self.pos = end
-        self.f = open(self.partial, "r+b")
-        self.f.seek(self.pos)
+        self.f = DirectAppender(self.partial, self.pos)
         self.synced_at = (self.pos, time.monotonic())
         return len(self.records)
 
@@ -352,6 +352,8 @@ class JobWriter:
         except BaseException:
             with contextlib.suppress(Exception):
                 self.sync()
+            with contextlib.suppress(Exception):
+                self.close()
             raise
 
     def sync(self) -> None:
@@ -360,8 +362,7 @@ class JobWriter:
         if not self.pending:
             return
         with writing(self.partial):
-            self.f.flush()
-            os.fsync(self.f.fileno())
+            self.f.sync()
         crash_point("unit_data_durable")
         lines = [(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
                  for rec in self.pending]
@@ -385,9 +386,8 @@ class JobWriter:
                               f"{self.job.size}")
         self.sync()  # every unit in the ledger before the rename (_adopt_renamed counts them)
         with writing(self.partial):
-            self.f.flush()
-            os.fsync(self.f.fileno())
-        self.f.close()
+            self.f.sync()
+            self.f.close()
         self.f = None
         crash_point("before_rename")
         final = self.work.output / self.job.shard

@@ -169,6 +169,67 @@ def neuron_sizes_from_sums(gate_row_sq: np.ndarray, up_row_sq: np.ndarray,
     return a / med if med > 0 and np.isfinite(a).all() else np.ones_like(a)
 
 
+ROW_LANES = 16  # running sums a row: independent float64 adds (one chain is latency-bound)
+
+
+def row_square_sums(rows: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """Each row's sum of squares, float64 (rows, n) -> (rows,): the float32 values (bfloat16
+    given as its raw uint16 bits, widened exactly) squared in float32; element j added in
+    float64 to running sum j % ROW_LANES, in order, the lanes then added in order; the same
+    with numba or without. The neuron rule's input (neuron_sizes_from_sums), read from the
+    source bits with no float32 copy of the rows."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint16 if bf16 else np.float32)
+    out = np.zeros(rows.shape[0], dtype=np.float64)
+    if fast_hadamard.AVAILABLE:
+        fast_hadamard.compile_kernels()
+        _row_sums(rows, bf16, out, ROW_LANES)
+        return out
+    x = (rows.astype(np.uint32) << 16).view(np.float32) if bf16 else rows
+    sq = (x * x).astype(np.float64)
+    lanes = np.zeros((rows.shape[0], ROW_LANES))
+    for j in range(sq.shape[1]):  # in order, as the kernel adds them
+        lanes[:, j % ROW_LANES] += sq[:, j]
+    for k in range(ROW_LANES):
+        out += lanes[:, k]
+    return out
+
+
+@fast_hadamard._jit
+def _row_as_float32(rows, i, bf16, word, value):
+    """Row i into `value` (float32; `word` is the same buffer as uint32): bfloat16 bits
+    shifted into place, or float32 copied."""
+    if bf16:
+        for j in range(rows.shape[1]):
+            word[j] = np.uint32(rows[i, j]) << np.uint32(16)
+    else:
+        for j in range(rows.shape[1]):
+            value[j] = rows[i, j]
+
+
+@fast_hadamard._jit
+def _row_sums(rows, bf16, out, lanes):
+    count, n = rows.shape
+    word = np.empty(n, dtype=np.uint32)
+    value = word.view(np.float32)
+    acc = np.empty(lanes, dtype=np.float64)
+    for i in range(count):
+        _row_as_float32(rows, i, bf16, word, value)
+        for k in range(lanes):
+            acc[k] = 0.0
+        whole = n - n % lanes
+        for j0 in range(0, whole, lanes):
+            for k in range(lanes):
+                v = value[j0 + k] * value[j0 + k]
+                acc[k] += np.float64(v)
+        for j in range(whole, n):
+            v = value[j] * value[j]
+            acc[j % lanes] += np.float64(v)
+        total = 0.0
+        for k in range(lanes):
+            total += acc[k]
+        out[i] = total
+
+
 def neuron_column_scales(col_sq_sums: np.ndarray, rows: int, sizes: np.ndarray,
                          ratio: float = NEURON_RATIO) -> np.ndarray | None:
     """float16 in_scales of a down_proj whose input has a massive neuron, else None.
@@ -248,12 +309,7 @@ def _column_sums(rows, bf16, first, block, acc, sums):
     word = np.empty(n, dtype=np.uint32)
     value = word.view(np.float32)
     for i in range(count):
-        if bf16:
-            for j in range(n):
-                word[j] = np.uint32(rows[i, j]) << np.uint32(16)
-        else:
-            for j in range(n):
-                value[j] = rows[i, j]
+        _row_as_float32(rows, i, bf16, word, value)
         for j in range(n):
             acc[j] += value[j] * value[j]
         if (first + i + 1) % block == 0:

@@ -220,3 +220,34 @@ def test_neuron_column_scales_property(cols, big, seed):
     order = np.argsort(sizes)
     assert (np.diff(t2[order]) <= 1e-3 * t2.max()).all()
     assert neuron_column_scales(sums, 10, np.minimum(sizes, 8.0)) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), seed=st.integers(0, 2**16),
+       bf16=st.booleans())
+def test_row_square_sums_from_bits_with_or_without_numba(rows, cols, seed, bf16):
+    """The neuron rule's row sums (stages.scale.row_square_sums) read bfloat16 from its
+    bits: the float32 squares summed in float64 lanes in a fixed order, the same with numba
+    or without."""
+    from turboquant.stages import fast_hadamard
+    from turboquant.stages.scale import ROW_LANES, row_square_sums
+
+    x = (np.random.default_rng(seed).standard_normal((rows, cols)) * 5).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    values = (bits.astype(np.uint32) << 16).view(np.float32) if bf16 else x
+    got = row_square_sums(bits if bf16 else x, bf16=bf16)
+    assert got.dtype == np.float64 and got.shape == (rows,)
+    lanes = np.zeros((rows, ROW_LANES))  # element j into running sum j % ROW_LANES
+    for j in range(cols):
+        lanes[:, j % ROW_LANES] += (values[:, j] * values[:, j]).astype(np.float64)
+    want = np.zeros(rows)
+    for k in range(ROW_LANES):
+        want += lanes[:, k]
+    assert np.array_equal(got, want)
+    np.testing.assert_allclose(got, np.square(values.astype(np.float64)).sum(axis=1),
+                               rtol=1e-5)
+    fast_hadamard.AVAILABLE, before = False, fast_hadamard.AVAILABLE
+    try:
+        assert np.array_equal(row_square_sums(bits if bf16 else x, bf16=bf16), want)
+    finally:
+        fast_hadamard.AVAILABLE = before
