@@ -597,7 +597,21 @@ def main(argv=None) -> int:
                     "whose smallest column RMS is under this x the median (default: the "
                     "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
     ap.add_argument("--tables", default="main,classes,mechanism",
-                    help="which tables: main, classes, mechanism (comma list)")
+                    help="which tables: main, classes, mechanism, layers, tensors (comma "
+                    "list; tensors: benchmarks/quality_tensors.py)")
+    ap.add_argument("--tensor-bits", default="4,3", help="tensors table: every matrix at the "
+                    "first, the --subset-layers ones (and the embedding) at the others")
+    ap.add_argument("--tensor-layers", default="", help="tensors table: only these layers' "
+                    "matrices (and the embedding) at the first --tensor-bits, in this order "
+                    "(default: all)")
+    ap.add_argument("--subset-layers", default="11,20",
+                    help="tensors table: the layers measured at the later --tensor-bits")
+    ap.add_argument("--cal-rows", type=int, default=8, help="tensors table: pydoc rows (none "
+                    "held out) whose input second moments weight the calibrated proxy")
+    ap.add_argument("--seed-check", action="store_true", help="tensors table: code a few "
+                    "tensors with another rotation seed too (the KL's noise floor)")
+    ap.add_argument("--check-rows", type=int, default=0, help="tensors table: also rank a "
+                    "few tensors on this many rows (16: all 8,176 tokens) against the others")
     ap.add_argument("--ablation-windows", type=int, default=4,
                     help="rows for the per-class and mechanism tables")
     ap.add_argument("--ablation-bits", type=int, default=3)
@@ -650,6 +664,12 @@ def main(argv=None) -> int:
                       "data-free small-column error: mean over the 10% smallest-RMS columns "
                       "of ||E_:,j||^2 / ||W_:,j||^2:"]
             mechanism_table(ev, small, args.ablation_bits, lines)
+        elif table == "tensors":
+            from quality_tensors import tensor_table
+
+            lines += ["", f"per tensor, {small.shape[0]} rows ({small.shape[0] * (SEQ - 1):,} "
+                      "tokens): each matrix alone coded, the rest at source:"]
+            tensor_table(ev, small, args, lines)
     given = list(sys.argv[1:] if argv is None else argv)
     lines += ["", f"total {time.perf_counter() - t0:.0f} s",
               "reproduce: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 "

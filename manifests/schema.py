@@ -61,6 +61,9 @@ TRELLIS_COLUMNS = [name for name, _ in TRELLIS_FIELDS]
 # and one with in_scales this column: whether the row stores `<prefix>.tq_in_scales` (a reader takes
 # a missing column as all false)
 IN_SCALES_COLUMN = pa.field("in_scales", pa.bool_())
+# written only by `convert --input-stats` (any format version; a reader that does not know
+# it ignores it): each coded tensor's output error under the calibration text's inputs
+OUT_ERROR_COLUMN = pa.field("out_error", pa.float64())
 
 
 def format_version(codecs=(), in_scales: bool = False) -> int:
@@ -101,6 +104,8 @@ def write_manifest(rows: list[dict], path: str | os.PathLike | pa.NativeFile) ->
     trellis = any(r["codec"] == "trellis" for r in rows)
     in_scales = any(r.get("in_scales") for r in rows)
     schema = manifest_schema(trellis, in_scales)
+    if rows and "out_error" in rows[0]:
+        schema = schema.append(OUT_ERROR_COLUMN)
     missing = [c for c in schema.names if rows and c != "in_scales" and c not in rows[0]]
     if missing:
         raise ValueError(f"manifest rows lack columns {missing}")

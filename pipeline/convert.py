@@ -59,6 +59,7 @@ class ConvertOptions:
     check_disk: bool = True
     dask_workers: int = 0  # > 0: jobs on a local Dask cluster of this many processes
     dask_address: str | None = None  # jobs on the Dask scheduler at this address
+    input_stats: str | None = None  # `turboquant calibrate`'s file: record out_error per tensor
 
     @property
     def on_dask(self) -> bool:
@@ -292,7 +293,12 @@ def release_sources(p: Prepared) -> None:
 
 
 def finish(p: Prepared, results: list[JobResult]) -> Summary:
-    repo = write_repo_files(p.plan, p.work, p.source)
+    stats = None
+    if p.options.input_stats:
+        from .calibrate import read_stats
+
+        stats = read_stats(p.options.input_stats)
+    repo = write_repo_files(p.plan, p.work, p.source, stats)
     p.work.event("run_done", run=p.run)
     return Summary(
         output=str(p.work.output),

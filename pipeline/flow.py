@@ -112,6 +112,7 @@ def convert_flow(
     trellis_state_bits: int | None = None,
     trellis_values: int | None = None,
     trellis_version: int | None = None,
+    input_stats: str | None = None,
     revision: str | None = None,
     workers: int = 1,
     in_process: bool = False,

@@ -41,8 +41,9 @@ class RepoSummary:
         return 8 * self.total_bytes / self.total_weights if self.total_weights else 0.0
 
 
-def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
-    """One row per output tensor, from the plan and the jobs' ledgers."""
+def manifest_rows(plan: Plan, work: WorkDir, stats=None) -> list[dict]:
+    """One row per output tensor, from the plan and the jobs' ledgers; with `stats`
+    (calibrate.InputStats) each coded tensor's `out_error` too."""
     rows = []
     for job in plan.jobs:
         records = read_ledger_records(work, job)
@@ -75,7 +76,31 @@ def manifest_rows(plan: Plan, work: WorkDir) -> list[dict]:
                     **trellis_fields(it.trellis),
                     "in_scales": it.in_scales,
                 })
+                if stats is not None:
+                    rows[-1]["out_error"] = out_error(it, r, stats, work.output / job.shard)
     return rows
+
+
+def out_error(it, record: dict, stats, shard) -> float | None:
+    """The manifest's `out_error` of a coded item (docs/FORMAT.md): its coded error weighted
+    by the input statistics (stages.proxy.output_error); None where the statistics
+    do not name it or the ledger predates `sq_error`."""
+    import numpy as np
+
+    from turboquant.stages.proxy import output_error
+
+    if it.codec == "raw" or record.get("sq_error") is None or len(it.shape) != 2:
+        return None
+    found = stats.get(it.name, it.shape[1])
+    if found is None:
+        return None
+    t = None
+    if it.in_scales:  # the stored float16 t, the item's third tensor
+        s = it.stored[2]
+        with open(shard, "rb") as f:
+            f.seek(s.start)
+            t = np.frombuffer(f.read(s.end - s.start), dtype="<f2").astype(np.float64)
+    return output_error(record["sq_error"], found[0], t)
 
 
 def manifest_bytes(rows: list[dict]) -> bytes:
@@ -146,10 +171,11 @@ def summarize(plan: Plan, rows: list[dict] | None = None) -> RepoSummary:
     )
 
 
-def write_repo_files(plan: Plan, work: WorkDir, source: Source) -> RepoSummary:
-    """Write manifest, index, config, tokenizer files and model card; mark complete."""
+def write_repo_files(plan: Plan, work: WorkDir, source: Source, stats=None) -> RepoSummary:
+    """Write manifest, index, config, tokenizer files and model card; mark complete. With
+    `stats` (convert --input-stats) the manifest records each coded tensor's out_error."""
     out = work.output
-    rows = manifest_rows(plan, work)
+    rows = manifest_rows(plan, work, stats)
     atomic_write(out / MANIFEST_FILE, manifest_bytes(rows))  # a full disk: named, one line
     crash_point("repo_manifest")
 

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     o.add_argument("-v", "--verbose", action="store_true", help="Prefect's INFO logs")
+    o.add_argument("--input-stats", metavar="FILE", help="optional: input statistics from "
+                   "`turboquant calibrate`; the manifest then records each coded tensor's "
+                   "output error (out_error, docs/quality.md); the codes are the same")
     o.add_argument("--list-recipes", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -217,13 +220,23 @@ def _run(args: argparse.Namespace, own_process: bool) -> int:
         min_job_bytes=min_job, max_job_bytes=max_job,
         progress=not args.quiet and sys.stderr.isatty(), check_disk=not args.no_disk_check,
         dask_workers=args.dask_workers, dask_address=args.dask_address,
+        input_stats=args.input_stats,
     )
     try:
         if args.dry_run:
             print(describe_plan(validate(opts)))
             return 0
+        if opts.input_stats:  # a bad file fails now, not after the conversion
+            from turboquant.pipeline.calibrate import read_stats
+
+            try:
+                read_stats(opts.input_stats)
+            except ValueError as e:
+                print(f"turboquant convert: error: --input-stats: {e}", file=sys.stderr)
+                return 2
         # a finished conversion of the same source is found before Prefect is imported
-        done = finished(opts)
+        # (with --input-stats the run goes on: its jobs are done, the manifest is rewritten)
+        done = None if opts.input_stats else finished(opts)
         if done is not None:
             print(done.text())
             return 0
