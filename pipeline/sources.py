@@ -16,7 +16,7 @@ import re
 import threading
 from pathlib import Path
 
-from .errors import ConversionError, SourceError, reaching_hub
+from .errors import ConversionError, HubUnreachable, SourceError, reaching_hub
 from .safetensors_io import SafetensorsHeader, header_length, parse_header, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -380,10 +380,49 @@ def open_source(spec: str, *, revision: str | None = None, download_dir=None,
         raise ConversionError(f"source folder {spec} does not exist (read as a local path, not "
                               f"a Hub repo id: {why}); check the path")
     if _REPO_ID.match(spec):
+        cached = _cached_snapshot(spec, revision, download_dir)
+        if cached is not None:
+            return cached
         return HubSource(spec, revision=revision, download_dir=download_dir,
                          delete_after=delete_after)
     raise ConversionError(f"source {spec!r} is neither a local folder nor a Hub repo id "
                           "(org/name)")
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, download_dir) -> Source | None:
+    """With HF_HUB_OFFLINE set, the repo as the local Hugging Face cache (or the download
+    folder) holds it: a LocalSource on its snapshot folder, whose path names the repo (the
+    model card's base_model) and the commit. None when the Hub may be used. A repo not in the
+    cache, or only partly (a run that read only its headers), is one line saying so."""
+    from huggingface_hub import constants, snapshot_download
+
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    kw = {"local_dir": str(download_dir)} if download_dir else {}
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, **kw))
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and its kin: not cached
+        raise HubUnreachable(f"HF_HUB_OFFLINE is set, so Hub repo {repo_id!r} cannot be read; "
+                             f"it is not in the local Hugging Face cache "
+                             f"({download_dir or constants.HF_HUB_CACHE}): unset HF_HUB_OFFLINE, "
+                             "or give a local folder") from None
+    shards = _listed_shards(folder)
+    missing = [f for f in ("config.json", *shards) if not (folder / f).is_file()]
+    if not shards:
+        missing.append("*.safetensors")
+    if missing:
+        raise HubUnreachable(f"HF_HUB_OFFLINE is set and Hub repo {repo_id!r} is only partly in "
+                             f"the local Hugging Face cache ({folder}: {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''} missing); unset "
+                             "HF_HUB_OFFLINE to download the rest, or give a local folder")
+    return LocalSource(folder)
+
+
+def _listed_shards(folder: Path) -> list[str]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return _index_files(_load_json(index, "the shard index"), INDEX_FILE)
+    return sorted(p.name for p in folder.glob("*.safetensors"))
 
 
 def _local_path_reason(spec: str) -> str | None:

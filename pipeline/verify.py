@@ -53,7 +53,7 @@ from . import published
 from .ledger import WORK, sha256_file_range
 from .plan import cut_piece, split_piece_of
 from .errors import SourceError
-from .safetensors_io import read_float32, read_header, read_raw
+from .safetensors_io import read_header, read_raw, to_float32
 
 # Upper bounds on rel_mse for Gaussian-like weights: the Lloyd-Max MSE of each codebook
 # (0.1175, 0.0345, 0.0095; ternary 0.190) with head-room for fp16 scales and small groups.
@@ -80,6 +80,7 @@ class VerifyReport:
     source_crcs: int | None = None  # source CRCs compared (None: no source or no ledger)
     decoded: list[tuple[str, float, float | None]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    out_errors: list[tuple[str, float]] = field(default_factory=list)  # --input-stats repos
 
     @property
     def ok(self) -> bool:
@@ -95,12 +96,25 @@ class VerifyReport:
             lines.append(f"  {name}: rel_mse recorded {recorded:.6f}{m}")
         if len(self.decoded) > 10:
             lines.append(f"  ... {len(self.decoded) - 10} more decoded")
+        lines += out_error_summary(self.out_errors)
         if self.problems:
             lines.append(f"FAILED: {len(self.problems)} problem(s)")
             lines += [f"  {p}" for p in self.problems[:50]]
         else:
             lines.append("OK")
         return "\n".join(lines)
+
+
+def out_error_summary(out_errors: list[tuple[str, float]], top: int = 5) -> list[str]:
+    """Lines on a repo converted with --input-stats: its total out_error and the tensors
+    with the largest (docs/quality.md: they order tensors by the loss they cause)."""
+    if not out_errors:
+        return []
+    ranked = sorted(out_errors, key=lambda x: -x[1])
+    total = math.fsum(v for _, v in out_errors)
+    lines = [f"  out_error (--input-stats, {len(out_errors)} tensors): total {total:.4g}; largest:"]
+    lines += [f"    {name}: {v:.4g} ({100 * v / total:.1f}%)" for name, v in ranked[:top]]
+    return lines
 
 
 def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool = False,
@@ -122,6 +136,8 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
                             f"{q.get('format_version')!r}")
     rows = table.to_pylist()
     rep.rows = len(rows)
+    rep.out_errors = [(r["name"], r["out_error"]) for r in rows
+                      if r.get("out_error") is not None]
     weight_map = index.get("weight_map", {})
     headers = {}
     for shard in sorted({r["shard"] for r in rows}):
@@ -199,8 +215,8 @@ def _check_source_crcs(repo: Path, rows: list[dict], src: "_SourceReader",
     rep.source_crcs = 0
     for r in rows:
         want = recorded.get(r["name"])
-        if want is None or r.get("source_dtype") in published.LABELS:
-            continue
+        if want is None or (want == UNRECORDED_CRC and r.get("source_dtype") in published.LABELS):
+            continue  # older releases recorded no CRC of a published tensor (zeros)
         try:
             got = src.crc32(r)
         except SourceError as e:
@@ -219,6 +235,14 @@ def _check_source_crcs(repo: Path, rows: list[dict], src: "_SourceReader",
                                 "was converted: the repo was not converted from this source "
                                 "(or the source changed since); give the source it was "
                                 "converted from, or convert again with --fresh")
+
+
+UNRECORDED_CRC = "00000000"
+
+
+def _crc_hex(data, crc: int = 0) -> str:
+    """CRC-32 of `data` (continuing `crc`) as the ledger writes it (job._SourceCrc)."""
+    return f"{zlib.crc32(data, crc):08x}"
 
 
 def trellis_spec(row: dict) -> dict:
@@ -269,6 +293,7 @@ class _SourceReader:
         self.recipe = None
         self.published = None
         self._bound = False
+        self.crcs: dict[str, str] = {}  # row name -> CRC of what `weight` read (read once)
         if recipe_name:
             from turboquant.manifests.recipe import RecipeError, load_recipe
 
@@ -300,9 +325,13 @@ class _SourceReader:
         return self.headers[f]
 
     def weight(self, row: dict) -> np.ndarray | None:
-        """The source weight (out, in) as float32, or None if it cannot be located."""
+        """The source weight (out, in) as float32, or None if it cannot be located; the
+        CRC of what it read is kept for `crc32` (one read of the source for both)."""
         if row.get("source_dtype") in published.LABELS:
-            return self._published_weight(row)
+            w = self._published_weight(row)
+            if w is not None:
+                self.crcs[row["name"]] = _crc_hex(np.ascontiguousarray(w, dtype="<f4"))
+            return w
         found = self._located(row)
         if found is None:
             return None
@@ -310,9 +339,15 @@ class _SourceReader:
         fd = os.open(self.folder / f, os.O_RDONLY)
         try:
             if piece is None:
-                return read_float32(fd, info, 0, info.numel, f).reshape(info.shape)
+                raw = read_raw(fd, info, 0, info.numel, f)
+                self.crcs[row["name"]] = _crc_hex(raw)
+                return to_float32(raw, info.dtype).reshape(info.shape)
             per = info.numel // info.shape[0]
-            x = read_float32(fd, info, piece.expert * per, per, f).reshape(info.shape[1:])
+            raw = read_raw(fd, info, piece.expert * per, per, f)
+            bits = raw.view({1: np.uint8, 2: "<u2", 4: "<u4", 8: "<u8"}[info.itemsize])
+            cut = np.ascontiguousarray(cut_piece(bits.reshape(info.shape[1:]), piece))
+            self.crcs[row["name"]] = _crc_hex(cut)
+            x = to_float32(raw, info.dtype).reshape(info.shape[1:])
             return cut_piece(x, piece)
         finally:
             os.close(fd)
@@ -334,25 +369,26 @@ class _SourceReader:
 
     def crc32(self, row: dict) -> str | None:
         """CRC-32 of the source bytes a row was converted from, as the job read them (a
-        whole tensor: its byte range; a split piece: its raw values, cut); None if absent."""
-        found = self._located(row)
-        if found is None:
-            return None
-        f, info, piece = found
-        fd = os.open(self.folder / f, os.O_RDONLY)
-        try:
-            if piece is None:
-                crc, step = 0, max(1, (1 << 24) // info.itemsize)
-                for start in range(0, info.numel, step):
-                    crc = zlib.crc32(read_raw(fd, info, start, min(step, info.numel - start), f),
-                                     crc)
-                return f"{crc:08x}"
-            per = info.numel // info.shape[0]
-            raw = read_raw(fd, info, piece.expert * per, per, f)
-            bits = raw.view({1: np.uint8, 2: "<u2", 4: "<u4", 8: "<u8"}[info.itemsize])
-            return f"{zlib.crc32(cut_piece(bits.reshape(info.shape[1:]), piece)):08x}"
-        finally:
-            os.close(fd)
+        whole tensor: its byte range; a split piece: its raw values, cut; an FP8 / MXFP4 /
+        int4 tensor: its dequantized float32 values); None if absent. A whole source tensor
+        is read a chunk at a time; anything else through `weight` (one expert, one published
+        tensor), unless `weight` read it already."""
+        if row["name"] not in self.crcs:
+            found = None if row.get("source_dtype") in published.LABELS else self._located(row)
+            if found is not None and found[2] is None:  # a whole tensor, kept raw maybe: big
+                f, info, _ = found
+                fd = os.open(self.folder / f, os.O_RDONLY)
+                try:
+                    crc, step = 0, max(1, (1 << 24) // info.itemsize)
+                    for start in range(0, info.numel, step):
+                        crc = zlib.crc32(read_raw(fd, info, start,
+                                                  min(step, info.numel - start), f), crc)
+                    return _crc_hex(b"", crc)
+                finally:
+                    os.close(fd)
+            if self.weight(row) is None:
+                return None
+        return self.crcs.pop(row["name"])
 
     def _published_weight(self, row: dict) -> np.ndarray | None:
         """An FP8 / MXFP4 / int4 source weight, dequantized (pipeline/published.py)."""

@@ -124,8 +124,9 @@ def test_hub_id_with_hf_hub_offline(tmp_path, command, status):
     r = _turboquant(*args, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == status
     assert _one_line(r.stderr) == (f"turboquant {command}: error: HF_HUB_OFFLINE is set, so Hub "
-                                   "repo 'someorg/somemodel' cannot be read; unset "
-                                   "HF_HUB_OFFLINE, or give a local folder")
+                                   "repo 'someorg/somemodel' cannot be read; it is not in the "
+                                   f"local Hugging Face cache ({tmp_path / 'hf' / 'hub'}): "
+                                   "unset HF_HUB_OFFLINE, or give a local folder")
 
 
 def test_plan_into_a_closed_pipe_is_quiet():

@@ -126,3 +126,30 @@ def test_a_hub_unreachable_mid_run_is_the_same_line(hub_server, tmp_path):
     with pytest.raises(HubUnreachable, match=f"to read Hub repo {repo!r}") as e:
         source.local_path(source.shard_files()[0])
     assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
+
+
+def test_a_cached_hub_repo_converts_with_hf_hub_offline(hub_server, tmp_path):
+    """A repo downloaded once converts again with HF_HUB_OFFLINE=1 and the Hub gone, to the
+    same bytes, read from the local cache's snapshot (the card still names the repo); one
+    that was only partly downloaded is one line saying the cache does not hold it."""
+    from huggingface_hub import snapshot_download
+
+    from turboquant.pipeline.errors import HubUnreachable
+
+    repo = _uploaded(hub_server, tmp_path)
+    online = tmp_path / "online"
+    convert(_opts(repo, online))
+    snapshot_download(repo)  # a user's `huggingface-cli download`: every file in the cache
+    partial = _uploaded(hub_server, tmp_path / "p", repo="test-user/partial")
+    snapshot_download(partial, allow_patterns=["config.json", "*.json"])
+    hub_server.stop()
+    with hub_server.offline():
+        offline = tmp_path / "offline"
+        summary = convert(_opts(repo, offline))
+        assert summary.jobs_run == 1
+        for shard in sorted(online.glob("model-*.safetensors")):
+            assert _digest(offline / shard.name) == _digest(shard)
+        assert "base_model: test-user/tiny-dense" in (offline / "README.md").read_text()
+        with pytest.raises(HubUnreachable, match=r"^HF_HUB_OFFLINE is set.* Hub repo "
+                           r"'test-user/partial' .*local Hugging Face cache.*unset HF_HUB_OFFLINE"):
+            validate(_opts(partial, tmp_path / "o2"))

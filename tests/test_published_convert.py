@@ -317,6 +317,27 @@ def test_verify_recomputes_errors_against_the_published_source(dense, gpt_oss, t
     rep = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
     assert rep.ok, rep.text()
     assert rep.decoded and all(m is not None for _, _, m in rep.decoded)
+    # every tensor's recorded CRC was compared, the published ones' (of their dequantized
+    # float32 values) included; a changed code in the source is named
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(tmp_path / "pub-tq" / "manifest.parquet").to_pylist()
+    assert rep.source_crcs == len(rows)
+    pub_rows = [r for r in rows if r["source_dtype"] in ("F8_E4M3", "MXFP4", "I4")]
+    assert pub_rows
+    target = pub_rows[0]
+    shard = tmp_path / "pub" / target["source_shard"]
+    from turboquant.pipeline.safetensors_io import read_header
+
+    tensors = read_header(shard).tensors  # the codes: the biggest tensor of the weight
+    base = target["source_name"].removesuffix(".weight")
+    info = max((t for n, t in tensors.items() if n.startswith(base)), key=lambda t: t.nbytes)
+    data = bytearray(shard.read_bytes())
+    data[info.start + info.nbytes // 2] ^= 0x11
+    shard.write_bytes(bytes(data))
+    bad = verify_repo(tmp_path / "pub-tq", source=tmp_path / "pub", full=True)
+    assert not bad.ok and any("CRC-32" in p and target["source_name"] in p
+                              for p in bad.problems), bad.text()
 
 
 def test_a_nan_fp8_code_names_the_tensor(dense, tmp_path):

@@ -274,3 +274,29 @@ def test_verify_cli_shows_the_crc_count(converted, capsys):
     src, out = converted
     assert verify.main([str(out), "--source", str(src), "--sample", "2"]) == 0
     assert "source CRC-32 compared for 4 tensors" in capsys.readouterr().out
+
+
+def test_a_sampled_tensor_source_is_read_once_for_its_error_and_its_crc(tmp_path, monkeypatch):
+    """verify --source reads each decoded tensor's source once: the CRC it compares with the
+    ledger's comes from the same read as the weight it recomputes the error with."""
+    from turboquant.pipeline import safetensors_io
+    from turboquant.pipeline import verify as verify_mod
+
+    src = _moe(tmp_path / "src")
+    out = tmp_path / "out"
+    run(src, out, expert_bits="ternary")
+    reads: dict[str, int] = {}
+    real = verify_mod.read_raw
+
+    def counted(fd, info, start, count, file):
+        reads[info.name] = reads.get(info.name, 0) + 1
+        return real(fd, info, start, count, file)
+
+    monkeypatch.setattr(verify_mod, "read_raw", counted)
+    monkeypatch.setattr(safetensors_io, "read_raw", counted)  # read_float32's
+    report = verify_repo(out, source=src, full=True)
+    assert report.ok, report.text()
+    rows = pq.read_table(out / "manifest.parquet").to_pylist()
+    assert report.source_crcs == len(rows)
+    coded = [r for r in rows if r["codec"] != "raw" and r["source_name"] == r["name"]]
+    assert coded and all(reads[r["source_name"]] == 1 for r in coded), reads
