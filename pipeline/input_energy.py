@@ -9,7 +9,8 @@ By the tensor's name (the Llama layout's, which most families share):
   layer has one): a_j = gamma_j^2 (`stages.proxy.norm_energy`), "norm";
 - down_proj: its neurons' energies from the gate and up rows' sums of squares, the ones the
   neuron rule's pre-pass reads (`stages.proxy.neuron_energy`), "neurons";
-- anything else (o_proj, the embedding and head, a layer whose norm the checkpoint does not
+- the head (`lm_head`, or a tied embedding) reads the final norm's output: "norm";
+- anything else (o_proj, an untied embedding, a layer whose norm the job's files do not
   hold, a down_proj without the neuron pre-pass): a = 1, "ones".
 
 The lookup is given the tensors as functions, so the converter (a job reading its source
@@ -30,6 +31,7 @@ MLP_INPUTS = ("gate_proj", "up_proj", "gate_up_proj")
 # mlx-lm model_types whose RMSNorm scales by 1 + w (the checkpoint stores w)
 OFFSET_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma",
                           "nemotron", "qwen3_next", "qwen3_5", "qwen3_5_moe"})
+HEAD, EMBEDDING, FINAL_NORM = "lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"
 _LAYER = re.compile(r"^(.*?\blayers\.\d+\.)")
 
 Lookup = Callable[[str], "np.ndarray | None"]
@@ -68,13 +70,14 @@ def partner_names(name: str) -> tuple[str, str] | None:
 
 
 def input_energy(name: str, in_features: int, norm: Lookup, row_sq: Lookup,
-                 offset: float = 0.0, values: bool = False,
-                 head: bool = False) -> tuple[np.ndarray, str]:
+                 offset: float = 0.0, tied: bool = False,
+                 values: bool = False) -> tuple[np.ndarray, str]:
     """(a (in_features,), where it came from: "norm", "neurons", "values" or "ones") of the
     coded matrix `name`. `norm(n)`: the 1-D norm weight `n` or None; `row_sq(n)`: the sums
-    of squares of the rows of weight `n` (gate/up, v) or None. `values`: o_proj from its
-    v_proj's rows; `head`: the embedding / head from the final norm (candidates measured
-    by benchmarks/quality_tensors.py)."""
+    of squares of the rows of weight `n` (gate/up, v) or None. `tied`: the embedding is
+    also the head (it reads the final norm's output, as lm_head does). `values`: o_proj
+    from its v_proj's rows (a candidate benchmarks/quality_tensors.py measured worse than
+    a = 1)."""
     if values and _cls(name) == "o_proj" and ".o_proj." in name:
         gamma = norm(_LAYER.match(name).group(1) + "input_layernorm.weight") \
             if _LAYER.match(name) else None
@@ -82,8 +85,8 @@ def input_energy(name: str, in_features: int, norm: Lookup, row_sq: Lookup,
         if gamma is not None and v is not None:
             return value_energy(v, float(norm_energy(gamma, offset).mean()), in_features), \
                 "values"
-    if head and _cls(name) in ("embed_tokens", "lm_head"):
-        gamma = norm("model.norm.weight")
+    if name == HEAD or (tied and name == EMBEDDING):
+        gamma = norm(FINAL_NORM)
         if gamma is not None and gamma.shape == (in_features,):
             return norm_energy(gamma, offset), "norm"
     gamma = None
