@@ -65,6 +65,10 @@ def test_input_energy_by_name():
                              ("model.embed_tokens.weight", False, "ones")):
         a, got = input_energy(name, 3, final.get, ROWS.get, tied=tied)
         assert got == kind and np.allclose(a, [1, 0.25, 4] if kind == "norm" else 1), name
+    a, kind = input_energy(L0 + "self_attn.o_proj.weight", 4, NORMS.get,
+                           {L0 + "self_attn.v_proj.weight": np.array([1.0, 3.0])}.get,
+                           values=True)  # the measured candidate: mean ||v_i||^2 mean(gamma^2)
+    assert kind == "values" and np.allclose(a, 2.0 * 14 / 3)
     pre = {**NORMS, L0 + "pre_feedforward_layernorm.weight": np.array([3.0, 3.0, 3.0])}
     a, kind = input_energy(L0 + "mlp.gate_proj.weight", 3, pre.get, ROWS.get)
     assert kind == "norm" and np.allclose(a, 9)  # gemma2/3: the MLP's own norm
