@@ -21,6 +21,12 @@
    - df/R: df over the estimated residual stream energy at the tensor's layer.
    - nrn: down_proj only, df with a_k the neuron rule's size squared (what the converter
      already computes); other classes as df.
+   - ones, w, w-h, w+v: what the converter records with no text (out_error,
+     pipeline/input_energy.py), ||E'||^2 mean(t^2 a) with a from the tensor's own layer
+     only: ones a = 1; w the converter's (q/k/v and gate/up gamma^2 of the norm before them,
+     down_proj ||gate_k||^2 ||up_k||^2 mean(gamma^2)^2 from the neuron rule's row sums, the
+     head / tied embedding gamma^2 of the final norm, the rest 1); -h the embedding at 1;
+     +v o_proj from v_proj's rows.
    - cal, cal/R: the same weighting with the real E[x_j^2] and residual energies measured
      on --cal-rows pydoc rows disjoint from the held-out ones (the upper bound).
    - calrel: cal over sum_j ||W_:,j||^2 E[x_j^2] (the activation-weighted relative error).
@@ -231,6 +237,39 @@ def candidates(rec: dict, source: dict, est: tuple, nrn: tuple, cal: tuple) -> d
     return out
 
 
+LOCAL = {"w": {}, "w-h": {"tied": False}, "w+v": {"values": True}}
+
+
+def local_candidates(rec: dict, source: dict, tied: bool, offset: float = 0.0,
+                     cache=None) -> dict:
+    """The figure the converter records with no text (pipeline/input_energy.py): ||E'||^2
+    times mean(t^2 a), a from the tensor's own layer: `ones` a = 1 everywhere; `w` the
+    converter's (norms, down_proj's neurons, the head's final norm; `tied`: the embedding
+    is the head); `w-h` without the head's norm; `w+v` o_proj from v_proj's rows."""
+    from turboquant.pipeline.input_energy import input_energy
+    from turboquant.stages.proxy import energy_factor
+
+    cache = {} if cache is None else cache
+
+    def norm(n):
+        return f64(source[n]) if n in source else None
+
+    def row_sq(n):
+        if n not in cache and n in source:
+            w = f64(source[n])
+            cache[n] = (w * w).sum(axis=1)
+        return cache.get(n)
+
+    name = rec["name"]
+    in_f = len(rec["col_err"])
+    t = None if rec["t"] is None else np.asarray(rec["t"])
+    out = {"ones": rec["scaled_err"] * energy_factor(np.ones(in_f), t)}
+    for key, opts in LOCAL.items():
+        a, _ = input_energy(name, in_f, norm, row_sq, offset, **{"tied": tied, **opts})
+        out[key] = rec["scaled_err"] * energy_factor(a, t)
+    return out
+
+
 def spearman(x, y) -> float:
     rx = np.argsort(np.argsort(x)).astype(np.float64)
     ry = np.argsort(np.argsort(y)).astype(np.float64)
@@ -350,7 +389,10 @@ def tensor_table(ev, rows, args, lines) -> None:
         pick = names if b == bits_list[0] else [n for n in names
                                                if layer_of(n) in subset or layer_of(n) < 0]
         recs = ground_truth(ev, rows, b, pick, work, f"tensors-{b}bit-{rows.shape[0]}rows")
-        cands = [candidates(r, ev.source, est, nrn, cal) for r in recs]
+        cache: dict = {}
+        cands = [{**candidates(r, ev.source, est, nrn, cal),
+                  **local_candidates(r, ev.source, bool(cfg.tie_word_embeddings),
+                                     cache=cache)} for r in recs]
         for target in ("kl", "dppl"):
             lines += ["", f"{b} bits, {len(recs)} tensors, each alone coded (default recipe's "
                       f"codec); correlation with its {target.upper()} (rank = Spearman, lin = "

@@ -61,9 +61,13 @@ TRELLIS_COLUMNS = [name for name, _ in TRELLIS_FIELDS]
 # and one with in_scales this column: whether the row stores `<prefix>.tq_in_scales` (a reader takes
 # a missing column as all false)
 IN_SCALES_COLUMN = pa.field("in_scales", pa.bool_())
-# written only by `convert --input-stats` (any format version; a reader that does not know
-# it ignores it): each coded tensor's output error under the calibration text's inputs
+# each coded tensor's output error (any format version; a reader that does not know them
+# ignores them): under the calibration text's inputs with `convert --input-stats`, else
+# under input energies from the layer's own tensors; out_error_from says which ("text",
+# "weights", or "ones": no input known, a = 1). Repos converted before have neither, or
+# out_error alone (--input-stats)
 OUT_ERROR_COLUMN = pa.field("out_error", pa.float64())
+OUT_ERROR_FROM_COLUMN = pa.field("out_error_from", pa.string())
 
 
 def format_version(codecs=(), in_scales: bool = False) -> int:
@@ -106,6 +110,8 @@ def write_manifest(rows: list[dict], path: str | os.PathLike | pa.NativeFile) ->
     schema = manifest_schema(trellis, in_scales)
     if rows and "out_error" in rows[0]:
         schema = schema.append(OUT_ERROR_COLUMN)
+    if rows and "out_error_from" in rows[0]:
+        schema = schema.append(OUT_ERROR_FROM_COLUMN)
     missing = [c for c in schema.names if rows and c != "in_scales" and c not in rows[0]]
     if missing:
         raise ValueError(f"manifest rows lack columns {missing}")

@@ -21,6 +21,7 @@ from pathlib import Path
 from . import output
 from .distributed import run_on_dask
 from .errors import ConversionError, spawned_worker_hint
+from .input_energy import norm_offset
 from .job import JobContext, JobResult, SourceSpec, run_job
 from .ledger import FileLock, WorkDir, atomic_write
 from .machine import worker_context
@@ -214,8 +215,11 @@ def prepare_output(p: Prepared) -> int:
 def job_context(p: Prepared, job: Job, parent_pid: int | None = None) -> JobContext:
     headers = {f: p.plan.headers[f] for f in job.files}
     identities = {f: p.plan.identities[f] for f in job.files}
+    config = p.plan.config
     return JobContext(str(p.work.output), job, headers, p.spec, p.plan.recipe.refit, p.run,
-                      parent_pid, identities=identities)
+                      parent_pid, identities=identities,
+                      norm_offset=norm_offset(config.get("model_type")),
+                      tied_head=bool(config.get("tie_word_embeddings", False)))
 
 
 def _worker_init() -> None:

@@ -84,6 +84,8 @@ class JobContext:
     parent_pid: int | None = None  # a worker exits if this process is gone
     lock_wait: float = 120.0
     identities: dict[str, dict] = field(default_factory=dict)  # source file -> identity
+    norm_offset: float = 0.0  # 1 where the family's norms scale by 1 + w (input_energy.py)
+    tied_head: bool = False  # the embedding is also the head (tie_word_embeddings)
 
 
 @dataclass
@@ -402,7 +404,8 @@ def _look_ahead(job: Job, index: int, reader: _Reader, cores: _Cores) -> dict[in
     """With more than one coding thread: the column-scale pre-passes of unit `index`'s
     source tensors, started on the pool now, so that they run while the unit before is
     coded (they read their own rows; a pre-pass on the job's thread leaves the pool idle).
-    {id(item): Future of its in_scales}; items it cannot take are prepared when written."""
+    {id(item): Future of (in_scales, neuron row sums)}; items it cannot take are prepared
+    when written."""
     threads = cores.threads()
     if index >= len(job.units) or threads <= 1:
         return {}
@@ -412,10 +415,10 @@ def _look_ahead(job: Job, index: int, reader: _Reader, cores: _Cores) -> dict[in
             and it.piece.expert is None and it.published is None}
 
 
-def _source_in_scales(item: Item, reader: _Reader, threads: int = 1) -> np.ndarray:
-    """The in_scales of a 2-D tensor read from its source file (`_in_scales`'s pre-pass,
-    a chunk of rows at a time; `threads` > 1 reads ahead on the pool: not from a pool
-    thread)."""
+def _source_in_scales(item: Item, reader: _Reader, threads: int = 1):
+    """(in_scales, neuron row sums or None) of a 2-D tensor read from its source file
+    (`_in_scales`'s pre-pass, a chunk of rows at a time; `threads` > 1 reads ahead on the
+    pool: not from a pool thread)."""
     out_f, in_f = item.shape
     p = item.piece
     info, fd = reader.info(item), reader.fd(p.file)
@@ -432,7 +435,8 @@ def _source_in_scales(item: Item, reader: _Reader, threads: int = 1) -> np.ndarr
             else:
                 sums.add(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
 
-    return _in_scales(item, prepass, _neuron_sizes(item, reader, threads))
+    sums = _neuron_row_sums(item, reader, threads)
+    return _in_scales(item, prepass, _neuron_sizes(sums)), sums
 
 
 def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
@@ -442,17 +446,44 @@ def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
     sha = hashlib.sha256()
     crc = _SourceCrc()
     rel_mse = sq_error = None
+    energy: dict = {}
     if item.codec == "raw":
         _write_raw(item, reader, writer, sha, crc)
     else:
-        sq_error, sq_norm = _write_coded(item, reader, writer, sha, crc, refit, trellis, cores,
-                                         ready)
+        sq_error, sq_norm, t, sums = _write_coded(item, reader, writer, sha, crc, refit,
+                                                  trellis, cores, ready)
         rel_mse = (0.0 if sq_error == 0.0 else math.inf) if sq_norm == 0.0 else sq_error / sq_norm
+        energy = _input_energy(item, reader, t, sums)
     writer.expect(item.byte_end, item.name)
-    # sq_error: ||E'||^2 of W / t, what `--input-stats` weights into out_error (repo.py)
+    # sq_error: ||E'||^2 of W / t; times in_energy (mean(t^2 a), a from the layer's own
+    # tensors) it is the manifest's out_error (repo.py), or weighted by --input-stats
     return {"name": item.name, "byte_start": item.byte_start, "byte_end": item.byte_end,
             "checksum": sha.hexdigest(), "rel_mse": rel_mse, "sq_error": sq_error,
-            "source_crc32": crc.hexdigest()}
+            "source_crc32": crc.hexdigest(), **energy}
+
+
+def _input_energy(item: Item, reader: _Reader, t: np.ndarray | None, sums) -> dict:
+    """The ledger's {"in_energy": mean(t^2 a), "in_energy_from": "norm" | "neurons" |
+    "ones"}: a coded item's input energies from its layer's norm weight and, for a
+    down_proj, the gate/up row sums its neuron pre-pass read (pipeline/input_energy.py)."""
+    from turboquant.pipeline.input_energy import input_energy, partner_names
+    from turboquant.stages.proxy import energy_factor
+
+    src = item.piece.tensor
+    rows = dict(zip(partner_names(src), sums[:2])) if sums and partner_names(src) else {}
+    a, kind = input_energy(src, item.shape[1], lambda n: _norm_weight(reader, n), rows.get,
+                           reader.ctx.norm_offset, reader.ctx.tied_head)
+    return {"in_energy": energy_factor(a, t), "in_energy_from": kind}
+
+
+def _norm_weight(reader: _Reader, name: str) -> np.ndarray | None:
+    """A 1-D float tensor of the job's source files (a norm weight), float64, or None."""
+    for file, header in reader.ctx.headers.items():
+        info = header.tensors.get(name)
+        if info is not None and len(info.shape) == 1 and info.dtype in FLOAT_DTYPES:
+            raw = read_raw(reader.fd(file), info, 0, info.numel, file)
+            return to_float32(raw, info.dtype).astype(np.float64)
+    return None
 
 
 def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
@@ -517,9 +548,10 @@ def _emit_values(writer: JobWriter, sha, crc: _SourceCrc, x: np.ndarray) -> None
 def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _SourceCrc,
                  refit: bool, trellis: _TrellisProgress | None = None,
                  cores: _Cores | None = None,
-                 ready: Future | None = None) -> tuple[float, float]:
-    """The item coded and written, a chunk of rows at a time; (||W - W_hat||^2, ||W||^2),
-    of W / t with in_scales. `ready`: its in_scales computed ahead (`_look_ahead`)."""
+                 ready: Future | None = None):
+    """The item coded and written, a chunk of rows at a time; (||W - W_hat||^2, ||W||^2,
+    of W / t with in_scales; t or None; the neuron pre-pass's gate/up row sums or None).
+    `ready`: its in_scales computed ahead (`_look_ahead`)."""
     from turboquant.stages import encode
     from turboquant.stages.fast_convert import bf16_to_float32
 
@@ -577,13 +609,14 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
             _check_parent()
             sums.add(whole[r0:r1] if whole is not None else pub.rows(item.published, r0, r1))
 
-    t = None
+    t = sums = None
     if ready is not None:
-        t = ready.result()
+        t, sums = ready.result()
     elif item.in_scales and reads_anywhere:
-        t = _source_in_scales(item, reader, threads)
+        t, sums = _source_in_scales(item, reader, threads)
     elif item.in_scales:
-        t = _in_scales(item, prepass, _neuron_sizes(item, reader, threads))
+        sums = _neuron_row_sums(item, reader, threads)
+        t = _in_scales(item, prepass, _neuron_sizes(sums))
     code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
     codes_spec, scales_spec = item.stored[:2]
 
@@ -663,7 +696,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         _emit(writer, sha, np.ascontiguousarray(t, dtype="<f2").tobytes())
     err2 = math.fsum(np.concatenate(err_rows))  # exact, so order and chunking do not matter
     norm2 = math.fsum(np.concatenate(norm_rows))
-    return err2, norm2
+    return err2, norm2, t, sums
 
 
 def _in_order(reads: list, threads: int):
@@ -703,13 +736,21 @@ def _in_scales(item: Item, prepass, sizes: np.ndarray | None = None) -> np.ndarr
     return np.ones(in_f, dtype=np.float16) if t is None else t
 
 
-def _neuron_sizes(item: Item, reader: _Reader, threads: int = 1) -> np.ndarray | None:
-    """A down projection's MLP neuron sizes from its gate_proj and up_proj rows (read
-    here, a chunk of rows at a time, summed from their source bits:
-    `stages.row_square_sums`, `stages.neuron_sizes_from_sums`), or None: not a down_proj
-    with the recipe's neuron_ratio, or its partners are not in the job's files (the column
-    rule then decides)."""
-    from turboquant.stages.scale import neuron_sizes_from_sums, row_square_sums
+def _neuron_sizes(sums) -> np.ndarray | None:
+    """A down projection's MLP neuron sizes from `_neuron_row_sums`
+    (`stages.neuron_sizes_from_sums`), or None where it gave none (the column rule then
+    decides)."""
+    from turboquant.stages.scale import neuron_sizes_from_sums
+
+    return None if sums is None else neuron_sizes_from_sums(*sums)
+
+
+def _neuron_row_sums(item: Item, reader: _Reader, threads: int = 1):
+    """(gate rows' sums of squares, up rows', their input width) of a down projection's MLP
+    (read here, a chunk of rows at a time, summed from their source bits:
+    `stages.row_square_sums`), or None: not a down_proj with the recipe's neuron_ratio, or
+    its partners are not in the job's files."""
+    from turboquant.stages.scale import row_square_sums
 
     src = item.piece.tensor
     if (item.neuron_ratio is None or item.published is not None or item.piece.expert is not None
@@ -743,4 +784,4 @@ def _neuron_sizes(item: Item, reader: _Reader, threads: int = 1) -> np.ndarray |
         sums.append(acc)
     if sums[0].shape != sums[1].shape:
         return None
-    return neuron_sizes_from_sums(sums[0], sums[1], found["gate_proj"][1].shape[1])
+    return sums[0], sums[1], found["gate_proj"][1].shape[1]

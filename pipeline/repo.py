@@ -42,8 +42,10 @@ class RepoSummary:
 
 
 def manifest_rows(plan: Plan, work: WorkDir, stats=None) -> list[dict]:
-    """One row per output tensor, from the plan and the jobs' ledgers; with `stats`
-    (calibrate.InputStats) each coded tensor's `out_error` too."""
+    """One row per output tensor, from the plan and the jobs' ledgers, with each coded
+    tensor's `out_error` and `out_error_from`: weighted by `stats` (calibrate.InputStats,
+    "text") where given, else by the input energies the job estimated from the layer's
+    own tensors ("weights", or "ones" where it knew none)."""
     rows = []
     for job in plan.jobs:
         records = read_ledger_records(work, job)
@@ -77,8 +79,22 @@ def manifest_rows(plan: Plan, work: WorkDir, stats=None) -> list[dict]:
                     "in_scales": it.in_scales,
                 })
                 if stats is not None:
-                    rows[-1]["out_error"] = out_error(it, r, stats, work.output / job.shard)
+                    value = out_error(it, r, stats, work.output / job.shard)
+                    rows[-1].update(out_error=value,
+                                    out_error_from=None if value is None else "text")
+                else:
+                    rows[-1].update(weights_out_error(it, r))
     return rows
+
+
+def weights_out_error(it, record: dict) -> dict:
+    """The data-free out_error of a coded item: ||E'||^2 times the ledger's in_energy
+    (mean(t^2 a), job._input_energy); nulls for a raw item or a ledger that predates it."""
+    energy = record.get("in_energy")
+    if it.codec == "raw" or record.get("sq_error") is None or energy is None:
+        return {"out_error": None, "out_error_from": None}
+    source = "ones" if record.get("in_energy_from") == "ones" else "weights"
+    return {"out_error": record["sq_error"] * energy, "out_error_from": source}
 
 
 def out_error(it, record: dict, stats, shard) -> float | None:

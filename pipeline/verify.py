@@ -80,7 +80,8 @@ class VerifyReport:
     source_crcs: int | None = None  # source CRCs compared (None: no source or no ledger)
     decoded: list[tuple[str, float, float | None]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    out_errors: list[tuple[str, float]] = field(default_factory=list)  # --input-stats repos
+    # (name, out_error, out_error_from): "text" (--input-stats), "weights", "ones" or None
+    out_errors: list[tuple[str, float, str | None]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -105,15 +106,21 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def out_error_summary(out_errors: list[tuple[str, float]], top: int = 5) -> list[str]:
-    """Lines on a repo converted with --input-stats: its total out_error and the tensors
-    with the largest (docs/quality.md: they order tensors by the loss they cause)."""
+def out_error_summary(out_errors: list[tuple[str, float, str | None]],
+                      top: int = 5) -> list[str]:
+    """Lines on a repo's out_error: its total, how many tensors each estimate weighted
+    (out_error_from) and the tensors with the largest (docs/quality.md: they order tensors
+    by the loss they cause)."""
     if not out_errors:
         return []
     ranked = sorted(out_errors, key=lambda x: -x[1])
-    total = math.fsum(v for _, v in out_errors)
-    lines = [f"  out_error (--input-stats, {len(out_errors)} tensors): total {total:.4g}; largest:"]
-    lines += [f"    {name}: {v:.4g} ({100 * v / total:.1f}%)" for name, v in ranked[:top]]
+    total = math.fsum(v for _, v, _ in out_errors)
+    kinds = {}
+    for _, _, k in out_errors:
+        kinds[k or "text"] = kinds.get(k or "text", 0) + 1
+    how = ", ".join(f"{n} from {k}" for k, n in sorted(kinds.items()))
+    lines = [f"  out_error ({how}): total {total:.4g}; largest:"]
+    lines += [f"    {name}: {v:.4g} ({100 * v / total:.1f}%)" for name, v, _ in ranked[:top]]
     return lines
 
 
@@ -136,7 +143,7 @@ def verify_repo(repo: str | Path, source: str | Path | None = None, full: bool =
                             f"{q.get('format_version')!r}")
     rows = table.to_pylist()
     rep.rows = len(rows)
-    rep.out_errors = [(r["name"], r["out_error"]) for r in rows
+    rep.out_errors = [(r["name"], r["out_error"], r.get("out_error_from")) for r in rows
                       if r.get("out_error") is not None]
     weight_map = index.get("weight_map", {})
     headers = {}

@@ -2,8 +2,8 @@
 --input-stats` records `out_error` per coded tensor (docs/FORMAT.md, docs/quality.md).
 
 The column is checked against a hand computation from the ledger's `sq_error`, the stored t
-and the statistics, and against the exact decoded error; without statistics it is absent;
-with them the codes are the same bytes, and the runtime and `verify` read the repo."""
+and the statistics, and against the exact decoded error; without statistics it comes from
+the weights (tests/test_input_energy.py); with them the codes are the same bytes, and the runtime and `verify` read the repo."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def test_out_error_recorded_by_hand(converted):
     tmp, stats = converted
     plain = pq.read_table(tmp / "plain" / "manifest.parquet")
     table = pq.read_table(tmp / "stats" / "manifest.parquet")
-    assert "out_error" not in plain.column_names
+    assert set(plain.column("out_error_from").to_pylist()) == {"weights", "ones", None}
+    assert set(table.column("out_error_from").to_pylist()) == {"text", None}
     assert _digest(tmp / "plain") == _digest(tmp / "stats")  # the same codes
     ledger = {}
     for f in (tmp / "stats" / ".turboquant" / "jobs").rglob("*.jsonl"):

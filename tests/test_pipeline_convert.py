@@ -122,7 +122,7 @@ def test_dense_llama_end_to_end(tmp_path):
     assert q["overrides"]["model.norm"] == {"codec": "raw"}
     assert cfg["hidden_size"] == DENSE["hidden"]
     table = pq.read_table(out / "manifest.parquet")
-    assert table.column_names == [*COLUMNS, "in_scales"]
+    assert table.column_names == [*COLUMNS, "in_scales", "out_error", "out_error_from"]
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: mlx\ntags:\n- turboquant\n- mlx\n- quantized\n")
     assert "Real bits per weight" in card

@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     o.add_argument("-v", "--verbose", action="store_true", help="Prefect's INFO logs")
     o.add_argument("--input-stats", metavar="FILE", help="optional: input statistics from "
-                   "`turboquant calibrate`; the manifest then records each coded tensor's "
-                   "output error (out_error, docs/quality.md); the codes are the same")
+                   "`turboquant calibrate`; the manifest's out_error (each coded tensor's "
+                   "output error, docs/quality.md) then weights by them instead of by the "
+                   "layer's own norm weights; the codes are the same")
     o.add_argument("--list-recipes", action="store_true", help=argparse.SUPPRESS)
     return p
 
