@@ -10,7 +10,8 @@
 #   launch-cost  ncu-linear  ncu-kv  kernels  lab  gemv-loop  gemv-loop-only  decode-moe
 #   tests-new  decode-tq3x3  ncu-gemv-full  constants  decode-graphs  compact  kv-candidates
 #   bound-calls  kv-fp-chunks  kv-vec  ncu-steady  kv-rounds  tests-kv-b8  kv-b8  kv-affine
-#   kv-table  trellis  decode-moe-gpt-oss  launch-repeat
+#   kv-table  trellis  trellis-bench  decode-moe-gpt-oss  launch-repeat
+# GPU_SUITE_LIMIT: seconds for one suite run (590); GPU_SUITE_WORKERS (8); GPU_SUITE_ARGS.
 # A call has 10 minutes: tests-* take ~2.5-3 min each, decode ~1.5 min, kv-decode ~2 min.
 set -u
 . benchmarks/device_env.sh
@@ -73,7 +74,7 @@ gpu_suite() {  # runs, name: the CUDA test files in ONE pytest invocation, `runs
   for i in $(seq 1 "$1"); do
     # GPU_SUITE_ARGS: more pytest arguments, e.g. -k "not emulated" when the CPU emulation
     # of the attention kernel would push one run past a call's 10 minutes
-    step "$2-$i" 590 python3 -P -m pytest -q -p no:cacheprovider -rfE --durations=10 \
+    step "$2-$i" "${GPU_SUITE_LIMIT:-590}" python3 -P -m pytest -q -p no:cacheprovider -rfE --durations=10 \
       "${extra[@]}" $files
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|error)" "$OUT/$2-$i.txt" | tail -40 \
       > "$OUT/$2-$i-summary.txt"
@@ -249,6 +250,9 @@ for s in "$@"; do
       step tests-trellis 130 python3 -P -m pytest -q -p no:cacheprovider -rfE -k gpu \
         tests/test_kernels_cuda_trellis.py tests/test_kernels_cuda_trellis_encode.py
       step trellis 160 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --trellis \
+        --json "$OUT/trellis.json" ;;
+    trellis-bench)  # kernels.py --trellis alone (its tests ran in a gpu-suite of the same call)
+      step trellis 170 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --trellis \
         --json "$OUT/trellis.json" ;;
     kernels) step kernels 300 env MLX_USE_CUDA_GRAPHS=0 python3 benchmarks/kernels.py --layer ;;
     lab)  # the kernels' GPU time alone (CUDA events, no MLX host time): tools/cuda_lab.py
