@@ -31,6 +31,7 @@ Rows:
   without `neuron_ratio`: the default before it).
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
+- tq-repo-b emb4: the same as tq-repo-b with the embedding (tied head) at 4 bits.
 - tq-repo-b alloc=B (choices=3+4 by default): tq-repo-b's folder, then `turboquant allocate
   FOLDER --target-bits B --choices 3,4` (bits per tensor from the manifest's out_error,
   docs/quality.md "Choosing bits per tensor"), converted again with that recipe and loaded
@@ -299,6 +300,7 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
               "tq-repo rec": [],
+              "tq-repo emb4": ["--embeddings-bits", "4", "--protect-layers", "0"],
               "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
                                   "--recipe", "{recipe}"],
               "tq-repo col": ["--embeddings-bits", "{b}", "--protect-layers", "0",
@@ -373,10 +375,26 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
     return model, tensor_bytes(out)
 
 
-def alloc_options(method: str) -> tuple[float, list[int]]:
-    """"tq-repo alloc=3.5 choices=2+3+4" -> (3.5, [2, 3, 4]); choices default 3, 4."""
+def alloc_options(method: str) -> tuple[float, list[int], str | None]:
+    """"tq-repo alloc=3.5 choices=2+3+4 cal=text" -> (3.5, [2, 3, 4], "text"); choices
+    default 3, 4; cal (the base folder's out_error from `turboquant calibrate --text` on
+    this repository's docs/*.md, not the held-out text) default None (from the weights)."""
     opts = dict(o.split("=", 1) for o in method.split(" ")[1:] if "=" in o)
-    return float(opts["alloc"]), [int(b) for b in opts.get("choices", "3+4").split("+")]
+    return (float(opts["alloc"]), [int(b) for b in opts.get("choices", "3+4").split("+")],
+            opts.get("cal"))
+
+
+def docs_text_stats(src: Path, work: Path) -> Path:
+    """`turboquant calibrate SRC --text` on this repository's docs/*.md (sorted, joined)."""
+    import subprocess
+
+    text = work / "calibration-docs.txt"
+    root = Path(__file__).resolve().parents[1]
+    text.write_text("\n\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md"))))
+    stats = work / f"{src.name}-docs-stats.safetensors"
+    subprocess.run([sys.executable, "-m", "turboquant", "calibrate", str(src), "--text",
+                    str(text), "--out", str(stats)], check=True)
+    return stats
 
 
 def alloc_repo_model(src: Path, method: str, bits: int, work: Path):
@@ -386,12 +404,17 @@ def alloc_repo_model(src: Path, method: str, bits: int, work: Path):
 
     from turboquant.runtime import load
 
-    target, choices = alloc_options(method)
-    base = work / f"{src.name}-tq-repo-{bits}"
+    target, choices, cal = alloc_options(method)
+    base = work / (f"{src.name}-tq-repo-{bits}" + ("" if cal is None else f"-cal-{cal}"))
     flags = [f.format(b=bits) for f in REPO_FLAGS["tq-repo"]]
+    if cal == "text":
+        flags += ["--input-stats", str(docs_text_stats(src, work))]
+    elif cal is not None:
+        raise SystemExit(f"{method!r}: cal= takes only 'text'")
     subprocess.run([sys.executable, "-m", "turboquant", "convert", str(src), str(base), "-q",
                     "--fresh", "--bits", str(bits), *flags], check=True)
-    tag = f"alloc{target:g}-{'+'.join(map(str, choices))}-from{bits}"
+    tag = f"alloc{target:g}-{'+'.join(map(str, choices))}-from{bits}" + \
+        ("" if cal is None else f"-cal-{cal}")
     recipe = work / f"{src.name}-{tag}.toml"
     cmd = [sys.executable, "-m", "turboquant", "allocate", str(base), "--target-bits",
            str(target), "--choices", ",".join(map(str, choices)), "--out", str(recipe)]
@@ -495,15 +518,19 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
             checks.append(f"  {label(method, b)} (trellis aim): dppl {r_sc:.2f} x "
                           f"{label(scalar_peer(method), b)}'s (aim <= 0.6), {ratio:.2f} x "
                           f"affine-{b}'s (aim <= 0.5): {'PASS' if ok else 'FAIL'}")
-    for (method, b), tq in results.items():  # the allocation against uniform tq-repo-b
-        uni = results.get(("tq-repo", b))
-        if not method.startswith("tq-repo alloc=") or uni is None:
+    for (method, b), tq in results.items():  # an allocation against the repos of rules
+        if not method.startswith("tq-repo alloc="):
             continue
-        d = tq["row_nll"] - uni["row_nll"]
-        se = math.exp(uni["row_nll"].mean()) * d.std(ddof=1) / math.sqrt(len(d))
-        checks.append(f"  {label(method, b)} against tq-repo-{b}: ppl {tq['ppl'] - uni['ppl']:+.3f}"
-                      f" +- {se:.3f} (paired se over rows), KL {tq['kl']:.4f} vs "
-                      f"{uni['kl']:.4f}, bits/w {tq['bpw']:.3f} vs {uni['bpw']:.3f}")
+        for peer in ("tq-repo", "tq-repo rec", "tq-repo emb4"):
+            uni = results.get((peer, b))
+            if uni is None:
+                continue
+            d = tq["row_nll"] - uni["row_nll"]
+            se = math.exp(uni["row_nll"].mean()) * d.std(ddof=1) / math.sqrt(len(d))
+            checks.append(f"  {label(method, b)} against {label(peer, b)}: ppl "
+                          f"{tq['ppl'] - uni['ppl']:+.3f} +- {se:.3f} (paired se over rows), "
+                          f"KL {tq['kl']:.4f} vs {uni['kl']:.4f}, bits/w {tq['bpw']:.3f} vs "
+                          f"{uni['bpw']:.3f}")
     lines += ["", "aim (same rows, same run):", *checks]
     lines.append(f"  ({time.perf_counter() - t0:.0f} s)")
     return src

@@ -125,8 +125,9 @@ def test_the_column_rule_recipe_is_the_llama_recipe_without_neuron_ratio(tmp_pat
 
 
 def test_alloc_options():
-    assert quality_hf.alloc_options("tq-repo alloc=3.5") == (3.5, [3, 4])
-    assert quality_hf.alloc_options("tq-repo alloc=3 choices=2+3+4") == (3.0, [2, 3, 4])
+    assert quality_hf.alloc_options("tq-repo alloc=3.5") == (3.5, [3, 4], None)
+    assert quality_hf.alloc_options("tq-repo alloc=3 choices=2+3+4 cal=text") == \
+        (3.0, [2, 3, 4], "text")
 
 
 @pytest.mark.slow
