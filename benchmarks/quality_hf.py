@@ -31,7 +31,8 @@ Rows:
   without `neuron_ratio`: the default before it).
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
-- tq-repo-b emb4: the same as tq-repo-b with the embedding (tied head) at 4 bits.
+- tq-repo-b emb4, emb3, dp3: the same as tq-repo-b with the embedding (tied head) at 4 or
+  3 bits, or every down_proj at 3 bits (rules at the sizes an allocation is compared at).
 - tq-repo-b alloc=B (choices=3+4 by default): tq-repo-b's folder, then `turboquant allocate
   FOLDER --target-bits B --choices 3,4` (bits per tensor from the manifest's out_error,
   docs/quality.md "Choosing bits per tensor"), converted again with that recipe and loaded
@@ -301,6 +302,9 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
               "tq-repo rec": [],
               "tq-repo emb4": ["--embeddings-bits", "4", "--protect-layers", "0"],
+              "tq-repo emb3": ["--embeddings-bits", "3", "--protect-layers", "0"],
+              "tq-repo dp3": ["--embeddings-bits", "{b}", "--protect-layers", "0",
+                              "--down-proj-bits", "3"],
               "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
                                   "--recipe", "{recipe}"],
               "tq-repo col": ["--embeddings-bits", "{b}", "--protect-layers", "0",
@@ -521,7 +525,7 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     for (method, b), tq in results.items():  # an allocation against the repos of rules
         if not method.startswith("tq-repo alloc="):
             continue
-        for peer in ("tq-repo", "tq-repo rec", "tq-repo emb4"):
+        for peer in ("tq-repo", "tq-repo rec", "tq-repo emb4", "tq-repo emb3", "tq-repo dp3"):
             uni = results.get((peer, b))
             if uni is None:
                 continue
