@@ -671,9 +671,10 @@ def main(argv=None) -> int:
                     help="main table rows: affine, tq, tq eq (every linear layer equalised), "
                     "tq eq-s (only weights with a small column: the codec's rule), tq-repo "
                     "(converted by `turboquant convert`, every matrix at b bits, loaded by the "
-                    "runtime), tq-repo rec (the recipe's own bits besides --bits), 'tq-repo alloc=3.5' "
-                    "(tq-repo-b's folder allocated to 3.5 bits/w by `turboquant allocate`; "
-                    "choices=2+3+4 to widen from 3,4)")
+                    "runtime), tq-repo rec (the recipe's own bits besides --bits), tq-repo emb4 / "
+                    "emb3 / dp3 (rules), 'tq-repo alloc=3.5' (tq-repo-b's folder allocated to "
+                    "3.5 bits/w by `turboquant allocate`; choices=2+3+4 widens from 3,4; "
+                    "cal=text allocates from a text's out_error)")
     ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
                     "whose smallest column RMS is under this x the median (default: the "
                     "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")
