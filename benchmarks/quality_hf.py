@@ -31,6 +31,12 @@ Rows:
   without `neuron_ratio`: the default before it).
 - tq-repo-b rec: the same with the recipe's own bits for the rest (`--bits b` only: the
   embedding and the first and last layers at 4 bits).
+- tq-repo-b emb4, emb3, dp3: the same as tq-repo-b with the embedding (tied head) at 4 or
+  3 bits, or every down_proj at 3 bits (rules at the sizes an allocation is compared at).
+- tq-repo-b alloc=B (choices=3+4 by default): tq-repo-b's folder, then `turboquant allocate
+  FOLDER --target-bits B --choices 3,4` (bits per tensor from the manifest's out_error,
+  docs/quality.md "Choosing bits per tensor"), converted again with that recipe and loaded
+  the same way.
 
 bits/w = every stored byte (codes, scales, affine biases, in_scales, 16-bit tensors) * 8 /
 parameters, tied embeddings counted once; affine's scales and biases as mlx-lm stores them
@@ -295,6 +301,10 @@ def quantized(ev: Evaluator, method: str, bits: int, names) -> tuple[dict, int]:
 
 REPO_FLAGS = {"tq-repo": ["--embeddings-bits", "{b}", "--protect-layers", "0"],
               "tq-repo rec": [],
+              "tq-repo emb4": ["--embeddings-bits", "4", "--protect-layers", "0"],
+              "tq-repo emb3": ["--embeddings-bits", "3", "--protect-layers", "0"],
+              "tq-repo dp3": ["--embeddings-bits", "{b}", "--protect-layers", "0",
+                              "--down-proj-bits", "3"],
               "tq-repo trellis": ["--embeddings-bits", "{b}", "--protect-layers", "0",
                                   "--recipe", "{recipe}"],
               "tq-repo col": ["--embeddings-bits", "{b}", "--protect-layers", "0",
@@ -369,6 +379,61 @@ def repo_model(src: Path, method: str, bits: int, work: Path):
     return model, tensor_bytes(out)
 
 
+def alloc_options(method: str) -> tuple[float, list[int], str | None]:
+    """"tq-repo alloc=3.5 choices=2+3+4 cal=text" -> (3.5, [2, 3, 4], "text"); choices
+    default 3, 4; cal (the base folder's out_error from `turboquant calibrate --text` on
+    this repository's docs/*.md, not the held-out text) default None (from the weights)."""
+    opts = dict(o.split("=", 1) for o in method.split(" ")[1:] if "=" in o)
+    return (float(opts["alloc"]), [int(b) for b in opts.get("choices", "3+4").split("+")],
+            opts.get("cal"))
+
+
+def docs_text_stats(src: Path, work: Path) -> Path:
+    """`turboquant calibrate SRC --text` on this repository's docs/*.md (sorted, joined)."""
+    import subprocess
+
+    text = work / "calibration-docs.txt"
+    root = Path(__file__).resolve().parents[1]
+    text.write_text("\n\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md"))))
+    stats = work / f"{src.name}-docs-stats.safetensors"
+    subprocess.run([sys.executable, "-m", "turboquant", "calibrate", str(src), "--text",
+                    str(text), "--out", str(stats)], check=True)
+    return stats
+
+
+def alloc_repo_model(src: Path, method: str, bits: int, work: Path):
+    """(model, stored bytes) of `src` converted with the bits `turboquant allocate` chose
+    from tq-repo-b's manifest for the method's target (`alloc=B`, `choices=3+4`)."""
+    import subprocess
+
+    from turboquant.runtime import load
+
+    target, choices, cal = alloc_options(method)
+    base = work / (f"{src.name}-tq-repo-{bits}" + ("" if cal is None else f"-cal-{cal}"))
+    flags = [f.format(b=bits) for f in REPO_FLAGS["tq-repo"]]
+    if cal == "text":
+        flags += ["--input-stats", str(docs_text_stats(src, work))]
+    elif cal is not None:
+        raise SystemExit(f"{method!r}: cal= takes only 'text'")
+    subprocess.run([sys.executable, "-m", "turboquant", "convert", str(src), str(base), "-q",
+                    "--fresh", "--bits", str(bits), *flags], check=True)
+    tag = f"alloc{target:g}-{'+'.join(map(str, choices))}-from{bits}" + \
+        ("" if cal is None else f"-cal-{cal}")
+    recipe = work / f"{src.name}-{tag}.toml"
+    cmd = [sys.executable, "-m", "turboquant", "allocate", str(base), "--target-bits",
+           str(target), "--choices", ",".join(map(str, choices)), "--out", str(recipe)]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    print(f"  ({' '.join(cmd[1:])}):\n{done.stdout}", file=sys.stderr)
+    out = work / f"{src.name}-tq-repo-{tag}"
+    subprocess.run([sys.executable, "-m", "turboquant", "convert", str(src), str(out), "-q",
+                    "--fresh", "--recipe", str(recipe)], check=True)
+    from turboquant.kernels import dispatch
+
+    dispatch.backend = lambda: "reference"  # as repo_model
+    model, _ = load(out, dtype="float32")
+    return model, tensor_bytes(out)
+
+
 def bits_per_weight(ev: Evaluator, names, nbytes: int) -> float:
     rest = sum(v.nbytes for n, v in ev.source.items() if n not in names)
     return 8 * (nbytes + rest) / ev.n_params()
@@ -411,8 +476,9 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
     results = {}
     for b in bits_list:
         for method in methods:
-            if method in REPO_FLAGS:
-                model, nbytes = repo_model(ev.path, method, b, WORK[0])
+            if method in REPO_FLAGS or method.startswith("tq-repo alloc="):
+                model, nbytes = (alloc_repo_model if method.startswith("tq-repo alloc=")
+                                 else repo_model)(ev.path, method, b, WORK[0])
                 r = ev.run(rows, model)
                 del model
                 r["bpw"] = 8 * nbytes / ev.n_params()
@@ -456,6 +522,19 @@ def main_table(ev, rows, bits_list, lines, methods=("affine", "tq", "tq eq")):
             checks.append(f"  {label(method, b)} (trellis aim): dppl {r_sc:.2f} x "
                           f"{label(scalar_peer(method), b)}'s (aim <= 0.6), {ratio:.2f} x "
                           f"affine-{b}'s (aim <= 0.5): {'PASS' if ok else 'FAIL'}")
+    for (method, b), tq in results.items():  # an allocation against the repos of rules
+        if not method.startswith("tq-repo alloc="):
+            continue
+        for peer in ("tq-repo", "tq-repo rec", "tq-repo emb4", "tq-repo emb3", "tq-repo dp3"):
+            uni = results.get((peer, b))
+            if uni is None:
+                continue
+            d = tq["row_nll"] - uni["row_nll"]
+            se = math.exp(uni["row_nll"].mean()) * d.std(ddof=1) / math.sqrt(len(d))
+            checks.append(f"  {label(method, b)} against {label(peer, b)}: ppl "
+                          f"{tq['ppl'] - uni['ppl']:+.3f} +- {se:.3f} (paired se over rows), "
+                          f"KL {tq['kl']:.4f} vs {uni['kl']:.4f}, bits/w {tq['bpw']:.3f} vs "
+                          f"{uni['bpw']:.3f}")
     lines += ["", "aim (same rows, same run):", *checks]
     lines.append(f"  ({time.perf_counter() - t0:.0f} s)")
     return src
@@ -592,7 +671,10 @@ def main(argv=None) -> int:
                     help="main table rows: affine, tq, tq eq (every linear layer equalised), "
                     "tq eq-s (only weights with a small column: the codec's rule), tq-repo "
                     "(converted by `turboquant convert`, every matrix at b bits, loaded by the "
-                    "runtime), tq-repo rec (the recipe's own bits besides --bits)")
+                    "runtime), tq-repo rec (the recipe's own bits besides --bits), tq-repo emb4 / "
+                    "emb3 / dp3 (rules), 'tq-repo alloc=3.5' (tq-repo-b's folder allocated to "
+                    "3.5 bits/w by `turboquant allocate`; choices=2+3+4 widens from 3,4; "
+                    "cal=text allocates from a text's out_error)")
     ap.add_argument("--min-ratio", type=float, default=0.0, help="tq eq-s: equalise weights "
                     "whose smallest column RMS is under this x the median (default: the "
                     "codec's stages.scale.SMALL_COLUMN_RATIO, 0.5)")

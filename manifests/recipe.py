@@ -15,6 +15,10 @@ The code of a quantized weight is "scalar" (Lloyd-Max levels, the default) or "t
 (docs/FORMAT.md): `[quant] codec`, a `[codec]` table per role, or `codec` in a rule; the
 trellis's parameters are `[quant] trellis_state_bits`, `trellis_values`, `trellis_block`,
 `trellis_version`.
+
+`[tensor_bits]` (optional; what `turboquant allocate` writes) gives exact bits to coded
+tensors by their full output name: it wins over the role's bits, `bits.down_proj` and
+`[protect]`, and every name in it must be a tensor the recipe codes (the plan checks).
 These keys are stored only where a recipe gives them, so recipes without them hash as
 they always did.
 """
@@ -203,9 +207,10 @@ class Recipe:
         for rx in self._keep:
             if rx.search(name):
                 return Resolution("keep", rule=rx.pattern)
+        exact = self.data.get("tensor_bits", {}).get(name)
         for rx, rule in self._rules:
             if rx.search(name):
-                res = self._quantize(rule, layer, num_layers)
+                res = self._quantize(rule, layer, num_layers, exact)
                 d = self.architecture.decisions.get(name) if self.architecture else None
                 if res.action == "quantize" and d is not None and d.action == "keep" \
                         and d.why != VANISHED and not d.why.startswith("dtype "):
@@ -223,17 +228,21 @@ class Recipe:
             if d.action != "quantize":
                 return Resolution(d.action, rule=rule)
             return self._quantize({"match": rule, "role": d.role, "down_proj": d.down_proj},
-                                  layer, num_layers)
+                                  layer, num_layers, exact)
         return None
 
-    def _quantize(self, rule: dict, layer: int | None, num_layers: int | None) -> Resolution:
+    def _quantize(self, rule: dict, layer: int | None, num_layers: int | None,
+                  exact: int | str | None = None) -> Resolution:
+        """The rule's decision; `exact`: the tensor's [tensor_bits] entry, which wins."""
         role = rule["role"]
         table = self.data["bits"]
         bits = rule.get("bits", table.get(role, self.bits))
         if rule.get("down_proj") and "down_proj" in table and "bits" not in rule:
             bits = table["down_proj"]
         protect = self.data["protect"]
-        if (
+        if exact is not None:
+            bits = exact
+        elif (
             bits != "raw"
             and layer is not None
             and num_layers
@@ -402,7 +411,8 @@ def bind_architecture(recipe: Recipe, config: dict, tensors: dict, where: str = 
 # ------------------------------------------------------------------------ validation
 
 _TOP = {"name", "description", "model_types", "keep", "drop", "quant", "bits", "protect",
-        "rules", "split", "unsupported", "drop_extra_layers", "generic", "codec"}
+        "rules", "split", "unsupported", "drop_extra_layers", "generic", "codec",
+        "tensor_bits"}
 _QUANT = {"bits", "group_size", "model_seed", "refit", "codec", *TRELLIS_DEFAULTS,
           "column_scales", "column_min_ratio", "neuron_ratio"}
 _PROTECT = {"first_layers", "last_layers", "bits", "roles"}
@@ -490,6 +500,13 @@ def validate(raw: Any, where: str) -> dict:
     _unknown(bits, set(ROLES) | {"down_proj"}, where, "bits.")
     data["bits"] = {k: _check_bits(v, f"bits.{k}", where, allow_raw=True)
                     for k, v in bits.items()}
+
+    exact = raw.get("tensor_bits", {})
+    if not isinstance(exact, dict):
+        raise RecipeError(f"{where}: key 'tensor_bits' must be a table (tensor name = bits)")
+    if exact:  # only when given: recipes without it keep their hash
+        data["tensor_bits"] = {k: _check_bits(v, f"tensor_bits.{k!r}", where)
+                               for k, v in exact.items()}
 
     protect = raw.get("protect", {})
     if not isinstance(protect, dict):

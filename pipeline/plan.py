@@ -355,6 +355,7 @@ def build_plan(
                     it = published.attach(it, pub)
                 if it is not None:
                     items.append((anchor, it))
+    problems += _unused_tensor_bits(rec, [it for _, it in items])
     if problems:
         raise PlanError(problems)
     units = _units(items)
@@ -386,6 +387,18 @@ def _check_index(index: dict | None, headers: dict[str, SafetensorsHeader]) -> l
             problems.append(f"{f}: tensor {t!r} is missing from {INDEX_FILE} (missing index "
                             "entry): the index and the shards disagree")
     return problems
+
+
+def _unused_tensor_bits(rec: Recipe, items: list[Item]) -> list[str]:
+    """A problem for each [tensor_bits] name that is not a tensor this plan codes (a
+    recipe allocated for another model, or a tensor the recipe keeps or drops)."""
+    coded = {it.name for it in items if it.codec != "raw"}
+    missing = sorted(set(rec.data.get("tensor_bits", {})) - coded)
+    if not missing:
+        return []
+    return [f"{rec.source}: [tensor_bits] names {len(missing)} tensor(s) this checkpoint does "
+            f"not code, e.g. {missing[0]!r}: was the recipe allocated for another model? "
+            "(turboquant allocate REPO writes one for the model REPO was converted from)"]
 
 
 def _split_pieces(f: str, info, split, problems: list[str]):

@@ -122,3 +122,25 @@ def test_the_column_rule_recipe_is_the_llama_recipe_without_neuron_ratio(tmp_pat
     assert res.neuron_ratio is None and res.column_min_ratio == 0.5
     assert load_recipe("llama").resolve("model.layers.3.mlp.down_proj.weight", 3,
                                         10).neuron_ratio == 8.0
+
+
+def test_alloc_options():
+    assert quality_hf.alloc_options("tq-repo alloc=3.5") == (3.5, [3, 4], None)
+    assert quality_hf.alloc_options("tq-repo alloc=3 choices=2+3+4 cal=text") == \
+        (3.0, [2, 3, 4], "text")
+
+
+@pytest.mark.slow
+def test_an_allocated_repo_against_the_uniform_one(tmp_path):
+    """`tq-repo alloc=B`: tq-repo-b's folder allocated by `turboquant allocate`, converted
+    again, measured on the same rows, with its paired difference to tq-repo-b."""
+    out = tmp_path / "report.txt"
+    argv = ["--model", str(MODEL), "--bits", "3", "--windows", "1", "--tables", "main",
+            "--methods", "tq-repo,tq-repo alloc=3.4", "--work", str(tmp_path / "w"),
+            "--out", str(out)]
+    assert quality_hf.main(argv) == 0
+    report = out.read_text()
+    row = next(ln.split() for ln in report.splitlines() if ln.startswith("  tq-repo-3 alloc"))
+    assert 3.3 < float(row[2]) <= 3.4  # bits/w
+    assert "tq-repo-3 alloc=3.4 against tq-repo-3: ppl" in report
+    assert (tmp_path / "w" / "pystd-dense-alloc3.4-3+4-from3.toml").exists()

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("turboquant.demo", "run the bundled demo (no network, no server)"),
     "convert": ("turboquant.convert", "convert a Hugging Face checkpoint into a TurboQuant repo"),
     "calibrate": ("turboquant.calibrate", "measure input statistics on a small text (optional; for convert --input-stats)"),
+    "allocate": ("turboquant.allocate", "choose bits per tensor for a bits-per-weight target (a recipe for convert)"),
     "verify": ("turboquant.verify", "re-read a TurboQuant repo and check checksums and errors"),
     "generate": ("turboquant.generate", "generate text from a TurboQuant repo"),
     "serve": ("turboquant.serve", "serve a TurboQuant repo over an OpenAI-compatible HTTP API"),
