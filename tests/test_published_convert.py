@@ -56,6 +56,12 @@ def assert_same_repo(a: Path, b: Path, dtype: str) -> list[dict]:
     published = [r for r in ra if r["source_dtype"] == dtype]
     assert published, f"no tensor read as {dtype}"
     for x, y in zip(ra, rb):
+        if (x["source_dtype"] == dtype and ".down_proj." in x["name"]
+                and (x["out_error_from"], y["out_error_from"]) == ("ones", "weights")):
+            # no neuron pre-pass reads a published down_proj's gate/up rows, so its
+            # out_error's input energies are ones (docs/FORMAT.md, out_error_from)
+            x = {**x, "out_error": None, "out_error_from": None}
+            y = {**y, "out_error": None, "out_error_from": None}
         assert {**x, "source_dtype": None} == {**y, "source_dtype": None}
     return published
 
