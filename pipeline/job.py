@@ -200,6 +200,7 @@ class _Reader:
         self._cache_key = None
         self._cache = None
         self._published = None
+        self._norms: dict[str, np.ndarray | None] = {}
 
     def __enter__(self):
         return self
@@ -252,6 +253,19 @@ class _Reader:
             raise SourceError(file, "its contents changed since the conversion was planned "
                                     "(sampled bytes differ); rerun the command (add --fresh "
                                     "to start over from the new contents)")
+
+    def norm(self, name: str) -> np.ndarray | None:
+        """A 1-D float tensor of the job's source files (a norm weight), float64, or None;
+        read once a job (a layer's q/k/v or gate/up/down each ask for the same one)."""
+        if name not in self._norms:
+            self._norms[name] = None
+            for file, header in self.ctx.headers.items():
+                info = header.tensors.get(name)
+                if info is not None and len(info.shape) == 1 and info.dtype in FLOAT_DTYPES:
+                    raw = read_raw(self.fd(file), info, 0, info.numel, file)
+                    self._norms[name] = to_float32(raw, info.dtype).astype(np.float64)
+                    break
+        return self._norms[name]
 
     def info(self, item: Item):
         return self.ctx.headers[item.piece.file].tensors[item.piece.tensor]
@@ -471,19 +485,9 @@ def _input_energy(item: Item, reader: _Reader, t: np.ndarray | None, sums) -> di
 
     src = item.piece.tensor
     rows = dict(zip(partner_names(src), sums[:2])) if sums and partner_names(src) else {}
-    a, kind = input_energy(src, item.shape[1], lambda n: _norm_weight(reader, n), rows.get,
+    a, kind = input_energy(src, item.shape[1], reader.norm, rows.get,
                            reader.ctx.norm_offset, reader.ctx.tied_head)
     return {"in_energy": energy_factor(a, t), "in_energy_from": kind}
-
-
-def _norm_weight(reader: _Reader, name: str) -> np.ndarray | None:
-    """A 1-D float tensor of the job's source files (a norm weight), float64, or None."""
-    for file, header in reader.ctx.headers.items():
-        info = header.tensors.get(name)
-        if info is not None and len(info.shape) == 1 and info.dtype in FLOAT_DTYPES:
-            raw = read_raw(reader.fd(file), info, 0, info.numel, file)
-            return to_float32(raw, info.dtype).astype(np.float64)
-    return None
 
 
 def _emit(writer: JobWriter, sha, data: bytes | memoryview) -> None:
