@@ -201,6 +201,8 @@ class _Reader:
         self._cache = None
         self._published = None
         self._norms: dict[str, np.ndarray | None] = {}
+        self._column_sums: dict[tuple[str, str], Future | None] = {}
+        self._sums_lock = threading.Lock()
 
     def __enter__(self):
         return self
@@ -253,6 +255,24 @@ class _Reader:
             raise SourceError(file, "its contents changed since the conversion was planned "
                                     "(sampled bytes differ); rerun the command (add --fresh "
                                     "to start over from the new contents)")
+
+    def claim_column_sums(self, file: str, tensor: str) -> Future | None:
+        """A Future for a whole source tensor's ColumnSums that the caller now owes (it
+        reads the tensor anyway: the neuron pre-pass's gate/up), or None where another
+        caller claimed it first."""
+        with self._sums_lock:
+            if (file, tensor) in self._column_sums:
+                return None
+            self._column_sums[(file, tensor)] = owed = Future()
+            return owed
+
+    def take_column_sums(self, file: str, tensor: str) -> Future | None:
+        """The Future a claim made for this tensor, or None: read it yourself (a claim after
+        this gets None). Its owner never waits on the pool: a pool thread may wait on it."""
+        with self._sums_lock:
+            owed = self._column_sums.get((file, tensor))
+            self._column_sums[(file, tensor)] = None  # taken: a later claim reads for itself
+            return owed
 
     def norm(self, name: str) -> np.ndarray | None:
         """A 1-D float tensor of the job's source files (a norm weight), float64, or None;
@@ -450,7 +470,17 @@ def _source_in_scales(item: Item, reader: _Reader, threads: int = 1):
                 sums.add(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
 
     sums = _neuron_row_sums(item, reader, threads)
+    read_already = reader.take_column_sums(p.file, p.tensor) if _whole(item, info) else None
+    if read_already is not None:  # summed by a down_proj's neuron pre-pass
+        return _in_scales(item, read_already.result(), _neuron_sizes(sums)), sums
     return _in_scales(item, prepass, _neuron_sizes(sums)), sums
+
+
+def _whole(item: Item, info) -> bool:
+    """The item is its source tensor as stored (no expert, part, transpose or dtype cut)."""
+    p = item.piece
+    return (p.expert is None and p.parts == 1 and not p.transpose and item.published is None
+            and tuple(item.shape) == tuple(info.shape))
 
 
 def _write_item(item: Item, reader: _Reader, writer: JobWriter, refit: bool,
@@ -722,16 +752,19 @@ def _in_order(reads: list, threads: int):
 
 def _in_scales(item: Item, prepass, sizes: np.ndarray | None = None) -> np.ndarray:
     """The item's in_scales from a pre-pass over its rows (`prepass(sums)` adds them to a
-    stages.ColumnSums a chunk at a time: bounded memory): each input column's sum of
-    squares, then `stages.column_scales_from_sums` (or, for a down projection with a
-    massive neuron in `sizes`, `stages.neuron_column_scales`); ones where no column is
-    small (the weight is then coded exactly as without)."""
+    stages.ColumnSums a chunk at a time: bounded memory; or the ColumnSums already summed):
+    each input column's sum of squares, then `stages.column_scales_from_sums` (or, for a
+    down projection with a massive neuron in `sizes`, `stages.neuron_column_scales`); ones
+    where no column is small (the weight is then coded exactly as without)."""
     from turboquant.stages.scale import (ColumnSums, column_scales_from_sums,
                                          neuron_column_scales)
 
     out_f, in_f = item.shape
-    sums = ColumnSums(in_f)
-    prepass(sums)
+    if isinstance(prepass, ColumnSums):
+        sums = prepass
+    else:
+        sums = ColumnSums(in_f)
+        prepass(sums)
     t = None
     if sizes is not None and sizes.shape == (in_f,):
         t = neuron_column_scales(sums.total(), out_f, sizes, item.neuron_ratio)
@@ -772,20 +805,39 @@ def _neuron_row_sums(item: Item, reader: _Reader, threads: int = 1):
             return None
     sums = []
     for file, info in found.values():
-        out_f, in_f = info.shape
-        step = max(1, CHUNK_ELEMENTS // in_f)
-        spans = [(r0, min(out_f, r0 + step)) for r0 in range(0, out_f, step)]
-        fd = reader.fd(file)
-        reads = [lambda a=r0, b=r1: read_raw(fd, info, a * in_f, (b - a) * in_f, file)
-                 for r0, r1 in spans]
-        acc = np.empty(out_f, dtype=np.float64)
-        for (r0, r1), raw in zip(spans, _in_order(reads, threads)):
-            _check_parent()
-            if info.dtype == "BF16":
-                acc[r0:r1] = row_square_sums(raw.view("<u2").reshape(r1 - r0, in_f), bf16=True)
-            else:
-                acc[r0:r1] = row_square_sums(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
-        sums.append(acc)
+        owed = reader.claim_column_sums(file, info.name)
+        try:
+            sums.append(_partner_row_sums(reader, file, info, owed, threads))
+        except BaseException as e:
+            if owed is not None:
+                owed.set_exception(e)
+            raise
     if sums[0].shape != sums[1].shape:
         return None
     return sums[0], sums[1], found["gate_proj"][1].shape[1]
+
+
+def _partner_row_sums(reader: _Reader, file: str, info, owed: Future | None, threads: int):
+    """A gate/up tensor's row sums of squares (`stages.row_square_sums`), a chunk of rows
+    at a time; with `owed` (claimed on the reader) its ColumnSums from the same read, for
+    its own pre-pass, which then reads nothing. An owner reads on this thread alone: a
+    pool thread may be waiting for it."""
+    from turboquant.stages.scale import ColumnSums, row_square_sums
+
+    out_f, in_f = info.shape
+    step = max(1, CHUNK_ELEMENTS // in_f)
+    spans = [(r0, min(out_f, r0 + step)) for r0 in range(0, out_f, step)]
+    fd = reader.fd(file)
+    reads = [lambda a=r0, b=r1: read_raw(fd, info, a * in_f, (b - a) * in_f, file)
+             for r0, r1 in spans]
+    columns = ColumnSums(in_f) if owed is not None else None
+    acc = np.empty(out_f, dtype=np.float64)
+    for (r0, r1), raw in zip(spans, _in_order(reads, 1 if owed is not None else threads)):
+        _check_parent()
+        bf16 = info.dtype == "BF16"
+        rows = (raw.view("<u2") if bf16 else to_float32(raw, info.dtype)).reshape(r1 - r0, in_f)
+        acc[r0:r1] = (columns.add_with_row_sums(rows, bf16=bf16) if columns is not None
+                      else row_square_sums(rows, bf16=bf16))
+    if owed is not None:
+        owed.set_result(columns)
+    return acc

@@ -285,6 +285,23 @@ class ColumnSums:
         """bfloat16 rows given as their raw uint16 bits (rows, n): no float32 copy."""
         self._add(np.ascontiguousarray(bits, dtype=np.uint16), True)
 
+    def add_with_row_sums(self, rows: np.ndarray, bf16: bool = False) -> np.ndarray:
+        """Add rows (float32, or bfloat16 given as raw uint16 bits) and return each row's
+        sum of squares exactly as row_square_sums gives it: one pass over the rows for
+        both (a gate/up tensor read once for its own column scales and for down_proj's
+        neuron sizes)."""
+        rows = np.ascontiguousarray(rows, dtype=np.uint16 if bf16 else np.float32)
+        if not fast_hadamard.AVAILABLE:
+            out = row_square_sums(rows, bf16)
+            self._add(rows, bf16)
+            return out
+        fast_hadamard.compile_kernels()
+        out = np.zeros(rows.shape[0], dtype=np.float64)
+        _column_and_row_sums(rows, bf16, self.rows, self.BLOCK, self.acc, self.sums, out,
+                             ROW_LANES)
+        self.rows += rows.shape[0]
+        return out
+
     def total(self) -> np.ndarray:
         """The float64 sums of every row added so far."""
         return self.sums + self.acc
@@ -312,6 +329,38 @@ def _column_sums(rows, bf16, first, block, acc, sums):
         _row_as_float32(rows, i, bf16, word, value)
         for j in range(n):
             acc[j] += value[j] * value[j]
+        if (first + i + 1) % block == 0:
+            for j in range(n):
+                sums[j] += acc[j]
+                acc[j] = np.float32(0.0)
+
+
+@fast_hadamard._jit
+def _column_and_row_sums(rows, bf16, first, block, acc, sums, out, lanes):
+    """_column_sums and _row_sums in one pass: the same float32 squares, added in the same
+    order to the same sums (fastmath off: no contraction changes either)."""
+    count, n = rows.shape
+    word = np.empty(n, dtype=np.uint32)
+    value = word.view(np.float32)
+    lane = np.empty(lanes, dtype=np.float64)
+    whole = n - n % lanes
+    for i in range(count):
+        _row_as_float32(rows, i, bf16, word, value)
+        for k in range(lanes):
+            lane[k] = 0.0
+        for j0 in range(0, whole, lanes):
+            for k in range(lanes):
+                v = value[j0 + k] * value[j0 + k]
+                acc[j0 + k] += v
+                lane[k] += np.float64(v)
+        for j in range(whole, n):
+            v = value[j] * value[j]
+            acc[j] += v
+            lane[j % lanes] += np.float64(v)
+        total = 0.0
+        for k in range(lanes):
+            total += lane[k]
+        out[i] = total
         if (first + i + 1) % block == 0:
             for j in range(n):
                 sums[j] += acc[j]

@@ -280,3 +280,38 @@ def test_a_massive_neuron_gives_down_proj_the_neuron_scales(tmp_path):
     assert (t1 == 1).all()
     model, _ = load(out, dtype="float32")
     assert _err(model(TOKENS), reference_model(written)(TOKENS)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gate_and_up_are_read_once_for_both_pre_passes(tmp_path, monkeypatch, dtype):
+    """The neuron rule reads a layer's gate/up rows for down_proj's neuron sizes; the same
+    read sums their columns for their own column scales (stages.ColumnSums
+    .add_with_row_sums), so gate/up are read twice (that pre-pass, then coding) like every
+    other coded tensor, not three times; the bytes are those of separate reads."""
+    from turboquant.pipeline import job as job_mod
+    from turboquant.pipeline.safetensors_io import read_header
+
+    src = tmp_path / "llama"
+    checkpoints.write_llama_checkpoint(src, hidden=64, intermediate=128, vocab=320,
+                                       dtype=dtype)
+    with_small_columns(src)
+    reads: dict[str, int] = {}
+    real = job_mod.read_raw
+
+    def counted(fd, info, start, count, file):
+        reads[info.name] = reads.get(info.name, 0) + count * info.itemsize
+        return real(fd, info, start, count, file)
+
+    monkeypatch.setattr(job_mod, "read_raw", counted)
+    monkeypatch.setattr(job_mod, "CHUNK_ELEMENTS", 64 * 40)  # several chunks a tensor
+    convert(src, tmp_path / "once", bits=4, protect_layers=0)
+    sizes = {n: info.nbytes for f in sorted(src.glob("*.safetensors"))
+             for n, info in read_header(f).tensors.items()}
+    mlp = [n for n in sizes if ".mlp." in n]
+    assert mlp and all(reads[n] == 2 * sizes[n] for n in mlp), {n: reads[n] / sizes[n]
+                                                                 for n in mlp}
+    reads.clear()
+    monkeypatch.setattr(job_mod._Reader, "claim_column_sums", lambda self, f, t: None)
+    convert(src, tmp_path / "apart", bits=4, protect_layers=0)
+    assert all(reads[n] == 3 * sizes[n] for n in mlp if ".down_proj." not in n)
+    assert snapshot(tmp_path / "once") == snapshot(tmp_path / "apart")

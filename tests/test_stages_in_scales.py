@@ -251,3 +251,35 @@ def test_row_square_sums_from_bits_with_or_without_numba(rows, cols, seed, bf16)
         assert np.array_equal(row_square_sums(bits if bf16 else x, bf16=bf16), want)
     finally:
         fast_hadamard.AVAILABLE = before
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 600), cols=st.integers(1, 200), cuts=st.lists(
+    st.integers(1, 599), max_size=3), seed=st.integers(0, 2**16), bf16=st.booleans(),
+    numba=st.booleans())
+def test_one_pass_row_and_column_sums_equal_the_two_passes(rows, cols, cuts, seed, bf16,
+                                                           numba):
+    """ColumnSums.add_with_row_sums (a gate/up tensor read once for its own column scales
+    and down_proj's neuron sizes) gives bit for bit the column sums of add / add_bf16 and
+    the row sums of row_square_sums, however the rows are chunked, numba or not."""
+    from turboquant.stages import fast_hadamard
+    from turboquant.stages.scale import ColumnSums, row_square_sums
+
+    x = (np.random.default_rng(seed).standard_normal((rows, cols)) * 4).astype(np.float32)
+    data = (x.view(np.uint32) >> 16).astype(np.uint16) if bf16 else x
+    parts = np.split(data, sorted({k for k in cuts if k < rows}))
+    apart = ColumnSums(cols)
+    for a in parts:
+        apart.add_bf16(a) if bf16 else apart.add(a)
+    want_rows = row_square_sums(data, bf16=bf16)
+    before = fast_hadamard.AVAILABLE
+    fast_hadamard.AVAILABLE = before and numba
+    try:
+        together = ColumnSums(cols)
+        got_rows = np.concatenate([together.add_with_row_sums(a, bf16=bf16) for a in parts])
+    finally:
+        fast_hadamard.AVAILABLE = before
+    assert np.array_equal(together.total(), apart.total())
+    assert together.rows == apart.rows == rows
+    assert np.array_equal(got_rows, want_rows)
+
