@@ -40,7 +40,6 @@ import json
 import os
 import math
 import random
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from turboquant.manifests.schema import (INDEX_FILE, QUANT_METHOD, READ_VERSIONS
                                          read_manifest, stored_names)
 
 from . import published
+from .checksum import crc32
 from .ledger import WORK, sha256_file_range
 from .plan import cut_piece, split_piece_of
 from .errors import SourceError
@@ -249,7 +249,7 @@ UNRECORDED_CRC = "00000000"
 
 def _crc_hex(data, crc: int = 0) -> str:
     """CRC-32 of `data` (continuing `crc`) as the ledger writes it (job._SourceCrc)."""
-    return f"{zlib.crc32(data, crc):08x}"
+    return f"{crc32(data, crc):08x}"
 
 
 def trellis_spec(row: dict) -> dict:
@@ -388,7 +388,7 @@ class _SourceReader:
                 try:
                     crc, step = 0, max(1, (1 << 24) // info.itemsize)
                     for start in range(0, info.numel, step):
-                        crc = zlib.crc32(read_raw(fd, info, start,
+                        crc = crc32(read_raw(fd, info, start,
                                                   min(step, info.numel - start), f), crc)
                     return _crc_hex(b"", crc)
                 finally:
