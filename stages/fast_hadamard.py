@@ -127,36 +127,61 @@ def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf
         for j in range(n):
             for t in range(nt):
                 buf[j, t] = xs[t, j] * signs[j]
-    h = 1
-    while h < p:  # the Hadamard over p: stages of stride 1, 2, 4, ... in order
-        stop = split if h < split else p
-        four = 4 * h <= stop
-        _butterflies(buf, h, four, tile)
-        h *= 4 if four else 2
-        if h == split and split < p:
-            _scale(buf, s_split, tile)
+    # each p-block's stages (and scale) run while its (p, tile) slice is in L1: the blocks
+    # are independent, and each element sees the same operations in the same order
+    for k in range(a):
+        part = buf[k * p : (k + 1) * p]
+        h = 1
+        while h < p:  # the Hadamard over p: stages of stride 1, 2, 4, ... in order
+            stop = split if h < split else p
+            four = 4 * h <= stop
+            _butterflies(part, h, four, tile)
+            h *= 4 if four else 2
+            if h == split and split < p:
+                _scale(part, s_split, tile)
+        if a > 1 and s_p != 1.0:
+            _scale(part, s_p, tile)
     if a == 1:  # the scale is applied as the tile is written out
         return buf
-    if s_p != 1.0:
-        _scale(buf, s_p, tile)
-    # block i = sum over k in order of mat[i, k] * block k, from 0.0: one long loop over a
-    # whole (p, tile) block per (i, k)
-    size = p * tile
-    flat_in = buf.reshape(-1)
-    flat_out = mixed.reshape(-1)
-    for i in range(a):
-        acc = flat_out[i * size : (i + 1) * size]
-        for e in range(size):
-            acc[e] = 0.0
-        for k in range(a):
-            c = mat[i, k]
-            term = flat_in[k * size : (k + 1) * size]
-            for e in range(size):
-                acc[e] = acc[e] + term[e] * c
-        if s_mix != 1.0:
-            for e in range(size):
-                acc[e] = acc[e] * s_mix
+    _mix(buf.reshape(-1), mixed.reshape(-1), mat, a, p * tile, s_mix, MIX_CHUNK)
     return mixed
+
+
+MIX_CHUNK = 512  # floats of each block mixed at a time: the a input slices stay in cache
+
+
+@_jit
+def _mix(flat_in, flat_out, mat, a, size, s_mix, chunk):
+    """Block i = sum over k in order of mat[i, k] * block k, from 0.0, then times s_mix;
+    `chunk` floats of every block at a time (the a input slices are read a times from L1,
+    not whole blocks from L2), four k a pass over the output (the same additions in the
+    same order, a quarter of the output's loads and stores)."""
+    for e0 in range(0, size, chunk):
+        width = min(chunk, size - e0)
+        for i in range(a):
+            acc = flat_out[i * size + e0 : i * size + e0 + width]
+            for e in range(width):
+                acc[e] = 0.0
+            k = 0
+            while k + 4 <= a:
+                c0, c1, c2, c3 = mat[i, k], mat[i, k + 1], mat[i, k + 2], mat[i, k + 3]
+                b = k * size + e0
+                t0 = flat_in[b : b + width]
+                t1 = flat_in[b + size : b + size + width]
+                t2 = flat_in[b + 2 * size : b + 2 * size + width]
+                t3 = flat_in[b + 3 * size : b + 3 * size + width]
+                for e in range(width):
+                    acc[e] = (((acc[e] + t0[e] * c0) + t1[e] * c1) + t2[e] * c2) + t3[e] * c3
+                k += 4
+            while k < a:
+                c = mat[i, k]
+                term = flat_in[k * size + e0 : k * size + e0 + width]
+                for e in range(width):
+                    acc[e] = acc[e] + term[e] * c
+                k += 1
+            if s_mix != 1.0:
+                for e in range(width):
+                    acc[e] = acc[e] * s_mix
 
 
 @_jit
