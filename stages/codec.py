@@ -245,19 +245,22 @@ class _Rows:
     sq_norm: np.ndarray
 
 
-def _encode_rows(w: np.ndarray, spec: QuantSpec, trellis_rows=None) -> _Rows | None:
-    """Code some rows; None if a scale is not finite (a non-finite weight, or an overflow)."""
+def _encode_rows(w: np.ndarray, spec: QuantSpec, trellis_rows=None,
+                 times: np.ndarray | None = None) -> _Rows | None:
+    """Code some rows (times `times`, float32 (in,), if given); None if a scale is not
+    finite (a non-finite weight, or an overflow)."""
     with np.errstate(over="ignore", invalid="ignore"):  # both end in a non-finite scale
         if spec.codec == "trellis":
-            return _encode_trellis_rows(w, spec, trellis_rows or trellis.encode_rows)
-        return _encode_finite_rows(w, spec)
+            return _encode_trellis_rows(w, spec, trellis_rows or trellis.encode_rows, times)
+        return _encode_finite_rows(w, spec, times)
 
 
-def _encode_trellis_rows(w: np.ndarray, spec: QuantSpec, encoder) -> _Rows | None:
+def _encode_trellis_rows(w: np.ndarray, spec: QuantSpec, encoder,
+                         times: np.ndarray | None = None) -> _Rows | None:
     """The trellis branch: the same rotated groups, as rows (rows, padded_in), coded by
     `encoder` (trellis.encode_rows, or a GPU encoder that returns the same bytes)."""
     rows, n, gs = w.shape[0], spec.in_features, spec.group_size
-    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True)
+    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True, times=times)
     if not np.isfinite(rms_from_energy_np(energy, gs)).all():
         return None
     x = np.ascontiguousarray(y.transpose(3, 1, 2, 0).reshape(rows, spec.padded_in))
@@ -268,12 +271,13 @@ def _encode_trellis_rows(w: np.ndarray, spec: QuantSpec, encoder) -> _Rows | Non
     return _Rows(out.words, out.scales, out.sq_error, out.sq_norm)
 
 
-def _encode_finite_rows(w: np.ndarray, spec: QuantSpec) -> _Rows | None:
+def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
+                        times: np.ndarray | None = None) -> _Rows | None:
     rows, n, gs = w.shape[0], spec.in_features, spec.group_size
     groups = spec.groups_per_row
     # group axis first, (gs, a, b, rows): every step below is one contiguous op over all
     # groups; per-group results come back to (rows, groups) order at the end
-    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True)
+    y, energy = rotate_groups_np(w, spec.seed, gs, energy=True, times=times)
     a, b = y.shape[1], y.shape[2]
     xt = y.reshape(gs, -1)
 
@@ -342,18 +346,16 @@ def encode(
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
     (out, n), rows = _host_rows(weight)
-    t16 = None
-    if in_scales is not None:
+    t16 = inv = None
+    if in_scales is not None:  # W / t: each row times 1 / t (in the rotation's signs)
         t16 = check_in_scales(in_scales, n)
         inv = np.float32(1.0) / t16.astype(np.float32)
-        plain = rows
-        rows = lambda r0, r1: plain(r0, r1) * inv  # noqa: E731
     spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit),
                      codec, trellis_state_bits, trellis_values, trellis_block, trellis_version)
     parts = []
     step = _rows_per_chunk(n)
     for r in range(0, out, step):
-        part = _encode_rows(rows(r, r + step), spec, trellis_rows)
+        part = _encode_rows(rows(r, r + step), spec, trellis_rows, inv)
         if part is None:
             w = _to_mlx(weight)
             if not mx.isfinite(w).all().item():

@@ -225,19 +225,26 @@ def _rotate_np(x: mx.array, seed: int) -> np.ndarray:
     return y.reshape(rows, n)
 
 
-def rotate_groups_np(x: np.ndarray, seed: int, group_size: int, energy: bool = False):
+def rotate_groups_np(x: np.ndarray, seed: int, group_size: int, energy: bool = False,
+                     times: np.ndarray | None = None):
     """rotate(x, seed) of float32 rows (rows, n), zero-padded to whole groups, laid out
     (group_size, a, b, rows) as the module notes say (a = 1 where n has no such split).
 
     With `energy`, (rotated, energies): also each group's sum of squares, (a, b, rows)
-    float32, the values of scale.group_energy_np.
+    float32, the values of scale.group_energy_np. With `times` (float32, (n,)), the rows
+    x * times are rotated: compiled, the vector rides in the signs (x * (+-t) is
+    +-(x * t) bit for bit), with no pass of its own over the rows.
     """
     rows, n = x.shape
     signs, dense, m, p = _plan(seed, n)
     args = _compiled_plan(seed, n) if _COMPILED and p >= group_size else None
     if args is not None:
         blocks = 1 if p > _MLX_MAX_POW2 else (m if dense is None else dense.shape[0])
+        if times is not None:
+            args = (args[0] * np.asarray(times, dtype=np.float32),) + args[1:]
         return fast_hadamard.rotate_groups(x, *args, group_size, blocks, energy)
+    if times is not None:
+        x = x * np.asarray(times, dtype=np.float32)
     y = _rotate_groups_host(x, seed, group_size)
     if not energy:
         return y

@@ -3,6 +3,8 @@
 The column equalisation that makes each column's error proportional to its own size
 (docs/quality.md: on SmolLM2-135M it is what brings TurboQuant below affine)."""
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -35,6 +37,31 @@ def test_ones_give_the_plain_bytes():
     assert mx.array_equal(plain.scales, scaled.scales)
     assert plain.in_scales is None and scaled.in_scales.dtype == mx.float16
     assert scaled.nbytes == plain.nbytes + 2 * 640
+
+
+@settings(max_examples=20, deadline=None)
+@given(cols=st.sampled_from([64, 100, 768, 1000, 3072, 5632, 11008]), rows=st.integers(1, 40),
+       bits=st.sampled_from([2, 3, 4, "ternary"]), seed=st.integers(0, 2**16),
+       numba=st.booleans(), trellis=st.booleans())
+def test_in_scales_code_the_rows_divided_by_t(cols, rows, bits, seed, numba, trellis):
+    """encode(W, in_scales=t) codes W * (1 / t) bit for bit (the compiled rotation carries
+    1 / t in its signs, the host path multiplies), with or without numba."""
+    rotate = importlib.import_module("turboquant.stages.rotate")  # the module, not rotate()
+    if trellis and bits == "ternary":
+        bits = 3
+    w = trained_like(rows, cols, seed)
+    t = np.exp(np.random.default_rng(seed).normal(0, 0.5, cols)).astype(np.float16)
+    divided = w * (np.float32(1.0) / t.astype(np.float32))
+    kw = dict(codec="trellis", trellis_state_bits=8) if trellis else {}
+    before = rotate._COMPILED
+    rotate._COMPILED = before and numba
+    try:
+        got = encode(w, bits, seed=seed, in_scales=t, **kw)
+        want = encode(divided, bits, seed=seed, **kw)
+    finally:
+        rotate._COMPILED = before
+    assert mx.array_equal(got.codes, want.codes) and mx.array_equal(got.scales, want.scales)
+    assert np.array_equal(got.row_sq_error, want.row_sq_error)
 
 
 def test_column_error_follows_the_column_size():
