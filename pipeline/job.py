@@ -587,6 +587,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     of W / t with in_scales; t or None; the neuron pre-pass's gate/up row sums or None).
     `ready`: its in_scales computed ahead (`_look_ahead`)."""
     from turboquant.stages import encode
+    from turboquant.stages.codec import InScales
     from turboquant.stages.fast_convert import bf16_to_float32
 
     out_f, in_f = item.shape
@@ -652,7 +653,12 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     elif item.in_scales:
         sums = _neuron_row_sums(item, reader, threads)
         t = _in_scales(item, prepass, _neuron_sizes(sums))
-    code_t = None if t is None or (t == 1).all() else t  # ones: the same codes, no multiply
+    code_t = None  # ones: the same codes, no multiply
+    if t is not None and not (t == 1).all():
+        try:  # checked once for the tensor's chunks
+            code_t = InScales.of(t, in_f)
+        except ValueError as e:
+            raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
     codes_spec, scales_spec = item.stored[:2]
 
     def code(x: np.ndarray):

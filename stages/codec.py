@@ -282,7 +282,7 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
     xt = y.reshape(gs, -1)
 
     def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups)
-        return np.moveaxis(v.reshape(a * b, rows, -1), 1, 0).reshape(rows, groups, -1)
+        return v.reshape(a * b, rows, -1).transpose(1, 0, 2).reshape(rows, groups, -1)
 
     energy = per_row(energy)[..., 0]
     rms = rms_from_energy_np(energy, gs, valid=n)
@@ -348,8 +348,11 @@ def encode(
     (out, n), rows = _host_rows(weight)
     t16 = inv = None
     if in_scales is not None:  # W / t: each row times 1 / t (in the rotation's signs)
-        t16 = check_in_scales(in_scales, n)
-        inv = np.float32(1.0) / t16.astype(np.float32)
+        checked = in_scales if isinstance(in_scales, InScales) else InScales.of(in_scales, n)
+        if checked.t16.shape != (n,):
+            raise ValueError(f"in_scales must have shape ({n},) (the input features), "
+                             f"got {checked.t16.shape}")
+        t16, inv = checked.t16, checked.inv
     spec = QuantSpec(bits, group_size, _check_seed(seed), n, _padded(n, group_size), bool(refit),
                      codec, trellis_state_bits, trellis_values, trellis_block, trellis_version)
     parts = []
@@ -408,6 +411,20 @@ def decode(qt: QuantizedTensor, dtype=mx.float32) -> mx.array:
             mx.eval(part)
         parts.append(part)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class InScales:
+    """in_scales checked once for many encode calls (a tensor coded a chunk of rows at a
+    time): the float16 vector and 1 / t in float32."""
+
+    t16: np.ndarray
+    inv: np.ndarray
+
+    @classmethod
+    def of(cls, in_scales, n: int) -> "InScales":
+        t16 = check_in_scales(in_scales, n)
+        return cls(t16, np.float32(1.0) / t16.astype(np.float32))
 
 
 def check_in_scales(in_scales, n: int) -> np.ndarray:

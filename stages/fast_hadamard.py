@@ -52,6 +52,8 @@ def _jit(fn):
 def compile_kernels() -> None:
     """Import numba and compile (or load from numba's disk cache) every kernel, once."""
     global _compiled
+    if _compiled:  # every chunk asks: no lock once done
+        return
     with _LOCK:
         if _compiled:
             return

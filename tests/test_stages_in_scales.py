@@ -310,3 +310,16 @@ def test_one_pass_row_and_column_sums_equal_the_two_passes(rows, cols, cuts, see
     assert together.rows == apart.rows == rows
     assert np.array_equal(got_rows, want_rows)
 
+
+
+def test_in_scales_checked_once_give_the_same_bytes():
+    """codec.InScales (checked once for a tensor's chunks, as the converter does) codes as
+    the raw vector does, and a vector of another width is refused."""
+    w = trained_like(20, 640)
+    t = np.exp(np.random.default_rng(2).normal(0, 0.5, 640)).astype(np.float16)
+    raw = encode(w, 3, seed=4, in_scales=t)
+    checked = encode(w, 3, seed=4, in_scales=codec.InScales.of(t, 640))
+    assert mx.array_equal(raw.codes, checked.codes) and mx.array_equal(raw.scales, checked.scales)
+    assert mx.array_equal(raw.in_scales, checked.in_scales)
+    with pytest.raises(ValueError, match="shape"):
+        encode(w[:, :320], 3, seed=4, in_scales=codec.InScales.of(t, 640))
