@@ -280,6 +280,9 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
     y, energy = rotate_groups_np(w, spec.seed, gs, energy=True, times=times)
     a, b = y.shape[1], y.shape[2]
     xt = y.reshape(gs, -1)
+    pad_g = n - (groups - 1) * gs  # padding decodes to zero (a = 1 where there is any)
+    if _COMPILED and spec.bits != "ternary":  # the same values, the glue compiled too
+        return _encode_compiled(xt, energy, spec, rows, pad_g)
 
     def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups)
         return v.reshape(a * b, rows, -1).transpose(1, 0, 2).reshape(rows, groups, -1)
@@ -290,7 +293,6 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
         return None
     # normalize by the float16 scale; a group with scale 0 codes as 0.0
     s = rms.T.astype(np.float32).reshape(-1)
-    pad_g = n - (groups - 1) * gs  # padding decodes to zero (a = 1 where there is any)
     if _COMPILED:  # the same values in one compiled pass (stages/fast_quantize.py)
         mids, levels = code_tables_np(spec.bits)
         codes, wq, qq = fast_quantize.code_groups(xt, s, mids, levels, pad_g,
@@ -307,17 +309,42 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
         wq, qq = refit_sums_np(xt, q)
     wq, qq = per_row(wq)[..., 0], per_row(qq)[..., 0]
     scales = scales_from_sums_np(wq, qq) if spec.refit else rms
-    # per group ||x - s q||^2 = ||x||^2 - 2 s <x, q> + s^2 <q, q>, in float64 from the sums
-    xx, sc, xq, q2 = (a64.astype(np.float64) for a64 in (energy, scales, wq, qq))
-    sq_error = np.maximum((xx - 2.0 * sc * xq + sc * sc * q2).sum(axis=1), 0.0)
     if spec.bits == "ternary":  # 20 trits a word: words straddle groups, pack the rows
         rowwise = codes.reshape(gs, groups, rows).transpose(2, 1, 0).reshape(rows, -1)
         packed = pack_codes_np(rowwise, "ternary")
-    elif _COMPILED:  # packed already: (words per group, groups)
-        packed = per_row(codes.T).reshape(rows, -1)
     else:  # whole words per group
         packed = per_row(pack_groups_np(codes, spec.bits)).reshape(rows, -1)
-    return _Rows(packed, scales, sq_error, xx.sum(axis=1))
+    return _Rows(packed, scales, *_row_errors(energy, scales, wq, qq))
+
+
+def _encode_compiled(xt: np.ndarray, energy: np.ndarray, spec: QuantSpec, rows: int,
+                     pad_g: int) -> _Rows | None:
+    """_encode_finite_rows' 2/3/4-bit steps in three compiled passes (stages/fast_quantize.py):
+    the float16 RMS of each group, the codes and refit sums, the refitted float16 scales and
+    the (rows, groups) order. The same float32 operations, so the same bytes."""
+    groups, gs = spec.groups_per_row, spec.group_size
+    scaled = fast_quantize.group_scales(energy, rows, groups, gs, spec.in_features)
+    if scaled is None:
+        return None
+    s, rms = scaled
+    mids, levels = code_tables_np(spec.bits)
+    words, wq, qq = fast_quantize.code_groups(xt, s, mids, levels, pad_g, (groups - 1) * rows,
+                                              spec.bits)
+    scales, packed = fast_quantize.refit_rows(wq, qq, words, rows, groups,
+                                              None if spec.refit else rms)
+
+    def per_row(v: np.ndarray) -> np.ndarray:  # group-major -> (rows, groups), a view
+        return v.reshape(groups, rows).T
+
+    return _Rows(packed, scales, *_row_errors(per_row(energy), scales, per_row(wq),
+                                              per_row(qq)))
+
+
+def _row_errors(energy: np.ndarray, scales: np.ndarray, wq: np.ndarray, qq: np.ndarray):
+    """(each row's ||x - s q||^2, ||x||^2), float64, from (rows, groups) group sums: per group
+    ||x||^2 - 2 s <x, q> + s^2 <q, q>, summed over the row by numpy."""
+    xx, sc, xq, q2 = (a64.astype(np.float64) for a64 in (energy, scales, wq, qq))
+    return np.maximum((xx - 2.0 * sc * xq + sc * sc * q2).sum(axis=1), 0.0), xx.sum(axis=1)
 
 
 def encode(

@@ -97,3 +97,112 @@ def code_groups(xt: np.ndarray, s: np.ndarray, mids: np.ndarray, levels: np.ndar
     _code_kernel(np.ascontiguousarray(xt, np.float32), np.ascontiguousarray(s, np.float32),
                  steps, np.float32(levels[0]), pad_g, pad_k, bits, codes, words, wq, qq)
     return (words if bits else codes), wq, qq
+
+
+# ------------------------------------------------- a chunk's scales, before and after coding
+# The numpy glue around the two kernels (the RMS to float16 and back, the refit's scales, the
+# moves to (rows, groups) order) cost ~20% of a 4096-wide chunk's encode in small array
+# operations; these kernels do the same float32 operations in one pass each. float16 is
+# rounded here from the float32 bits (round to nearest, ties to even: numpy's astype).
+
+_F16_MAX = np.float32(65504.0)
+_TINY = np.float32(1e-30)
+
+
+@_jit
+def f16_bits(v):
+    """numpy's float16 rounding of float32 v, as its bits (uint16): nearest, ties to even;
+    beyond the range infinity, NaN a quiet NaN."""
+    x = np.float32(v).view(np.uint32)
+    sign = np.uint16((x >> np.uint32(16)) & np.uint32(0x8000))
+    ax = x & np.uint32(0x7FFFFFFF)
+    if ax > np.uint32(0x7F800000):  # NaN: numpy keeps the top payload bits, quiet
+        return sign | np.uint16(0x7E00) | np.uint16((ax >> np.uint32(13)) & np.uint32(0x3FF))
+    if ax >= np.uint32(0x477FF000):  # rounds to 65520 or more: infinity
+        return sign | np.uint16(0x7C00)
+    if ax < np.uint32(0x38800000):  # below 2^-14: a subnormal (or zero), exact steps of 2^-24
+        a = np.uint32(ax).view(np.float32) * np.float32(16777216.0)  # exact: a power of two
+        return sign | np.uint16(np.rint(a))
+    r = ax - np.uint32(0x38000000)  # the exponent rebased; 13 bits dropped, ties to even
+    r = r + np.uint32(0x0FFF) + ((r >> np.uint32(13)) & np.uint32(1))
+    return sign | np.uint16(r >> np.uint32(13))
+
+
+@_jit
+def f16_value(h):
+    """The float32 value of float16 bits h (finite: exact)."""
+    sign = np.uint32(h & np.uint16(0x8000)) << np.uint32(16)
+    e = np.uint32((h >> np.uint16(10)) & np.uint16(0x1F))
+    m = np.uint32(h & np.uint16(0x3FF))
+    if e == 0:  # subnormal or zero: m * 2^-24
+        v = np.float32(m) * np.float32(5.9604644775390625e-08)
+        return -v if sign else v
+    return np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+                     ).view(np.float32)
+
+
+@_jit
+def _rms_kernel(energy, rows, groups, gs, valid, s, rms):
+    """energy (groups * rows, group-major, as the rotation lays them out) -> s (the float16
+    RMS as float32) and rms (its float16 bits), same order; whether every RMS is finite.
+    rms = sqrt(energy / count) in float32, count the group's valid columns (numpy's
+    rms_from_energy_np)."""
+    finite = True
+    for k in range(groups):
+        left = valid - k * gs
+        count = np.float32(gs if left >= gs else (left if left > 1 else 1))
+        for r in range(rows):
+            i = k * rows + r
+            h = f16_bits(np.sqrt(energy[i] / count))
+            if (h & np.uint16(0x7C00)) == np.uint16(0x7C00):
+                finite = False
+            rms[i] = h
+            s[i] = f16_value(h) if finite else np.float32(0.0)
+    return finite
+
+
+@_jit
+def _refit_kernel(wq, qq, words, rows, groups, refit, scales, packed):
+    """With `refit`, each group's float16 scale <w, q> / <q, q> (0 where <q, q> = 0),
+    clipped to [0, 65504] (numpy's scales_from_sums_np), group-major; the packed words of
+    the coding kernel (words a group, groups * rows) as rows (rows, groups * words)."""
+    per = words.shape[0]
+    for k in range(groups):
+        for r in range(rows):
+            i = k * rows + r
+            if refit:
+                a = wq[i]
+                b = qq[i]
+                v = a / (b if b > _TINY else _TINY) if b > np.float32(0.0) else np.float32(0.0)
+                v = v if v > np.float32(0.0) else np.float32(0.0)
+                v = v if v < _F16_MAX else _F16_MAX
+                scales[i] = f16_bits(v)
+            for w in range(per):
+                packed[r, k * per + w] = words[w, i]
+
+
+def group_scales(energy: np.ndarray, rows: int, groups: int, gs: int, valid: int):
+    """(s float32, group-major; the float16 RMS as (rows, groups)) of a rotated chunk's
+    group energies, or None where an RMS is not finite. The (rows, groups) arrays here are
+    views of group-major memory: numpy then sums a row's groups in the order it always
+    has (a C-ordered copy would sum them pairwise, other last bits)."""
+    s = np.empty(groups * rows, dtype=np.float32)
+    rms = np.empty(groups * rows, dtype=np.uint16)
+    compile_kernels()
+    if not _rms_kernel(np.ascontiguousarray(energy, np.float32).reshape(-1), rows, groups, gs,
+                       valid, s, rms):
+        return None
+    return s, rms.view(np.float16).reshape(groups, rows).T
+
+
+def refit_rows(wq: np.ndarray, qq: np.ndarray, words: np.ndarray, rows: int, groups: int,
+               rms: np.ndarray | None):
+    """(the float16 scales (rows, groups): refitted, or `rms` where given; the packed words
+    (rows, groups * words a group))."""
+    scales = np.empty(groups * rows, dtype=np.uint16)
+    packed = np.empty((rows, groups * words.shape[0]), dtype=np.uint32)
+    compile_kernels()
+    _refit_kernel(wq, qq, words, rows, groups, rms is None, scales, packed)
+    if rms is not None:
+        return rms, packed
+    return scales.view(np.float16).reshape(groups, rows).T, packed
