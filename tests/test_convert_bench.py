@@ -46,3 +46,18 @@ def test_what_outlives_the_command_is_awaited_and_counted():
     m = bench.measure([sys.executable, "-c", spawn])
     assert m["after"] >= 0.3  # waited for the side process
     assert m["cpu"] >= 0.5 > m["cpu_command"]  # sampled every 50 ms: the last ones may be missed
+
+
+def test_encode_chunks_compares_a_tree_with_itself(tmp_path, capsys):
+    """benchmarks/encode_chunks.py: this tree against a peer tree (here itself) on a small
+    width, a row per width with the job's rows a chunk (whole 16-row tiles) and a ratio."""
+    import encode_chunks
+
+    root = Path(__file__).resolve().parents[1]
+    assert encode_chunks.main(["--widths", "256", "--rounds", "2", "--old-tree", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "round 2 this tree" in out and "round 2 old tree" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 256 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "1024 / 1024"  # 256K weights: 1024 rows, whole tiles
+    assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
