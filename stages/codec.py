@@ -278,14 +278,13 @@ def _encode_finite_rows(w: np.ndarray, spec: QuantSpec,
     # group axis first, (gs, a, b, rows): every step below is one contiguous op over all
     # groups; per-group results come back to (rows, groups) order at the end
     y, energy = rotate_groups_np(w, spec.seed, gs, energy=True, times=times)
-    a, b = y.shape[1], y.shape[2]
     xt = y.reshape(gs, -1)
     pad_g = n - (groups - 1) * gs  # padding decodes to zero (a = 1 where there is any)
     if _COMPILED and spec.bits != "ternary":  # the same values, the glue compiled too
         return _encode_compiled(xt, energy, spec, rows, pad_g)
 
-    def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups)
-        return v.reshape(a * b, rows, -1).transpose(1, 0, 2).reshape(rows, groups, -1)
+    def per_row(v: np.ndarray) -> np.ndarray:  # one value a group -> (rows, groups, k)
+        return _rows_first(v, rows, groups)
 
     energy = per_row(energy)[..., 0]
     rms = rms_from_energy_np(energy, gs, valid=n)
@@ -333,11 +332,14 @@ def _encode_compiled(xt: np.ndarray, energy: np.ndarray, spec: QuantSpec, rows: 
     scales, packed = fast_quantize.refit_rows(wq, qq, words, rows, groups,
                                               None if spec.refit else rms)
 
-    def per_row(v: np.ndarray) -> np.ndarray:  # group-major -> (rows, groups), a view
-        return v.reshape(groups, rows).T
+    energy, wq, qq = (_rows_first(v, rows, groups)[..., 0] for v in (energy, wq, qq))
+    return _Rows(packed, scales, *_row_errors(energy, scales, wq, qq))
 
-    return _Rows(packed, scales, *_row_errors(per_row(energy), scales, per_row(wq),
-                                              per_row(qq)))
+
+def _rows_first(v: np.ndarray, rows: int, groups: int) -> np.ndarray:
+    """Group-major values (k a group, flat) as (rows, groups, k): a view, so numpy sums a
+    row's groups in the order it always has (a C-ordered copy sums them pairwise)."""
+    return v.reshape(groups, rows, -1).transpose(1, 0, 2)
 
 
 def _row_errors(energy: np.ndarray, scales: np.ndarray, wq: np.ndarray, qq: np.ndarray):
