@@ -121,10 +121,7 @@ def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf
     # negative indices, and the loops stay vector code
     xs = x[r0 : r0 + nt]
     if nt == TILE:
-        for j in range(n):  # signs, and the tile transposed to (n, tile)
-            s = signs[j]
-            for t in range(TILE):  # a literal trip count: vector code
-                buf[j, t] = xs[t, j] * s
+        _load_tile(xs, signs, buf)
     else:
         for j in range(n):
             for t in range(nt):
@@ -147,6 +144,28 @@ def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf
         return buf
     _mix(buf.reshape(-1), mixed.reshape(-1), mat, a, p * tile, s_mix, MIX_CHUNK)
     return mixed
+
+
+LOAD_BLOCK = 16  # columns moved a step: each row's run is one cache line of float32
+
+
+@_jit
+def _load_tile(xs, signs, buf):
+    """TILE rows xs (TILE, n), times the signs, into buf (n, TILE): LOAD_BLOCK columns at a
+    time, each row's run read whole. A column at a time would read TILE lines that a
+    power-of-two row stride puts in one L1 set (they evict each other)."""
+    n = xs.shape[1]
+    whole = n - n % LOAD_BLOCK
+    for j0 in range(0, whole, LOAD_BLOCK):
+        s = signs[j0 : j0 + LOAD_BLOCK]
+        block = buf[j0 : j0 + LOAD_BLOCK]
+        for t in range(TILE):
+            run = xs[t, j0 : j0 + LOAD_BLOCK]
+            for j in range(LOAD_BLOCK):
+                block[j, t] = run[j] * s[j]
+    for j in range(whole, n):
+        for t in range(TILE):
+            buf[j, t] = xs[t, j] * signs[j]
 
 
 MIX_CHUNK = 512  # floats of each block mixed at a time: the a input slices stay in cache
@@ -187,28 +206,30 @@ def _mix(flat_in, flat_out, mat, a, size, s_mix, chunk):
 
 
 @_jit
-def _write_tile(src, r0, out, energy, gs, big_a, big_b, rows, want_energy, scale):
-    """A full tile (TILE rows, a literal: fast vector copies), times scale, into the flat
-    layout."""
+def _write_tile(src, r0, out, energy, gs, big_a, big_b, rows, want_energy, scale, tile):
+    """A full tile (`tile` = TILE rows), times scale, into the flat layout. The loops over
+    the tile's rows run to `tile`, a run-time value: with the literal TILE the compiler
+    unrolls them into scalar code (it cannot tell dst, col and acc apart); a loop of
+    run-time length is vectorized behind a check that they do not overlap."""
     block = big_b * gs
-    acc = np.zeros(TILE, dtype=np.float32)
+    acc = np.zeros(tile, dtype=np.float32)
     for i in range(big_a):
         for bb in range(big_b):
             j0 = i * block + bb * gs
-            for t in range(TILE):
+            for t in range(tile):
                 acc[t] = 0.0
             for g in range(gs):
                 o = ((g * big_a + i) * big_b + bb) * rows + r0
-                dst = out[o : o + TILE]
+                dst = out[o : o + tile]
                 col = src[j0 + g]
-                for t in range(TILE):
+                for t in range(tile):
                     v = col[t] * scale
                     dst[t] = v
                     acc[t] = acc[t] + v * v
             if want_energy:
                 o = (i * big_b + bb) * rows + r0
-                dst = energy[o : o + TILE]
-                for t in range(TILE):
+                dst = energy[o : o + tile]
+                for t in range(tile):
                     dst[t] = acc[t]
 
 
@@ -249,7 +270,7 @@ def _rotate_kernel(x, signs, mat, p, split, s_split, s_p, s_mix, tile, out, ener
                            mixed)
         if nt == TILE:
             _write_tile(src, r0, out.reshape(-1), energy.reshape(-1), gs, big_a, big_b, rows,
-                        want_energy, scale)
+                        want_energy, scale, tile)
         else:
             _write_part(src, r0, nt, out, energy, gs, big_a, big_b, want_energy, scale)
     return out
