@@ -162,3 +162,30 @@ def test_a_record_that_fails_is_said_in_the_runs_events(source, tmp_path):
     lines = (out / ".turboquant" / "events.jsonl").read_text().splitlines()
     failed = [json.loads(x) for x in lines if "prefect_record_failed" in x]
     assert len(failed) == 1 and "did not start" in failed[0]["error"]
+
+
+def test_the_side_process_yields_the_cpu_to_the_jobs(source, tmp_path):
+    """The side process runs at nice 19, and so does the session it starts: where the kernel
+    shares the CPU between sessions first (Linux autogroups), a session at nice 0 took as
+    much CPU as the job workers together."""
+    code = f"""
+        import os, time
+        from pathlib import Path
+        from turboquant.pipeline.convert import ConvertOptions
+        from turboquant.pipeline.flow_record import Recorder
+        rec = Recorder(ConvertOptions({str(source)!r}, {str(tmp_path / 'out')!r}))
+        group = Path(f"/proc/{{rec.proc.pid}}/autogroup")
+        for _ in range(600):  # its first step lowers its priority
+            if os.getpriority(os.PRIO_PROCESS, rec.proc.pid) == 19:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        print("nice", os.getpriority(os.PRIO_PROCESS, rec.proc.pid))
+        print("autogroup", group.read_text().split()[-1] if group.exists() else "none")
+        rec.proc.kill()  # no record needed here
+        rec.proc.wait()
+    """
+    run = python(code, tmp_path / "prefect")
+    assert "nice 19" in run.stdout, run.stderr
+    if os.path.exists("/proc/self/autogroup"):
+        assert "autogroup 19" in run.stdout, run.stdout
