@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         variants["before"] = ([], old_env)
     for shape in args.shapes.split(","):
         src = work / shape
-        if not (src / "config.json").exists():
+        made = not (src / "config.json").exists()  # a checkpoint found there is kept
+        if made:
             make_checkpoint(src, SHAPES[shape])
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         names = list(variants)
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
             c = statistics.median(m["cpu"] for m in ms)
             print(f"| {v} | {w:.1f} | {c:.1f} | {w / base_w:.3f} / {c / base_c:.3f} |")
         print("(this / auto >= 0.91: the default's column scales cost at most 10%)")
-        shutil.rmtree(src, ignore_errors=True)
+        if made:
+            shutil.rmtree(src, ignore_errors=True)
     print("\nreproduce: python benchmarks/convert_column_scales.py " + " ".join(
         sys.argv[1:] if argv is None else argv))
     return 0

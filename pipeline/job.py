@@ -201,8 +201,9 @@ class _Reader:
         self._cache = None
         self._published = None
         self._norms: dict[str, np.ndarray | None] = {}
-        self._column_sums: dict[tuple[str, str], Future | None] = {}
+        self._partner_sums: dict[tuple[str, str], Future] = {}
         self._sums_lock = threading.Lock()
+        self.partners = _neuron_partners(ctx)
 
     def __enter__(self):
         return self
@@ -256,23 +257,25 @@ class _Reader:
                                     "(sampled bytes differ); rerun the command (add --fresh "
                                     "to start over from the new contents)")
 
-    def claim_column_sums(self, file: str, tensor: str) -> Future | None:
-        """A Future for a whole source tensor's ColumnSums that the caller now owes (it
-        reads the tensor anyway: the neuron pre-pass's gate/up), or None where another
-        caller claimed it first."""
+    def partner_sums(self, file: str, info):
+        """(ColumnSums, each row's sum of squares) of a gate/up tensor that a down_proj's
+        neuron rule reads (`self.partners`): read once for both pre-passes, its own column
+        scales and down_proj's neuron sizes, whichever asks first. The first caller reads it
+        on its own thread (never through the pool: a pool thread may be waiting for it);
+        later ones wait for that read."""
+        key = (file, info.name)
         with self._sums_lock:
-            if (file, tensor) in self._column_sums:
-                return None
-            self._column_sums[(file, tensor)] = owed = Future()
-            return owed
-
-    def take_column_sums(self, file: str, tensor: str) -> Future | None:
-        """The Future a claim made for this tensor, or None: read it yourself (a claim after
-        this gets None). Its owner never waits on the pool: a pool thread may wait on it."""
-        with self._sums_lock:
-            owed = self._column_sums.get((file, tensor))
-            self._column_sums[(file, tensor)] = None  # taken: a later claim reads for itself
-            return owed
+            first = key not in self._partner_sums
+            if first:
+                self._partner_sums[key] = Future()
+            done = self._partner_sums[key]
+        if first:
+            try:
+                done.set_result(_partner_sums(self, file, info))
+            except BaseException as e:
+                done.set_exception(e)
+                raise
+        return done.result()
 
     def norm(self, name: str) -> np.ndarray | None:
         """A 1-D float tensor of the job's source files (a norm weight), float64, or None;
@@ -469,10 +472,9 @@ def _source_in_scales(item: Item, reader: _Reader, threads: int = 1):
             else:
                 sums.add(to_float32(raw, info.dtype).reshape(r1 - r0, in_f))
 
-    sums = _neuron_row_sums(item, reader, threads)
-    read_already = reader.take_column_sums(p.file, p.tensor) if _whole(item, info) else None
-    if read_already is not None:  # summed by a down_proj's neuron pre-pass
-        return _in_scales(item, read_already.result(), _neuron_sizes(sums)), sums
+    sums = _neuron_row_sums(item, reader)
+    if _whole(item, info) and (p.file, p.tensor) in reader.partners:  # gate/up: read once
+        return _in_scales(item, reader.partner_sums(p.file, info)[0], _neuron_sizes(sums)), sums
     return _in_scales(item, prepass, _neuron_sizes(sums)), sums
 
 
@@ -651,7 +653,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     elif item.in_scales and reads_anywhere:
         t, sums = _source_in_scales(item, reader, threads)
     elif item.in_scales:
-        sums = _neuron_row_sums(item, reader, threads)
+        sums = _neuron_row_sums(item, reader)
         t = _in_scales(item, prepass, _neuron_sizes(sums))
     code_t = None  # ones: the same codes, no multiply
     if t is not None and not (t == 1).all():
@@ -800,62 +802,69 @@ def _neuron_sizes(sums) -> np.ndarray | None:
     return None if sums is None else neuron_sizes_from_sums(*sums)
 
 
-def _neuron_row_sums(item: Item, reader: _Reader, threads: int = 1):
-    """(gate rows' sums of squares, up rows', their input width) of a down projection's MLP
-    (read here, a chunk of rows at a time, summed from their source bits:
-    `stages.row_square_sums`), or None: not a down_proj with the recipe's neuron_ratio, or
-    its partners are not in the job's files."""
-    from turboquant.stages.scale import row_square_sums
-
+def _neuron_partner_names(item: Item) -> tuple[str, str] | None:
+    """The source names of the gate and up projections whose rows a down projection's
+    neuron rule reads (`item.neuron_ratio`), or None: not such a down_proj."""
     src = item.piece.tensor
     if (item.neuron_ratio is None or item.published is not None or item.piece.expert is not None
             or ".down_proj." not in src):
         return None
-    found = {}
-    for part in ("gate_proj", "up_proj"):
-        name = src.replace(".down_proj.", f".{part}.")
-        for file, header in reader.ctx.headers.items():
-            info = header.tensors.get(name)
-            if info is not None and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES:
-                found[part] = (file, info)
-                break
-        else:
-            return None
-    sums = []
-    for file, info in found.values():
-        owed = reader.claim_column_sums(file, info.name)
-        try:
-            sums.append(_partner_row_sums(reader, file, info, owed, threads))
-        except BaseException as e:
-            if owed is not None:
-                owed.set_exception(e)
-            raise
+    return src.replace(".down_proj.", ".gate_proj."), src.replace(".down_proj.", ".up_proj.")
+
+
+def _partner_source(headers: dict, name: str):
+    """(file, TensorInfo) of a 2-D float tensor of the job's source files, or None."""
+    for file, header in headers.items():
+        info = header.tensors.get(name)
+        if info is not None and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES:
+            return file, info
+    return None
+
+
+def _neuron_partners(ctx: JobContext) -> set[tuple[str, str]]:
+    """(file, tensor) of every gate/up tensor a down_proj of this job reads for its neuron
+    sizes: their own pre-pass reads them through `_Reader.partner_sums`, once for both."""
+    found = set()
+    for unit in ctx.job.units:
+        for item in unit.items:
+            for name in _neuron_partner_names(item) or ():
+                source = _partner_source(ctx.headers, name)
+                if source is not None:
+                    found.add((source[0], name))
+    return found
+
+
+def _neuron_row_sums(item: Item, reader: _Reader):
+    """(gate rows' sums of squares, up rows', their input width) of a down projection's MLP
+    (`stages.row_square_sums`, from `_Reader.partner_sums`), or None: not a down_proj with
+    the recipe's neuron_ratio, or its partners are not in the job's files."""
+    names = _neuron_partner_names(item)
+    if names is None:
+        return None
+    found = [_partner_source(reader.ctx.headers, name) for name in names]
+    if None in found:
+        return None
+    sums = [reader.partner_sums(file, info)[1] for file, info in found]
     if sums[0].shape != sums[1].shape:
         return None
-    return sums[0], sums[1], found["gate_proj"][1].shape[1]
+    return sums[0], sums[1], found[0][1].shape[1]
 
 
-def _partner_row_sums(reader: _Reader, file: str, info, owed: Future | None, threads: int):
-    """A gate/up tensor's row sums of squares (`stages.row_square_sums`), a chunk of rows
-    at a time; with `owed` (claimed on the reader) its ColumnSums from the same read, for
-    its own pre-pass, which then reads nothing. An owner reads on this thread alone: a
-    pool thread may be waiting for it."""
-    from turboquant.stages.scale import ColumnSums, row_square_sums
+def _partner_sums(reader: _Reader, file: str, info):
+    """A gate/up tensor's (ColumnSums, row sums of squares: `stages.row_square_sums`) in one
+    pass (`ColumnSums.add_with_row_sums`), a chunk of rows at a time, read on this thread."""
+    from turboquant.stages.scale import ColumnSums
 
     out_f, in_f = info.shape
     step = max(1, CHUNK_ELEMENTS // in_f)
-    spans = [(r0, min(out_f, r0 + step)) for r0 in range(0, out_f, step)]
     fd = reader.fd(file)
-    reads = [lambda a=r0, b=r1: read_raw(fd, info, a * in_f, (b - a) * in_f, file)
-             for r0, r1 in spans]
-    columns = ColumnSums(in_f) if owed is not None else None
-    acc = np.empty(out_f, dtype=np.float64)
-    for (r0, r1), raw in zip(spans, _in_order(reads, 1 if owed is not None else threads)):
+    bf16 = info.dtype == "BF16"
+    columns = ColumnSums(in_f)
+    rows = np.empty(out_f, dtype=np.float64)
+    for r0 in range(0, out_f, step):
+        r1 = min(out_f, r0 + step)
         _check_parent()
-        bf16 = info.dtype == "BF16"
-        rows = (raw.view("<u2") if bf16 else to_float32(raw, info.dtype)).reshape(r1 - r0, in_f)
-        acc[r0:r1] = (columns.add_with_row_sums(rows, bf16=bf16) if columns is not None
-                      else row_square_sums(rows, bf16=bf16))
-    if owed is not None:
-        owed.set_result(columns)
-    return acc
+        raw = read_raw(fd, info, r0 * in_f, (r1 - r0) * in_f, file)
+        chunk = (raw.view("<u2") if bf16 else to_float32(raw, info.dtype)).reshape(r1 - r0, in_f)
+        rows[r0:r1] = columns.add_with_row_sums(chunk, bf16=bf16)
+    return columns, rows

@@ -282,12 +282,38 @@ def test_a_massive_neuron_gives_down_proj_the_neuron_scales(tmp_path):
     assert _err(model(TOKENS), reference_model(written)(TOKENS)) < 1e-4
 
 
+def in_module_order(folder: Path) -> None:
+    """Rewrite each shard with its tensors in the model's order (q, k, v, o, gate, up, down:
+    as torch modules list them) instead of by name (as safetensors' own writer sorts them):
+    a layer's gate/up then come before its down_proj."""
+    rank = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "o_proj": 3, "gate_proj": 4, "up_proj": 5,
+            "down_proj": 6}
+
+    def order(name: str):
+        parts = name.split(".")
+        layer = int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+        return layer, rank.get(parts[-2], -1), name
+
+    for f in sorted(folder.glob("*.safetensors")):
+        arrays = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()}
+        dtype = {mx.bfloat16: "bfloat16", mx.float32: "float32"}[
+            next(iter(mx.load(str(f)).values())).dtype]
+        specs = [checkpoints.TensorSpec(n, arrays[n].shape,
+                                        lambda start, count, a=arrays[n]:
+                                        a.reshape(-1)[start:start + count], dtype)
+                 for n in sorted(arrays, key=order)]
+        checkpoints.write_safetensors(f, specs)
+
+
+@pytest.mark.parametrize("order", ["by_name", "module"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gate_and_up_are_read_once_for_both_pre_passes(tmp_path, monkeypatch, dtype):
+def test_gate_and_up_are_read_once_for_both_pre_passes(tmp_path, monkeypatch, dtype, order):
     """The neuron rule reads a layer's gate/up rows for down_proj's neuron sizes; the same
     read sums their columns for their own column scales (stages.ColumnSums
     .add_with_row_sums), so gate/up are read twice (that pre-pass, then coding) like every
-    other coded tensor, not three times; the bytes are those of separate reads."""
+    other coded tensor, not three times, whichever the file lists first (the gate/up
+    pre-pass or down_proj's may come first, on either of two threads); the bytes are those
+    of separate reads."""
     from turboquant.pipeline import job as job_mod
     from turboquant.pipeline.safetensors_io import read_header
 
@@ -295,6 +321,12 @@ def test_gate_and_up_are_read_once_for_both_pre_passes(tmp_path, monkeypatch, dt
     checkpoints.write_llama_checkpoint(src, hidden=64, intermediate=128, vocab=320,
                                        dtype=dtype)
     with_small_columns(src)
+    if order == "module":
+        in_module_order(src)
+    names = [n for f in sorted(src.glob("*.safetensors"))
+             for n, _ in sorted(read_header(f).tensors.items(), key=lambda kv: kv[1].start)]
+    assert (names.index("model.layers.0.mlp.gate_proj.weight")
+            < names.index("model.layers.0.mlp.down_proj.weight")) == (order == "module")
     reads: dict[str, int] = {}
     real = job_mod.read_raw
 
@@ -311,7 +343,7 @@ def test_gate_and_up_are_read_once_for_both_pre_passes(tmp_path, monkeypatch, dt
     assert mlp and all(reads[n] == 2 * sizes[n] for n in mlp), {n: reads[n] / sizes[n]
                                                                  for n in mlp}
     reads.clear()
-    monkeypatch.setattr(job_mod._Reader, "claim_column_sums", lambda self, f, t: None)
+    monkeypatch.setattr(job_mod, "_neuron_partners", lambda ctx: set())  # each reads its own
     convert(src, tmp_path / "apart", bits=4, protect_layers=0)
     assert all(reads[n] == 3 * sizes[n] for n in mlp if ".down_proj." not in n)
     assert snapshot(tmp_path / "once") == snapshot(tmp_path / "apart")
