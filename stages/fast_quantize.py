@@ -27,7 +27,7 @@ def literal_unroll(steps):  # numba.literal_unroll once compiled (compile_kernel
 
 
 @_jit
-def _code_kernel(xt, s, steps, first, pad_g, pad_k, width, codes, words, wq, qq):
+def _code_kernel(xt, s, steps, first, half, pad_g, pad_k, width, codes, words, wq, qq):
     gs, groups = xt.shape
     pack = width > 0  # 2, 3, 4 bits: code g of a group at bit width * g of its words
     zero = np.float32(0.0)  # float32 constants: a Python float would make the sums float64
@@ -39,41 +39,82 @@ def _code_kernel(xt, s, steps, first, pad_g, pad_k, width, codes, words, wq, qq)
         qq[k] = zero
     for g in range(gs):
         hi = pad_k if g >= pad_g else groups  # padding (g >= pad_g, k >= pad_k) has q = 0
-        bit = g * width
-        w, shift = bit >> 5, np.uint32(bit & 31)
-        spill = shift + width > 32  # 3 bits: a code across two words
         for k in range(groups):
             x = xt[g, k]
             u = x / div[k] if s[k] > zero else zero
-            # code = the number of thresholds below u (they are sorted), q = its level: the
-            # steps are unrolled when compiled, a chain of selects (vector code)
-            c, q = np.uint8(0), first
-            for step in literal_unroll(steps):
-                if u > step[0]:
-                    c, q = step[2], step[1]
+            if half > 0:  # the same in every pass: hoisted by the compiler
+                c, q = _nearest_symmetric(u, steps, first, half)
+            else:
+                c, q = _nearest(u, steps, first)
             if k >= hi:
                 q = zero
             crow[k] = c
             wq[k] = wq[k] + x * q
             qq[k] = qq[k] + q * q
         if pack:  # in a loop of its own: both loops stay vector code
-            word = words[w]
-            for k in range(groups):
-                word[k] |= np.uint32(crow[k]) << shift
-            if spill:
-                word = words[w + 1]
-                for k in range(groups):
-                    word[k] |= np.uint32(crow[k]) >> (32 - shift)
+            _pack(crow, words, g * width, width)
         else:
             codes[g] = crow
 
 
+@_jit
+def _nearest(u, steps, first):
+    """(code, level) of u: the number of thresholds below u (they are sorted) and its level;
+    the steps are unrolled when compiled, a chain of selects (vector code)."""
+    c, q = np.uint8(0), first
+    for step in literal_unroll(steps):
+        if u > step[0]:
+            c, q = step[2], step[1]
+    return c, q
+
+
+@_jit
+def _nearest_symmetric(u, steps, first, half):
+    """_nearest for a table symmetric about 0 (2 * half levels, the middle threshold 0):
+    the chain over the positive half only, on |u|. For u <= 0 the count of thresholds
+    below u is half - 1 - #{t > 0: |u| >= t}, and |u| >= t is next_up(|u|) > t (the float
+    after it: its bits + 1), so one chain serves both signs; the level is minus that of
+    the mirrored code. The same codes and levels, ties and signed zeros included."""
+    pos = u > np.float32(0.0)
+    bits = np.float32(u).view(np.uint32) & np.uint32(0x7FFFFFFF)
+    a = np.uint32(bits + (np.uint32(0) if pos else np.uint32(1))).view(np.float32)
+    c, q = np.uint8(0), first
+    for step in literal_unroll(steps):
+        if a > step[0]:
+            c, q = step[2], step[1]
+    if pos:
+        return np.uint8(half + c), q
+    return np.uint8(half - 1 - c), -q
+
+
+@_jit
+def _pack(crow, words, bit, width):
+    """Code k of crow into group k's words at bit `bit` (a 3-bit code may cross a word)."""
+    w, shift = bit >> 5, np.uint32(bit & 31)
+    word = words[w]
+    for k in range(crow.shape[0]):
+        word[k] |= np.uint32(crow[k]) << shift
+    if shift + width > 32:
+        word = words[w + 1]
+        for k in range(crow.shape[0]):
+            word[k] |= np.uint32(crow[k]) >> (32 - shift)
+
+
 @functools.lru_cache(maxsize=16)
-def _steps(mids: bytes, levels: bytes) -> tuple:
-    """(threshold, level above it, its code), ascending: a tuple, one compiled kernel a
-    width; built once a code table (~30 us a call, ~2% of a 4096-wide chunk's encode)."""
+def _steps(mids: bytes, levels: bytes) -> tuple[tuple, np.float32, np.uint8]:
+    """(steps, the level below the first step, half): steps are (threshold, level above it,
+    its code), ascending: a tuple, one compiled kernel a width; built once a code table
+    (~30 us a call, ~2% of a 4096-wide chunk's encode). For a table symmetric about 0 with
+    an even number of levels (2, 3, 4 bits) the steps are its positive half and half is
+    the number of levels above 0 (`_nearest_symmetric`); else half is 0 (ternary)."""
     m, lv = np.frombuffer(mids, np.float32), np.frombuffer(levels, np.float32)
-    return tuple((np.float32(t), np.float32(lv[c + 1]), np.uint8(c + 1)) for c, t in enumerate(m))
+    h = lv.size // 2
+    if lv.size % 2 == 0 and m[h - 1] == 0 and (m == -m[::-1]).all() and (lv == -lv[::-1]).all():
+        steps = tuple((np.float32(t), np.float32(lv[h + c + 1]), np.uint8(c + 1))
+                      for c, t in enumerate(m[h:]))
+        return steps, np.float32(lv[h]), np.uint8(h)  # uint8: int64 arithmetic is 8x wider
+    steps = tuple((np.float32(t), np.float32(lv[c + 1]), np.uint8(c + 1)) for c, t in enumerate(m))
+    return steps, np.float32(lv[0]), np.uint8(0)
 
 
 def code_groups(xt: np.ndarray, s: np.ndarray, mids: np.ndarray, levels: np.ndarray,
@@ -91,11 +132,11 @@ def code_groups(xt: np.ndarray, s: np.ndarray, mids: np.ndarray, levels: np.ndar
     words = np.zeros((gs * bits // 32, groups) if bits else (0, 0), dtype=np.uint32)
     wq = np.empty(groups, dtype=np.float32)
     qq = np.empty(groups, dtype=np.float32)
-    steps = _steps(np.asarray(mids, np.float32).tobytes(),
-                   np.asarray(levels, np.float32).tobytes())
+    steps, first, half = _steps(np.asarray(mids, np.float32).tobytes(),
+                                np.asarray(levels, np.float32).tobytes())
     compile_kernels()
     _code_kernel(np.ascontiguousarray(xt, np.float32), np.ascontiguousarray(s, np.float32),
-                 steps, np.float32(levels[0]), pad_g, pad_k, bits, codes, words, wq, qq)
+                 steps, first, half, pad_g, pad_k, bits, codes, words, wq, qq)
     return (words if bits else codes), wq, qq
 
 

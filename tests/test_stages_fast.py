@@ -128,3 +128,44 @@ def test_float16_rounding_from_bits_is_numpys():
     back = np.empty(finite.size, np.float32)
     widened(finite.view(np.uint16), back)
     assert np.array_equal(back.view(np.uint32), finite.astype(np.float32).view(np.uint32))
+
+
+@needs_numba
+@pytest.mark.parametrize("bits", [2, 3, 4, "ternary"])
+def test_codes_at_and_beside_the_thresholds_are_the_hosts(bits):
+    """fast_quantize.code_groups against the numpy steps (nearest_codes_np, code_values_np,
+    refit_sums_np, pack_groups_np) where the symmetric chain (2/3/4 bits: |u| on the
+    positive half, next_up(|u|) for u <= 0) could differ: u exactly at every threshold and
+    its mirror, the floats just beside them, signed zeros, a group of scale 0, and tiny
+    and huge u."""
+    from turboquant.stages import fast_quantize as fq
+    from turboquant.stages.pack import pack_groups_np
+    from turboquant.stages.quantize import code_tables_np, code_values_np, nearest_codes_np
+    from turboquant.stages.scale import refit_sums_np
+
+    mids, levels = code_tables_np(bits)
+    t = np.concatenate([mids, -mids]).astype(np.float32)
+    beside = np.concatenate([np.nextafter(t, np.float32(np.inf)),
+                             np.nextafter(t, np.float32(-np.inf))])
+    special = np.array([0.0, -0.0, 1e-38, -1e-38, 1e-45, -1e-45, 1e30, -1e30, 1.0, -1.0],
+                       dtype=np.float32)
+    u = np.concatenate([t, beside, special,
+                        np.random.default_rng(3).standard_normal(600).astype(np.float32)])
+    gs, groups = 32, -(-u.size // 32) + 1
+    s = np.full(groups, np.float32(1.0))
+    s[-1] = 0.0  # a zero scale: u = 0 there
+    by_group = np.zeros((groups, gs), np.float32)
+    by_group.reshape(-1)[: u.size] = u  # group k holds u[32 k : 32 k + 32]
+    by_group[-1] = np.linspace(-1, 1, gs, dtype=np.float32)
+    xt = np.ascontiguousarray(by_group.T)
+    assert np.isin(t, xt).all()
+    got_codes, got_wq, got_qq = fq.code_groups(xt, s, mids, levels, gs, groups, bits)
+    un = xt / np.where(s > 0, s, np.float32(1.0))
+    un[:, s == 0] = 0.0
+    codes = nearest_codes_np(un, bits)
+    q = code_values_np(codes, bits)
+    want_wq, want_qq = refit_sums_np(xt, q)
+    want = codes if bits == "ternary" else pack_groups_np(codes, bits).T  # (words, groups)
+    assert np.array_equal(got_codes, want)
+    assert np.array_equal(got_wq.view(np.uint32), want_wq.view(np.uint32))
+    assert np.array_equal(got_qq.view(np.uint32), want_qq.view(np.uint32))
