@@ -331,7 +331,9 @@ def _encode_compiled(xt: np.ndarray, energy: np.ndarray, spec: QuantSpec, rows: 
                                               spec.bits)
     scales, packed = fast_quantize.refit_rows(wq, qq, words, rows, groups,
                                               None if spec.refit else rms)
-
+    if rows > 1:  # numpy's sums over a row's groups, in order (one row: numpy's are pairwise)
+        return _Rows(packed, scales, *fast_quantize.row_errors(energy, scales, wq, qq, rows,
+                                                                groups))
     energy, wq, qq = (_rows_first(v, rows, groups)[..., 0] for v in (energy, wq, qq))
     return _Rows(packed, scales, *_row_errors(energy, scales, wq, qq))
 

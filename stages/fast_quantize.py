@@ -247,3 +247,43 @@ def refit_rows(wq: np.ndarray, qq: np.ndarray, words: np.ndarray, rows: int, gro
     if rms is not None:
         return rms, packed
     return scales.view(np.float16).reshape(groups, rows).T, packed
+
+
+@_jit
+def _row_errors_kernel(energy, scales, wq, qq, rows, groups, err, norm):
+    """codec._row_errors in one pass, the same float64 operations in the same order: each
+    group's ||x||^2 - 2 s <x, q> + s^2 <q, q> (as numpy evaluates it: (xx - (2 s) xq) +
+    (s s) q2), summed over a row's groups from the first, in order (numpy's sum along the
+    strided axis of a group-major array), then max(., 0); and ||x||^2 summed the same way.
+    Group-major inputs (k * rows + r), scales as float16 bits."""
+    for r in range(rows):  # numpy's sum starts from the first group's value
+        err[r] = _group_error(energy, scales, wq, qq, r)
+        norm[r] = np.float64(energy[r])
+    for k in range(1, groups):
+        for r in range(rows):
+            i = k * rows + r
+            err[r] = err[r] + _group_error(energy, scales, wq, qq, i)
+            norm[r] = norm[r] + np.float64(energy[i])
+    for r in range(rows):  # np.maximum(err, 0.0): err where err >= 0 (-0.0 too) or NaN
+        e = err[r]
+        err[r] = e if (e >= 0.0 or e != e) else 0.0
+
+
+@_jit
+def _group_error(energy, scales, wq, qq, i):
+    xx = np.float64(energy[i])
+    sc = np.float64(f16_value(scales[i]))
+    return (xx - (2.0 * sc) * np.float64(wq[i])) + (sc * sc) * np.float64(qq[i])
+
+
+def row_errors(energy: np.ndarray, scales: np.ndarray, wq: np.ndarray, qq: np.ndarray,
+               rows: int, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's ||x - s q||^2, ||x||^2), float64, as codec._row_errors computes them, from
+    a chunk's group-major energies, <x, q>, <q, q> and its float16 scales (rows, groups),
+    a view of group-major memory as refit_rows returns them."""
+    err = np.empty(rows, dtype=np.float64)
+    norm = np.empty(rows, dtype=np.float64)
+    bits = np.ascontiguousarray(scales.T).view(np.uint16).reshape(-1)  # group-major: no copy
+    compile_kernels()
+    _row_errors_kernel(energy.reshape(-1), bits, wq, qq, rows, groups, err, norm)
+    return err, norm

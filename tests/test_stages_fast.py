@@ -169,3 +169,30 @@ def test_codes_at_and_beside_the_thresholds_are_the_hosts(bits):
     assert np.array_equal(got_codes, want)
     assert np.array_equal(got_wq.view(np.uint32), want_wq.view(np.uint32))
     assert np.array_equal(got_qq.view(np.uint32), want_qq.view(np.uint32))
+
+
+@needs_numba
+def test_compiled_row_errors_are_numpys():
+    """fast_quantize.row_errors gives codec._row_errors' float64 sums bit for bit (numpy sums
+    a row's groups in order over group-major views), for any number of rows above one (one
+    row stays on numpy: its sum there is pairwise), zero groups and zero scales included."""
+    from turboquant.stages import fast_quantize as fq
+
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        rows, groups = int(rng.integers(2, 130)), int(rng.integers(1, 400))
+        size = groups * rows
+        energy = (rng.standard_normal(size) ** 2 * rng.uniform(0.1, 10)).astype(np.float32)
+        wq = (rng.standard_normal(size) * 3).astype(np.float32)
+        qq = (rng.standard_normal(size) ** 2 * 5).astype(np.float32)
+        scales = np.abs(rng.standard_normal(size)).astype(np.float16)
+        if trial % 5 == 0:  # a zero group, a zero scale
+            energy[:rows] = wq[:rows] = qq[:rows] = 0.0
+            scales[-rows:] = 0.0
+        by_row = scales.reshape(groups, rows).T  # as refit_rows returns them
+        want = codec_mod._row_errors(*(codec_mod._rows_first(v, rows, groups)[..., 0]
+                                       for v in (energy,)), by_row,
+                                     *(codec_mod._rows_first(v, rows, groups)[..., 0]
+                                       for v in (wq, qq)))
+        got = fq.row_errors(energy, by_row, wq, qq, rows, groups)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
