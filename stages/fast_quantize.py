@@ -8,7 +8,11 @@ groups laid out group-axis first, (group_size, groups):
 and, for 2, 3 and 4 bits, the codes packed into each group's words as pack.pack_groups_np
 packs them (code g at bit width * g). Exactly the float32 operations of the numpy path (no
 fast-math, so no fused multiply-add), looping over whole rows of groups so that every step
-is a vector instruction. `AVAILABLE` as in fast_hadamard (numba installed, not disabled).
+is a vector instruction. The code tables of 2, 3 and 4 bits are symmetric about 0, so the
+nearest level is found on |u| over the positive half (`_nearest_symmetric`: half the
+selects, the same codes). Around that pass: the float16 scales before and after it, the
+packed words in row order, and each row's error and norm in float64 (numpy's order kept).
+`AVAILABLE` as in fast_hadamard (numba installed, not disabled).
 """
 
 from __future__ import annotations
