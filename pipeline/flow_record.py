@@ -238,11 +238,12 @@ IMPORT_GC_THRESHOLD = (50_000, 20, 100)
 
 
 def lower_priority(autogroup: Path = Path("/proc/self/autogroup")) -> None:
-    """This process at `nice` NICE, and on Linux its session's autogroup too: the side process
-    starts a session of its own (a Ctrl-C is recorded, not felt), and where the kernel groups
-    sessions (sched_autogroup_enabled, the default of most distributions) the CPU is shared
-    between the groups first, by the groups' nice values. At the group's default, nice 0, the
-    side process took as much CPU as both job workers together (~3 s of a 4B run's 26)."""
+    """This process at `nice` NICE, and on Linux its autogroup too: the side process starts
+    with setsid (a Ctrl-C is recorded, not felt), which gives it an autogroup of its own, and
+    where the kernel has them (sched_autogroup_enabled, the default of most distributions)
+    the CPU is shared between autogroups first, by their nice values. At the autogroup's
+    default, nice 0, the side process took as much CPU as both job workers together (~3 s
+    of a 4B run's 26)."""
     try:
         os.nice(NICE)
     except OSError:

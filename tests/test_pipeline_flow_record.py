@@ -165,9 +165,9 @@ def test_a_record_that_fails_is_said_in_the_runs_events(source, tmp_path):
 
 
 def test_the_side_process_yields_the_cpu_to_the_jobs(source, tmp_path):
-    """The side process runs at nice 19, and so does the session it starts: where the kernel
-    shares the CPU between sessions first (Linux autogroups), a session at nice 0 took as
-    much CPU as the job workers together."""
+    """The side process runs at nice 19, and so does its autogroup (it starts with setsid):
+    where the kernel shares the CPU between autogroups first (Linux), its own at nice 0
+    took as much CPU as the job workers together."""
     code = f"""
         import os, time
         from pathlib import Path
