@@ -113,7 +113,8 @@ def _scale(buf, s, tile):
 
 
 @_jit
-def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf, mixed):
+def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf, mixed,
+                 scratch):
     """Rows r0 .. r0 + nt of x, rotated, into an (n, tile) buffer (returned: buf or mixed)."""
     n = x.shape[1]
     a = n // p
@@ -142,7 +143,7 @@ def _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf
             _scale(part, s_p, tile)
     if a == 1:  # the scale is applied as the tile is written out
         return buf
-    _mix(buf.reshape(-1), mixed.reshape(-1), mat, a, p * tile, s_mix, MIX_CHUNK)
+    _mix(buf.reshape(-1), mixed.reshape(-1), mat, a, p * tile, s_mix, MIX_CHUNK, scratch)
     return mixed
 
 
@@ -168,41 +169,97 @@ def _load_tile(xs, signs, buf):
             buf[j, t] = xs[t, j] * signs[j]
 
 
-MIX_CHUNK = 512  # floats of each block mixed at a time: the a input slices stay in cache
+MIX_CHUNK = 512  # floats of each block mixed at a time
 
 
 @_jit
-def _mix(flat_in, flat_out, mat, a, size, s_mix, chunk):
+def _mix(flat_in, flat_out, mat, a, size, s_mix, chunk, scratch):
     """Block i = sum over k in order of mat[i, k] * block k, from 0.0, then times s_mix;
-    `chunk` floats of every block at a time (the a input slices are read a times from L1,
-    not whole blocks from L2), four k a pass over the output (the same additions in the
-    same order, a quarter of the output's loads and stores)."""
+    `chunk` floats of every block at a time. The a input slices of a chunk are first
+    copied next to each other into `scratch` (a * chunk floats): in place they lie a
+    power-of-two apart, in the same cache sets, and evict each other while every output
+    reads them. Outputs are made two at a time, four k a pass (each input load serves
+    both; the same additions in the same order as one at a time)."""
     for e0 in range(0, size, chunk):
         width = min(chunk, size - e0)
-        for i in range(a):
-            acc = flat_out[i * size + e0 : i * size + e0 + width]
+        for k in range(a):
+            src = flat_in[k * size + e0 : k * size + e0 + width]
+            dst = scratch[k * chunk : k * chunk + width]
             for e in range(width):
-                acc[e] = 0.0
-            k = 0
-            while k + 4 <= a:
-                c0, c1, c2, c3 = mat[i, k], mat[i, k + 1], mat[i, k + 2], mat[i, k + 3]
-                b = k * size + e0
-                t0 = flat_in[b : b + width]
-                t1 = flat_in[b + size : b + size + width]
-                t2 = flat_in[b + 2 * size : b + 2 * size + width]
-                t3 = flat_in[b + 3 * size : b + 3 * size + width]
-                for e in range(width):
-                    acc[e] = (((acc[e] + t0[e] * c0) + t1[e] * c1) + t2[e] * c2) + t3[e] * c3
-                k += 4
-            while k < a:
-                c = mat[i, k]
-                term = flat_in[k * size + e0 : k * size + e0 + width]
-                for e in range(width):
-                    acc[e] = acc[e] + term[e] * c
-                k += 1
-            if s_mix != 1.0:
-                for e in range(width):
-                    acc[e] = acc[e] * s_mix
+                dst[e] = src[e]
+        i = 0
+        while i < a:
+            acc = flat_out[i * size + e0 : i * size + e0 + width]
+            if i + 1 < a:
+                bcc = flat_out[(i + 1) * size + e0 : (i + 1) * size + e0 + width]
+                _mix_pair(scratch, acc, bcc, mat, i, a, chunk, s_mix)
+                i += 2
+            else:
+                _mix_one(scratch, acc, mat, i, a, chunk, s_mix)
+                i += 1
+
+
+@_jit
+def _mix_one(inputs, acc, mat, i, a, stride, s_mix):
+    """acc = sum over k in order of mat[i, k] * inputs[k * stride : ...], from 0.0, then
+    times s_mix (where not 1)."""
+    width = acc.size
+    for e in range(width):
+        acc[e] = 0.0
+    k = 0
+    while k + 4 <= a:
+        c0, c1, c2, c3 = mat[i, k], mat[i, k + 1], mat[i, k + 2], mat[i, k + 3]
+        b = k * stride
+        t0 = inputs[b : b + width]
+        t1 = inputs[b + stride : b + stride + width]
+        t2 = inputs[b + 2 * stride : b + 2 * stride + width]
+        t3 = inputs[b + 3 * stride : b + 3 * stride + width]
+        for e in range(width):
+            acc[e] = (((acc[e] + t0[e] * c0) + t1[e] * c1) + t2[e] * c2) + t3[e] * c3
+        k += 4
+    while k < a:
+        c = mat[i, k]
+        term = inputs[k * stride : k * stride + width]
+        for e in range(width):
+            acc[e] = acc[e] + term[e] * c
+        k += 1
+    if s_mix != 1.0:
+        for e in range(width):
+            acc[e] = acc[e] * s_mix
+
+
+@_jit
+def _mix_pair(inputs, acc, bcc, mat, i, a, stride, s_mix):
+    """_mix_one for outputs i (acc) and i + 1 (bcc) in one pass over the inputs."""
+    width = acc.size
+    for e in range(width):
+        acc[e] = 0.0
+        bcc[e] = 0.0
+    k = 0
+    while k + 4 <= a:
+        c0, c1, c2, c3 = mat[i, k], mat[i, k + 1], mat[i, k + 2], mat[i, k + 3]
+        d0, d1, d2, d3 = mat[i + 1, k], mat[i + 1, k + 1], mat[i + 1, k + 2], mat[i + 1, k + 3]
+        b = k * stride
+        t0 = inputs[b : b + width]
+        t1 = inputs[b + stride : b + stride + width]
+        t2 = inputs[b + 2 * stride : b + 2 * stride + width]
+        t3 = inputs[b + 3 * stride : b + 3 * stride + width]
+        for e in range(width):
+            u0, u1, u2, u3 = t0[e], t1[e], t2[e], t3[e]
+            acc[e] = (((acc[e] + u0 * c0) + u1 * c1) + u2 * c2) + u3 * c3
+            bcc[e] = (((bcc[e] + u0 * d0) + u1 * d1) + u2 * d2) + u3 * d3
+        k += 4
+    while k < a:
+        c, d = mat[i, k], mat[i + 1, k]
+        term = inputs[k * stride : k * stride + width]
+        for e in range(width):
+            acc[e] = acc[e] + term[e] * c
+            bcc[e] = bcc[e] + term[e] * d
+        k += 1
+    if s_mix != 1.0:
+        for e in range(width):
+            acc[e] = acc[e] * s_mix
+            bcc[e] = bcc[e] * s_mix
 
 
 @_jit
@@ -264,10 +321,11 @@ def _rotate_kernel(x, signs, mat, p, split, s_split, s_p, s_mix, tile, out, ener
     scale = s_p if n == p else np.float32(1.0)
     buf = np.zeros((n, tile), dtype=np.float32)
     mixed = np.zeros((n, tile), dtype=np.float32)
+    scratch = np.zeros(n // p * MIX_CHUNK, dtype=np.float32)
     for r0 in range(0, rows, tile):
         nt = min(tile, rows - r0)
         src = _rotate_tile(x, r0, nt, signs, mat, p, split, s_split, s_p, s_mix, tile, buf,
-                           mixed)
+                           mixed, scratch)
         if nt == TILE:
             _write_tile(src, r0, out.reshape(-1), energy.reshape(-1), gs, big_a, big_b, rows,
                         want_energy, scale, tile)
