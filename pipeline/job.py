@@ -588,8 +588,7 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     """The item coded and written, a chunk of rows at a time; (||W - W_hat||^2, ||W||^2,
     of W / t with in_scales; t or None; the neuron pre-pass's gate/up row sums or None).
     `ready`: its in_scales computed ahead (`_look_ahead`)."""
-    from turboquant.stages import encode
-    from turboquant.stages.codec import InScales
+    from turboquant.stages.codec import InScales, encode_np
     from turboquant.stages.fast_convert import bf16_to_float32
 
     out_f, in_f = item.shape
@@ -668,15 +667,15 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
         t_start = time.monotonic()
         try:
             if item.trellis is None:
-                qt = encode(x, item.bits, item.group_size, seed=item.seed, refit=refit,
-                            in_scales=code_t)
+                qt = encode_np(x, item.bits, item.group_size, seed=item.seed, refit=refit,
+                               in_scales=code_t)
             else:
                 state_bits, values, block, version = item.trellis
-                qt = encode(x, item.bits, item.group_size, seed=item.seed, in_scales=code_t,
-                            codec="trellis", trellis_state_bits=state_bits,
-                            trellis_values=values, trellis_block=block,
-                            trellis_version=version,
-                            trellis_rows=trellis.encoder if trellis else None)
+                qt = encode_np(x, item.bits, item.group_size, seed=item.seed,
+                               in_scales=code_t, codec="trellis",
+                               trellis_state_bits=state_bits, trellis_values=values,
+                               trellis_block=block, trellis_version=version,
+                               trellis_rows=trellis.encoder if trellis else None)
         except ValueError as e:
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
         return qt, time.monotonic() - t_start

@@ -351,6 +351,20 @@ def _row_errors(energy: np.ndarray, scales: np.ndarray, wq: np.ndarray, qq: np.n
     return np.maximum((xx - 2.0 * sc * xq + sc * sc * q2).sum(axis=1), 0.0), xx.sum(axis=1)
 
 
+@dataclass(frozen=True)
+class CodedRows:
+    """encode's result as numpy arrays, for a host that writes the bytes (the converter):
+    the same fields as QuantizedTensor, with no MLX array made a chunk."""
+
+    codes: np.ndarray  # uint32 (out, words)
+    scales: np.ndarray  # float16 (out, padded_in // group_size)
+    shape: tuple[int, int]
+    spec: QuantSpec
+    row_sq_error: np.ndarray
+    row_sq_norm: np.ndarray
+    in_scales: np.ndarray | None = None  # float16 (in,)
+
+
 def encode(
     weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True,
     in_scales=None, codec: str = "scalar", trellis_state_bits: int = trellis.STATE_BITS,
@@ -374,6 +388,27 @@ def encode(
     the signature and the results of stages.trellis.encode_rows (the default), e.g. a GPU
     one.
     """
+    rows = encode_np(weight, bits, group_size, seed, refit, in_scales, codec,
+                     trellis_state_bits, trellis_values, trellis_block, trellis_rows,
+                     trellis_version)
+    return QuantizedTensor(
+        mx.array(rows.codes),
+        mx.array(rows.scales),
+        rows.shape,
+        rows.spec,
+        row_sq_error=rows.row_sq_error,
+        row_sq_norm=rows.row_sq_norm,
+        in_scales=None if rows.in_scales is None else mx.array(rows.in_scales),
+    )
+
+
+def encode_np(
+    weight, bits: int | str, group_size: int = 64, seed: int = 0, refit: bool = True,
+    in_scales=None, codec: str = "scalar", trellis_state_bits: int = trellis.STATE_BITS,
+    trellis_values: int = trellis.VALUES, trellis_block: int = trellis.BLOCK,
+    trellis_rows=None, trellis_version: int = trellis.VERSION,
+) -> CodedRows:
+    """encode, the codes and scales left as numpy arrays (CodedRows): the same bytes."""
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
     (out, n), rows = _host_rows(weight)
@@ -404,15 +439,8 @@ def encode(
         arrays = [getattr(p, name) for p in parts]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-    return QuantizedTensor(
-        mx.array(joined("codes")),
-        mx.array(joined("scales")),
-        (out, n),
-        spec,
-        row_sq_error=joined("sq_error"),
-        row_sq_norm=joined("sq_norm"),
-        in_scales=None if t16 is None else mx.array(t16),
-    )
+    return CodedRows(joined("codes"), joined("scales"), (int(out), int(n)), spec,
+                     joined("sq_error"), joined("sq_norm"), t16)
 
 
 def _decode_rows(codes: mx.array, scales: mx.array, spec: QuantSpec, dtype) -> mx.array:

@@ -377,3 +377,24 @@ def test_cli_dry_run_errors_and_verify(tmp_path, capsys):
     assert convert_main(args + ["--job-size", "lots"]) == 2
     assert verify_main([str(out), "--source", str(src)]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def test_the_converter_codes_its_chunks_without_mlx_arrays(tmp_path, monkeypatch):
+    """Every chunk goes through codec.encode_np (numpy in, numpy out): no QuantizedTensor,
+    whose MLX arrays would be one more copy a chunk (a device allocation on a CUDA build)."""
+    from turboquant.stages import codec
+
+    made = []
+
+    class Counted(codec.QuantizedTensor):
+        def __post_init__(self):
+            made.append(self.shape)
+            super().__post_init__()
+
+    monkeypatch.setattr(codec, "QuantizedTensor", Counted)
+    src = write_llama_checkpoint(tmp_path / "src", **DENSE)
+    run(src, tmp_path / "out", bits=4)
+    assert (tmp_path / "out" / "manifest.parquet").exists()
+    assert made == []
+    codec.encode(np.ones((2, 64), np.float32), 4)
+    assert made == [(2, 64)]  # the spy sees encode's

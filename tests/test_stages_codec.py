@@ -130,6 +130,36 @@ def test_any_shape_codes_better_than_zero(rows, cols, bits, group_size, seed, sc
     assert rel_mse(w, w_hat) <= 1.0 + 1e-3
 
 
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 300),
+    bits=st.sampled_from([2, 3, 4, "ternary"]),
+    group_size=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**64 - 1),
+    column_scaled=st.booleans(),
+    refit=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_encode_np_is_encode_as_numpy(rows, cols, bits, group_size, seed, column_scaled, refit):
+    # the converter writes encode_np's arrays: they are encode's, field for field
+    w = np.random.default_rng(seed % 1000).standard_normal((rows, cols), dtype=np.float32)
+    t = (np.exp(np.random.default_rng(1).normal(0.0, 0.3, cols)).astype(np.float16)
+         if column_scaled else None)
+    qt = encode(w, bits, group_size=group_size, seed=seed, refit=refit, in_scales=t)
+    got = codec.encode_np(w, bits, group_size=group_size, seed=seed, refit=refit, in_scales=t)
+    assert isinstance(got.codes, np.ndarray) and isinstance(got.scales, np.ndarray)
+    assert got.codes.dtype == np.uint32 and got.scales.dtype == np.float16
+    assert got.codes.tobytes() == np.asarray(qt.codes).tobytes()
+    assert got.scales.tobytes() == np.asarray(qt.scales).tobytes()
+    assert (got.shape, got.spec) == (qt.shape, qt.spec)
+    assert np.array_equal(got.row_sq_error, qt.row_sq_error)
+    assert np.array_equal(got.row_sq_norm, qt.row_sq_norm)
+    if t is None:
+        assert got.in_scales is None and qt.in_scales is None
+    else:
+        assert got.in_scales.tobytes() == np.asarray(qt.in_scales).tobytes()
+
+
 _SUBPROCESS = """
 import hashlib, numpy as np
 from turboquant.stages import encode
