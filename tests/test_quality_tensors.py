@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -15,7 +16,16 @@ import quality_tensors  # noqa: E402
 MODEL = ROOT / "reference" / "models" / "pystd-dense"
 
 
-def test_tensors_table(tmp_path):
+@pytest.fixture
+def short_rows(monkeypatch):
+    """Held-out and calibration rows of 128 tokens instead of the benchmark's 512: the same
+    table and code, each forward pass of the reference model a quarter of the work (MLX's
+    Linux wheel runs its matmuls on the reference BLAS)."""
+    monkeypatch.setattr(quality_hf, "SEQ", 128)
+    monkeypatch.setattr(quality_tensors, "SEQ", 128)
+
+
+def test_tensors_table(short_rows, tmp_path):
     out = tmp_path / "report.txt"
     argv = ["--model", str(MODEL), "--windows", "1", "--ablation-windows", "1",
             "--tables", "tensors", "--tensor-bits", "4", "--tensor-layers", "0,7",
