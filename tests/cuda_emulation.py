@@ -1,32 +1,36 @@
 """An `mx.fast.cuda_kernel` kernel run on the CPU, so its logic is tested without a GPU.
 
 The kernel function is the one `tests/cuda_source.py` rebuilds (MLX's signature and
-template arguments), compiled as C++20 by the host compiler over a few shims: one
-std::thread per CUDA thread of a block, `__syncthreads` a barrier of the block, a warp
-shuffle two barriers of the warp around a shared slot, `__shared__` a static (one block
-runs at a time: blocks run one after another, in grid order unless shuffled), atomics
-and fences the host's, half and bfloat16 as their bits with round-to-nearest-even
-conversions.
+template arguments), compiled as C++20 by the host compiler over a few shims: a block's
+CUDA threads are fibers of one OS thread (ucontext), each run in turn, in thread order,
+until it waits at a barrier; `__syncthreads` a barrier of the block, a warp shuffle two
+barriers of the warp around a shared slot, `__shared__` a static (one block runs at a
+time: blocks run one after another, in grid order unless shuffled), atomics and fences
+the host's, half and bfloat16 as their bits with round-to-nearest-even conversions.
+(Fibers rather than a std::thread a CUDA thread: the same runs, deterministic, and not
+7-12x slower when the machine is busy, as a barrier of 128 OS threads was in the suite.)
 
 Two source rewrites (`for_the_host`): the inline PTX the kernels use as C++ (`_ASM`),
 `extern __shared__` arrays as pointers into the launch's dynamic shared memory.
 
-What it checks: indexing, the split of work over threads, warps and blocks, arithmetic,
-and state that outlives a launch (an input the kernel writes comes back too); blocks in
-any order (`CudaKernelOnCPU.shuffle`: a seed, the launch's blocks run in an order drawn
-from it, so any block of a merge may be the last); two launches' blocks interleaved over
-shared inputs (`run_pair`: what two launches running at once may do). What it does not:
-blocks running at once (one block at a time), memory ordering between blocks,
-speed, registers (nvcc does those: `cuda_source.compile_with_nvcc`). A missing
-`__syncthreads` shows only when the threads happen to interleave (removing the attention
-merge's barrier before shared memory is reused went unnoticed; dropping its counter
-reset or a chunk of its merge failed 7 and 15 of 27 cases). A `return` before a
-`__syncthreads` must be taken by the whole block (as the kernels here do), else the
-emulation deadlocks. `mma.sync` (m16n8k16, fp16 in, float32 sums: the KV kernels) gathers
-the warp's 32 fragments through shared slots and sums each output in order; with a
-fragment mapped wrong the KV kernel's tensor-core cases failed, mapped right its exact
-(hi + lo) products meet float32's tolerance. Strided inputs arrive as contiguous copies
-with their row-major strides.
+What it checks: indexing, the split of work over threads, warps and blocks, arithmetic, and
+state that outlives a launch (an input the kernel writes comes back too); blocks in any
+order (`CudaKernelOnCPU.shuffle`: a seed, the launch's blocks run in an order drawn from
+it, so any block of a merge may be the last); two launches' blocks interleaved over shared
+inputs (`run_pair`: what two launches running at once may do). What it does not: blocks
+running at once (one block at a time), memory ordering between blocks, speed, registers
+(nvcc does those: `cuda_source.compile_with_nvcc`). A missing `__syncthreads` shows when a
+thread, run before later ones, reads what they have yet to write or overwrites what they
+have yet to read (`tests/test_cuda_emulation.py`): of the attention kernel's eight
+barriers, each removed in turn, six failed 8-54 of 55 cases and two none (with a thread a
+CUDA thread those two failed none either; dropping the merge's counter reset or a chunk of
+its merge failed 7 and 15 of 27 cases). A `return` before a `__syncthreads` must be taken
+by the whole block (as the kernels here do): else the driver stops with "every live thread
+waits at a barrier". `mma.sync` (m16n8k16, fp16 in, float32 sums: the KV kernels) gathers
+the warp's 32 fragments through shared slots and sums each output in order; with a fragment
+mapped wrong the KV kernel's tensor-core cases failed, mapped right its exact (hi + lo)
+products meet float32's tolerance. Strided inputs arrive as contiguous copies with their
+row-major strides.
 """
 
 from __future__ import annotations
@@ -55,18 +59,34 @@ _NUMPY = {mx.float32: np.float32, mx.float16: np.uint16, mx.bfloat16: np.uint16,
 _SHIMS = r"""
 #pragma once
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <array>
+#include <ucontext.h>
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 inline thread_local int tq_emu_tid;  // x + y * blockDim.x + ...
-inline std::barrier<>* tq_emu_block_barrier;
-inline std::barrier<>** tq_emu_warp_barriers;
+// a block's threads are fibers of one OS thread: each runs until it waits at a barrier, then
+// the next (in thread order) runs; `tq_emu_arrivals` counts arrivals, so the driver sees a
+// round in which no thread moves (every one waiting: a deadlock)
+inline ucontext_t tq_emu_scheduler;
+inline ucontext_t* tq_emu_fibers;
+inline uint64_t tq_emu_arrivals;
+inline void tq_emu_yield() { swapcontext(&tq_emu_fibers[tq_emu_tid], &tq_emu_scheduler); }
+struct tq_emu_barrier {
+  int expected = 0, arrived = 0;
+  volatile unsigned phase = 0;  // read again after each turn away
+  void arrive_and_wait() {
+    ++tq_emu_arrivals;
+    if (++arrived == expected) { arrived = 0; ++phase; return; }
+    for (const unsigned mine = phase; phase == mine;) tq_emu_yield();
+  }
+};
+inline tq_emu_barrier* tq_emu_block_barrier;
+inline tq_emu_barrier* tq_emu_warp_barriers;
 inline uint64_t* tq_emu_slots;
 inline uint32_t* tq_emu_mma_slots;  // 6 words a thread: its A and B fragments
 
@@ -102,7 +122,7 @@ inline float __ldcg(const float* p) { return *(const volatile float*)p; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
-inline void tq_emu_warp_sync() { tq_emu_warp_barriers[tq_emu_tid / 32]->arrive_and_wait(); }
+inline void tq_emu_warp_sync() { tq_emu_warp_barriers[tq_emu_tid / 32].arrive_and_wait(); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask) {
@@ -110,10 +130,10 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   tq_emu_slots[tid] = bits;
-  tq_emu_warp_barriers[warp]->arrive_and_wait();
+  tq_emu_warp_barriers[warp].arrive_and_wait();
   T out;
   std::memcpy(&out, &tq_emu_slots[partner], sizeof(T));
-  tq_emu_warp_barriers[warp]->arrive_and_wait();
+  tq_emu_warp_barriers[warp].arrive_and_wait();
   return out;
 }
 
@@ -217,7 +237,6 @@ _DRIVER = r"""
 #include <fstream>
 #include <new>
 #include <string>
-#include <thread>
 #include <vector>
 
 static std::vector<char> tq_read(const std::string& path) {
@@ -228,15 +247,25 @@ static void tq_write(const std::string& path, const std::vector<char>& data) {
   std::ofstream(path, std::ios::binary).write(data.data(), data.size());
 }
 
+// what a fiber's call of the kernel reads: the inputs' shapes, the launch's buffers
+static std::vector<mlx::core::cu::Shape> shapes;
+static std::vector<mlx::core::cu::Strides> strides;  // row-major: the inputs arrive contiguous
+static std::vector<int> ndims;
+static char** P;
+static char** Q;
+static std::vector<char> tq_done;
+
+static void tq_thread_main(int t) {
+  mlx::core::cu::@NAME@(@ARGS@);
+  tq_done[t] = 1;  // returns to the scheduler (uc_link)
+}
+
 int main(int argc, char** argv) {
   const std::string dir = argv[1];
   std::ifstream spec(dir + "/spec.txt");
   unsigned blocks[3], threads[3];
   spec >> blocks[0] >> blocks[1] >> blocks[2] >> threads[0] >> threads[1] >> threads[2];
   std::vector<std::vector<char>> ins, outs;
-  std::vector<mlx::core::cu::Shape> shapes;
-  std::vector<mlx::core::cu::Strides> strides;  // row-major: the inputs arrive contiguous
-  std::vector<int> ndims;
   for (int i = 0; i < @INPUTS@; ++i) {
     ins.push_back(tq_read(dir + "/in" + std::to_string(i) + ".bin"));
     mlx::core::cu::Shape shape{};
@@ -257,9 +286,10 @@ int main(int argc, char** argv) {
   gridDim = {blocks[0], blocks[1], blocks[2]};
   blockDim = {threads[0], threads[1], threads[2]};
   const int nt = threads[0] * threads[1] * threads[2], warps = (nt + 31) / 32;
-  std::barrier<> block_barrier(nt), grid_barrier(nt);
-  std::vector<std::barrier<>*> warp_barriers;
-  for (int w = 0; w < warps; ++w) warp_barriers.push_back(new std::barrier<>(min(32, nt - 32 * w)));
+  tq_emu_barrier block_barrier;
+  block_barrier.expected = nt;
+  std::vector<tq_emu_barrier> warp_barriers(warps);
+  for (int w = 0; w < warps; ++w) warp_barriers[w].expected = min(32, nt - 32 * w);
   std::vector<uint64_t> slots(nt);
   tq_emu_block_barrier = &block_barrier;
   tq_emu_warp_barriers = warp_barriers.data();
@@ -292,22 +322,42 @@ int main(int argc, char** argv) {
     if (order.empty())
       for (unsigned i = 0; i < blocks[0] * blocks[1] * blocks[2]; ++i) order.emplace_back(0, i);
   }
-  std::vector<std::thread> pool;
-  for (int t = 0; t < nt; ++t) {
-    pool.emplace_back([&, t] {
-      tq_emu_tid = t;
-      threadIdx = {unsigned(t % threads[0]), unsigned(t / threads[0] % threads[1]),
-                   unsigned(t / (threads[0] * threads[1]))};
-      for (auto [l, i] : order) {
-        char** P = l ? pb.data() : pa.data();
-        char** Q = l ? qb.data() : qa.data();
-        blockIdx = {i % blocks[0], i / blocks[0] % blocks[1], i / (blocks[0] * blocks[1])};
-        mlx::core::cu::@NAME@(@ARGS@);
-        grid_barrier.arrive_and_wait();  // the block's threads done: the next block
+  // each block: a fiber a thread, run in turns (thread order) from barrier to barrier
+  const size_t stack = 256 << 10;
+  char* stacks = new char[stack * nt];
+  std::vector<ucontext_t> fibers(nt);
+  tq_emu_fibers = fibers.data();
+  tq_done.assign(nt, 0);
+  for (auto [l, i] : order) {
+    P = l ? pb.data() : pa.data();
+    Q = l ? qb.data() : qa.data();
+    blockIdx = {i % blocks[0], i / blocks[0] % blocks[1], i / (blocks[0] * blocks[1])};
+    for (int t = 0; t < nt; ++t) {
+      getcontext(&fibers[t]);
+      fibers[t].uc_stack.ss_sp = stacks + t * stack;
+      fibers[t].uc_stack.ss_size = stack;
+      fibers[t].uc_link = &tq_emu_scheduler;
+      makecontext(&fibers[t], (void (*)())tq_thread_main, 1, t);
+      tq_done[t] = 0;
+    }
+    for (int live = nt; live;) {
+      const uint64_t arrivals = tq_emu_arrivals;
+      const int before = live;
+      for (int t = 0; t < nt; ++t) {
+        if (tq_done[t]) continue;
+        tq_emu_tid = t;
+        threadIdx = {unsigned(t % threads[0]), unsigned(t / threads[0] % threads[1]),
+                     unsigned(t / (threads[0] * threads[1]))};
+        swapcontext(&tq_emu_scheduler, &fibers[t]);
+        live -= tq_done[t];
       }
-    });
+      if (live && live == before && arrivals == tq_emu_arrivals) {
+        std::fprintf(stderr, "emulation: block %u: every live thread waits at a barrier that "
+                     "%d threads never reach (a return before __syncthreads?)\n", i, live);
+        return 3;
+      }
+    }
   }
-  for (auto& t : pool) t.join();
   for (size_t i = 0; i < outs.size(); ++i) tq_write(dir + "/out" + std::to_string(i) + ".bin", outs[i]);
   for (size_t i = 0; i < ins.size(); ++i) tq_write(dir + "/inout" + std::to_string(i) + ".bin", ins[i]);
   for (size_t i = 0; pair && i < outs.size(); ++i) tq_write(dir + "/b_out" + std::to_string(i) + ".bin", outs_b[i]);
