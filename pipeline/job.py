@@ -662,23 +662,23 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
     codes_spec, scales_spec = item.stored[:2]
 
+    if item.trellis is None:
+        codec_args = dict(refit=refit)
+    else:
+        state_bits, values, block, version = item.trellis
+        codec_args = dict(codec="trellis", trellis_state_bits=state_bits,
+                          trellis_values=values, trellis_block=block, trellis_version=version,
+                          trellis_rows=trellis.encoder if trellis else None)
+
     def code(x: np.ndarray):
-        """One chunk of rows coded (in a pool thread or here): (coded tensor, seconds)."""
+        """One chunk of rows coded (in a pool thread or here): (CodedRows, seconds)."""
         t_start = time.monotonic()
         try:
-            if item.trellis is None:
-                qt = encode_np(x, item.bits, item.group_size, seed=item.seed, refit=refit,
-                               in_scales=code_t)
-            else:
-                state_bits, values, block, version = item.trellis
-                qt = encode_np(x, item.bits, item.group_size, seed=item.seed,
-                               in_scales=code_t, codec="trellis",
-                               trellis_state_bits=state_bits, trellis_values=values,
-                               trellis_block=block, trellis_version=version,
-                               trellis_rows=trellis.encoder if trellis else None)
+            coded = encode_np(x, item.bits, item.group_size, seed=item.seed, in_scales=code_t,
+                              **codec_args)
         except ValueError as e:
             raise SourceError(p.file, f"cannot be coded: {e}", p.tensor) from None
-        return qt, time.monotonic() - t_start
+        return coded, time.monotonic() - t_start
 
     def load_and_code(r0: int, r1: int):
         raw, x = load(r0, r1)
@@ -689,24 +689,24 @@ def _write_coded(item: Item, reader: _Reader, writer: JobWriter, sha, crc: _Sour
     norm_rows: list[np.ndarray] = []
 
     def write(r0: int, r1: int, done: Future) -> None:
-        raw, (qt, seconds) = done.result()
+        raw, (coded, seconds) = done.result()
         if raw is not None:
             crc.update(raw)
         if item.trellis is not None and trellis is not None:
-            trellis.add(qt.shape[1] * (r1 - r0), seconds)
-        codes = np.asarray(qt.codes)
-        scales = np.asarray(qt.scales)
+            trellis.add(coded.shape[1] * (r1 - r0), seconds)
+        codes, scales = coded.codes, coded.scales
         want_c = (r1 - r0, codes_spec.shape[1])
         want_s = (r1 - r0, scales_spec.shape[1])
-        if codes.shape != want_c or scales.shape != want_s or qt.spec.padded_in != item.padded_in:
+        if (codes.shape != want_c or scales.shape != want_s
+                or coded.spec.padded_in != item.padded_in):
             raise LedgerError(f"{item.name}: the codec returned codes {codes.shape} / scales "
                               f"{scales.shape}, the format says {want_c} / {want_s}")
         _emit(writer, sha, memoryview(np.ascontiguousarray(codes, dtype="<u4")).cast("B"))
         scales_parts.append(np.ascontiguousarray(scales, dtype="<f2").tobytes())
-        # ||W - decode(qt)||^2 and ||W||^2 per row, measured by encode (the rotation is
+        # ||W - decode(coded)||^2 and ||W||^2 per row, measured by encode (the rotation is
         # orthogonal, so no decode is needed)
-        err_rows.append(qt.row_sq_error)
-        norm_rows.append(qt.row_sq_norm)
+        err_rows.append(coded.row_sq_error)
+        norm_rows.append(coded.row_sq_norm)
         if r0 == 0 and r1 < out_f:
             crash_point("mid_tensor")
 

@@ -66,9 +66,9 @@ _SHIMS = r"""
 #include <ucontext.h>
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 threadIdx, blockIdx;  // the running fiber's (the driver sets them)
 inline dim3 blockDim, gridDim;
-inline thread_local int tq_emu_tid;  // x + y * blockDim.x + ...
+inline int tq_emu_tid;  // x + y * blockDim.x + ...
 // a block's threads are fibers of one OS thread: each runs until it waits at a barrier, then
 // the next (in thread order) runs; `tq_emu_arrivals` counts arrivals, so the driver sees a
 // round in which no thread moves (every one waiting: a deadlock)
@@ -395,7 +395,7 @@ def _builds(folder: str, name: str, text: str) -> subprocess.CompletedProcess | 
     src = Path(folder) / f"{name}.cpp"
     src.write_text(text)
     try:
-        return subprocess.run([CXX, "-std=c++20", "-w", "-pthread", str(src), "-o",
+        return subprocess.run([CXX, "-std=c++20", "-w", str(src), "-o",
                                str(Path(folder) / name)], capture_output=True, text=True,
                               timeout=120)
     except OSError:
@@ -404,14 +404,14 @@ def _builds(folder: str, name: str, text: str) -> subprocess.CompletedProcess | 
 
 @functools.cache
 def available() -> bool:
-    """Whether a host compiler builds C++20 threads (<barrier>, `_Float16`): else the
-    emulated tests skip. A compiler that does but fails on the shims raises: the shims
+    """Whether a host compiler builds C++20 with `_Float16` and ucontext's fibers: else
+    the emulated tests skip. A compiler that does but fails on the shims raises: the shims
     are broken, and the tests must not skip quietly."""
     if CXX is None:
         return False
     with tempfile.TemporaryDirectory() as folder:
-        probe = _builds(folder, "cxx20", "#include <barrier>\n"
-                        "int main() { _Float16 h = 1; std::barrier b(1); b.arrive_and_wait();"
+        probe = _builds(folder, "cxx20", "#include <ucontext.h>\n"
+                        "int main() { _Float16 h = 1; ucontext_t c; getcontext(&c);"
                         " return int(h) - 1; }\n")
         if probe is None or probe.returncode != 0:
             return False
@@ -460,7 +460,7 @@ class EmulatedKernel:
             return
         src.write_text('#include "tq_emu_shims.h"\n' + text)
         res = subprocess.run(
-            [CXX, "-std=c++20", "-O1", "-w", "-pthread", "-fno-strict-aliasing",
+            [CXX, "-std=c++20", "-O1", "-w", "-fno-strict-aliasing",
              "-I", str(include), str(src), "-o", str(self.exe)],
             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{CXX} failed on {src}:\n{res.stderr[-4000:]}"
